@@ -1,0 +1,20 @@
+"""Pure tensor math: chunked orthonormal DCT, per-block top-k, index/value packing, quantisers."""
+
+from .dct import ChunkPlan, dct_basis, dct_decode, dct_encode, largest_divisor_at_most
+from .sparse import (
+    AVERAGES,
+    TRANSFORMS,
+    VALUE_DTYPES,
+    SparseSpec,
+    ValueFormat,
+    index_width,
+    pack_uint,
+    topk_count,
+    unpack_uint,
+)
+
+__all__ = [
+    "AVERAGES", "TRANSFORMS", "VALUE_DTYPES", "ChunkPlan", "SparseSpec", "ValueFormat",
+    "dct_basis", "dct_decode", "dct_encode", "index_width", "largest_divisor_at_most",
+    "pack_uint", "topk_count", "unpack_uint",
+]

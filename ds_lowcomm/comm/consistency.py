@@ -1,0 +1,59 @@
+"""Start-up check that every rank trains with the same settings and the same starting point."""
+
+from __future__ import annotations
+
+import json
+import math
+from typing import Any, Iterable
+
+import torch
+
+from .transport import Transport
+
+
+def param_checksums(params: Iterable[torch.Tensor]) -> list[float]:
+    """Two cheap float64 sums per tensor, computed where the tensor lives."""
+    out = []
+    for p in params:
+        d = p.detach().double()
+        out.extend([d.sum().item(), d.abs().sum().item()])
+    return out
+
+
+def _gather_json(transport: Transport, obj: Any) -> list[Any]:
+    dev = transport.device
+    data = torch.tensor(list(json.dumps(obj, sort_keys=True).encode()), dtype=torch.uint8, device=dev)
+    length = torch.tensor([data.numel()], dtype=torch.int64, device=dev).view(torch.uint8)
+    lengths = transport.all_gather_bytes(length, op="setup").view(torch.int64).reshape(-1)
+    padded = torch.zeros(int(lengths.max()), dtype=torch.uint8, device=dev)
+    padded[: data.numel()] = data
+    rows = transport.all_gather_bytes(padded, op="setup")
+    rows = rows.cpu()
+    return [json.loads(bytes(rows[r, : int(lengths[r])].tolist()).decode()) for r in range(rows.shape[0])]
+
+
+def assert_same_across_ranks(transport: Transport, settings: dict, params: Iterable[torch.Tensor] | None = None) -> None:
+    """Raise on every rank if any rank's settings differ, or its starting parameters do.
+
+    ``settings`` is a JSON-able dict (method settings, parameter shapes, ...). Parameters are
+    compared through float64 checksums with a relative tolerance of 1e-9, so replicas on
+    different device types still agree.
+    """
+    record = {"settings": settings}
+    if params is not None:
+        record["checksums"] = param_checksums(params)
+    everyone = _gather_json(transport, record)
+    mine = everyone[0]
+    for rank, theirs in enumerate(everyone[1:], start=1):
+        a, b = mine["settings"], theirs["settings"]
+        if a != b:
+            diffs = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
+            detail = "; ".join(f"{k}: rank 0 has {a.get(k)!r}, rank {rank} has {b.get(k)!r}" for k in diffs)
+            raise ValueError(f"lowcomm settings differ across ranks ({detail})")
+        if "checksums" in mine:
+            ca, cb = mine["checksums"], theirs["checksums"]
+            if len(ca) != len(cb) or any(not math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12) for x, y in zip(ca, cb)):
+                raise ValueError(
+                    f"rank {rank} starts from different parameters than rank 0: initialise every rank with "
+                    "the same seed, or broadcast the parameters from rank 0 before building the optimizer"
+                )

@@ -1,0 +1,61 @@
+"""Start N real worker processes on this machine, each in a torch.distributed process group.
+
+Used by ``ds-lowcomm compare`` and by the multi-rank tests: ``run_local_workers(fn, n, *args)``
+spawns n processes, initialises gloo (file store rendezvous, no port to pick), calls
+``fn(rank, world_size, *args)`` and returns each rank's return value.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import traceback
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def _worker(rank, world_size, store_dir, fn, args, backend, threads):
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    torch.set_num_threads(threads)
+    dist.init_process_group(
+        backend, init_method=f"file://{store_dir}/store", rank=rank, world_size=world_size
+    )
+    try:
+        result = fn(rank, world_size, *args)
+        torch.save({"result": result}, os.path.join(store_dir, f"result{rank}.pt"))
+    except BaseException:
+        torch.save({"error": traceback.format_exc()}, os.path.join(store_dir, f"result{rank}.pt"))
+        raise
+    finally:
+        # Without the barrier before destroying, gloo now and then aborts at exit.
+        try:
+            dist.barrier()
+        finally:
+            dist.destroy_process_group()
+
+
+def run_local_workers(fn, world_size: int, *args, backend: str = "gloo", threads: int | None = None):
+    """Run ``fn(rank, world_size, *args)`` in ``world_size`` spawned processes; return their results.
+
+    ``fn`` must be importable (a module-level function). A failure in any rank raises here
+    with that rank's traceback.
+    """
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // world_size)
+    with tempfile.TemporaryDirectory(prefix="ds_lowcomm_") as store_dir:
+        mp.start_processes(
+            _worker,
+            args=(world_size, store_dir, fn, args, backend, threads),
+            nprocs=world_size,
+            join=True,
+            start_method="spawn",
+        )
+        results = []
+        for rank in range(world_size):
+            out = torch.load(os.path.join(store_dir, f"result{rank}.pt"), weights_only=False)
+            if "error" in out:
+                raise RuntimeError(f"rank {rank} failed:\n{out['error']}")
+            results.append(out["result"])
+        return results

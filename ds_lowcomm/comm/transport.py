@@ -1,0 +1,86 @@
+"""Transports: the few collectives the methods need, each recording its bytes in the ledger.
+
+Only byte buffers and float tensors cross a transport; what they mean is decided above it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.distributed as dist
+
+from .ledger import ByteLedger
+
+# torch >= 2.13 renamed all_gather_into_tensor (the old name warns); accept both.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class Transport:
+    """Interface: rank, world_size, ledger, and three collectives."""
+
+    rank: int
+    world_size: int
+    ledger: ByteLedger
+    device: torch.device  # where this transport's buffers must live
+
+    def all_gather_bytes(self, payload: torch.Tensor, op: str = "all_gather") -> torch.Tensor:
+        """Flat uint8 payload of equal length on every rank -> (world_size, length) uint8."""
+        raise NotImplementedError
+
+    def all_reduce_sum_(self, tensor: torch.Tensor, op: str = "all_reduce") -> torch.Tensor:
+        raise NotImplementedError
+
+    def broadcast_(self, tensor: torch.Tensor, src: int = 0, op: str = "broadcast") -> torch.Tensor:
+        raise NotImplementedError
+
+
+class TorchDistTransport(Transport):
+    """torch.distributed over a process group (gloo on CPU, NCCL on GPUs)."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, ledger: ByteLedger | None = None):
+        if not dist.is_initialized():
+            raise RuntimeError("TorchDistTransport needs torch.distributed.init_process_group() first")
+        self.group = group
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        self.ledger = ledger if ledger is not None else ByteLedger()
+        self.device = _backend_device(dist.get_backend(group))
+
+    def _timed(self, start: float) -> None:
+        self.ledger.add_time("comm", time.perf_counter() - start)
+
+    def all_gather_bytes(self, payload, op="all_gather"):
+        start = time.perf_counter()
+        payload = payload.contiguous()
+        out = torch.empty(self.world_size, payload.numel(), dtype=torch.uint8, device=payload.device)
+        _all_gather_single(out.view(-1), payload, group=self.group)
+        n = payload.numel()
+        self.ledger.record(op, n, (self.world_size - 1) * n)
+        self._timed(start)
+        return out
+
+    def all_reduce_sum_(self, tensor, op="all_reduce"):
+        start = time.perf_counter()
+        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        n = tensor.numel() * tensor.element_size()
+        self.ledger.record(op, n, n)
+        self._timed(start)
+        return tensor
+
+    def broadcast_(self, tensor, src=0, op="broadcast"):
+        start = time.perf_counter()
+        dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
+        n = tensor.numel() * tensor.element_size()
+        self.ledger.record(op, n if self.rank == src else 0, 0 if self.rank == src else n)
+        self._timed(start)
+        return tensor
+
+
+def _backend_device(backend: str) -> torch.device:
+    if backend in ("gloo", "mpi"):
+        return torch.device("cpu")
+    accel = getattr(torch, "accelerator", None)
+    if accel is not None and accel.current_accelerator() is not None:
+        return torch.device(accel.current_accelerator().type, accel.current_device_index())
+    return torch.device("cuda", torch.cuda.current_device())

@@ -1,0 +1,113 @@
+"""The ``lowcomm`` settings: one validated object, whatever the entry point (CLI, DeepSpeed JSON, code).
+
+Every error names the field and what it accepts, and is raised before any rank starts work.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from .codec import AVERAGES, TRANSFORMS, VALUE_DTYPES
+
+METHODS = ("adamw", "demo", "diloco", "dct_diloco")
+TRANSPORTS = ("torch",)
+
+# Which settings each method reads; a setting outside its method's set is ignored with a warning.
+_COMPRESSION = ("topk", "chunk", "decay", "value_dtype", "average", "transform")
+_OUTER = ("sync_every", "outer_lr", "outer_momentum", "nesterov")
+_COMMON = ("method", "transport", "replica_size")
+METHOD_KEYS = {
+    "adamw": _COMMON,
+    "demo": _COMMON + _COMPRESSION,
+    "diloco": _COMMON + _OUTER,
+    "dct_diloco": _COMMON + _OUTER + _COMPRESSION,
+}
+# Defaults that differ by method (ALGORITHMS.md): DeMo's momentum decay is 0.999, the DCT outer
+# momentum's 0.9.
+_METHOD_DEFAULTS = {"demo": {"decay": 0.999}, "dct_diloco": {"decay": 0.9}}
+
+
+class ConfigError(ValueError):
+    """A lowcomm setting that is missing, unknown, or out of range."""
+
+
+@dataclass(frozen=True)
+class LowcommConfig:
+    method: str = "demo"
+    topk: int = 32
+    chunk: int = 64
+    decay: float = 0.999
+    sync_every: int = 128
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+    value_dtype: str = "fp32"
+    average: str = "senders"
+    transform: str = "dct"
+    replica_size: int = 1
+    transport: str = "torch"
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None, *, where: str = "lowcomm") -> "LowcommConfig":
+        raw = dict(raw or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise ConfigError(f"{where}: unknown setting(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
+        method = raw.get("method", cls.method)
+        _check_choice(where, "method", method, METHODS)
+        ignored = sorted(set(raw) - set(METHOD_KEYS[method]))
+        if ignored:
+            warnings.warn(f"{where}: setting(s) {', '.join(ignored)} do not apply to method {method!r} and are ignored")
+        values = {**_METHOD_DEFAULTS.get(method, {}), **raw}
+        cfg = cls(**values)
+        cfg.validate(where)
+        return cfg
+
+    def validate(self, where: str = "lowcomm") -> None:
+        _check_choice(where, "method", self.method, METHODS)
+        _check_int(where, "chunk", self.chunk, 1)
+        _check_int(where, "topk", self.topk, 1, self.chunk * self.chunk, hint=f"chunk*chunk = {self.chunk * self.chunk}")
+        _check_float(where, "decay", self.decay, 0.0, 1.0)
+        _check_int(where, "sync_every", self.sync_every, 1)
+        if not (isinstance(self.outer_lr, (int, float)) and not isinstance(self.outer_lr, bool) and self.outer_lr > 0):
+            raise ConfigError(f"{where}.outer_lr must be a number > 0; got {self.outer_lr!r}")
+        _check_float(where, "outer_momentum", self.outer_momentum, 0.0, 1.0)
+        if not isinstance(self.nesterov, bool):
+            raise ConfigError(f"{where}.nesterov must be true or false; got {self.nesterov!r}")
+        _check_choice(where, "value_dtype", self.value_dtype, VALUE_DTYPES)
+        _check_choice(where, "average", self.average, AVERAGES)
+        _check_choice(where, "transform", self.transform, TRANSFORMS)
+        _check_int(where, "replica_size", self.replica_size, 1)
+        _check_choice(where, "transport", self.transport, TRANSPORTS)
+
+    def effective(self) -> dict[str, Any]:
+        """The settings the chosen method actually uses (compared across ranks, written to results)."""
+        return {k: getattr(self, k) for k in METHOD_KEYS[self.method]}
+
+
+def check_lr(lr: Any, where: str = "lr") -> float:
+    if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+        raise ConfigError(f"{where} must be a number > 0; got {lr!r}")
+    return float(lr)
+
+
+def _check_choice(where, name, value, allowed):
+    if value not in allowed:
+        raise ConfigError(f"{where}.{name} must be one of {', '.join(allowed)}; got {value!r}")
+
+
+def _check_int(where, name, value, lo, hi=None, hint=""):
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= lo and (hi is None or value <= hi)
+    if not ok:
+        bound = f"an integer >= {lo}" if hi is None else f"an integer in [{lo}, {hi}]" + (f" ({hint})" if hint else "")
+        raise ConfigError(f"{where}.{name} must be {bound}; got {value!r}")
+
+
+def _check_float(where, name, value, lo, hi):
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and lo <= value < hi
+    if not ok:
+        raise ConfigError(f"{where}.{name} must be a number in [{lo}, {hi}); got {value!r}")

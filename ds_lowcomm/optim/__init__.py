@@ -1,0 +1,9 @@
+"""The methods, usable with plain torch.distributed; each has a complete state_dict()."""
+
+from .adamw import AllReduceAdamW
+from .base import LowcommOptimizer
+from .demo import DeMo
+from .outer import DCTDiLoCo, DiLoCo, OuterLoop
+from .registry import build_optimizer
+
+__all__ = ["AllReduceAdamW", "DCTDiLoCo", "DeMo", "DiLoCo", "LowcommOptimizer", "OuterLoop", "build_optimizer"]

@@ -1,0 +1,33 @@
+"""The baseline: AdamW after a dense all-reduce of the gradients every step (what DDP does)."""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import Transport, all_reduce_mean_
+from .base import LowcommOptimizer
+
+
+class AllReduceAdamW(LowcommOptimizer, torch.optim.AdamW):
+    method = "adamw"
+
+    def __init__(self, params, lr: float = 1e-3, *, transport: Transport | None = None, **adamw_kwargs):
+        torch.optim.AdamW.__init__(self, params, lr=lr, **adamw_kwargs)
+        self._init_comm(transport, {})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        grads = []
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is None:  # keep the flat buffer's layout the same on every rank
+                    p.grad = torch.zeros_like(p)
+                grads.append(p.grad)
+        all_reduce_mean_(grads, self.transport)
+        torch.optim.AdamW.step(self)
+        self.ledger.end_step()
+        return loss

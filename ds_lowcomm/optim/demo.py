@@ -1,0 +1,81 @@
+"""DeMo: decoupled momentum (Peng, Quesnelle, Kingma 2024), synchronised every step.
+
+No gradient all-reduce: each rank keeps its own momentum, sends only its top-k DCT components
+(which then leave its momentum), and every rank steps along the sign of everyone's mean
+components, so replicas stay identical.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..comm import SparseAllGather, Transport
+from .base import LowcommOptimizer, ordered_params
+
+
+class DeMo(LowcommOptimizer):
+    method = "demo"
+
+    def __init__(
+        self,
+        params,
+        lr: float = 4e-4,
+        *,
+        decay: float = 0.999,
+        topk: int = 32,
+        chunk: int = 64,
+        weight_decay: float = 0.0,
+        value_dtype: str = "fp32",
+        transform: str = "dct",
+        average: str = "senders",
+        state_dtype: torch.dtype = torch.float32,
+        transport: Transport | None = None,
+    ):
+        if not lr > 0:
+            raise ValueError(f"lr must be > 0; got {lr!r}")
+        if not 0.0 <= decay < 1.0:
+            raise ValueError(f"decay must be in [0, 1); got {decay!r}")
+        if weight_decay < 0:
+            raise ValueError(f"weight_decay must be >= 0; got {weight_decay!r}")
+        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
+        self.decay = decay
+        self.state_dtype = state_dtype
+        self._init_comm(
+            transport,
+            dict(decay=decay, topk=topk, chunk=chunk, value_dtype=value_dtype, transform=transform,
+                 average=average, state_dtype=str(state_dtype)),
+        )
+        self.sync = SparseAllGather(
+            [p.shape for p in ordered_params(self.param_groups)],
+            chunk=chunk, topk=topk, value_dtype=value_dtype, transform=transform, average=average,
+            transport=self.transport,
+        )
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        momenta, params, lrs = [], [], []
+        for group in self.param_groups:
+            lr, wd = group["lr"], group["weight_decay"]
+            for p in group["params"]:
+                state = self.state[p]
+                if "momentum" not in state:
+                    state["momentum"] = torch.zeros_like(p, dtype=self.state_dtype)
+                m = state["momentum"]
+                if wd:
+                    p.mul_(1.0 - lr * wd)
+                m.mul_(self.decay)
+                if p.grad is not None:  # a parameter without a gradient still takes part in the exchange
+                    m.add_(p.grad.to(m.dtype), alpha=lr)
+                momenta.append(m)
+                params.append(p)
+                lrs.append(lr)
+        # Sends each momentum's top-k DCT components and removes them from it (error feedback).
+        means = self.sync.exchange(momenta)
+        for p, lr, q in zip(params, lrs, means):
+            p.add_(q.sign().to(p.dtype), alpha=-lr)
+        self.ledger.end_step()
+        return loss

@@ -1,0 +1,55 @@
+"""Build a method by name from a :class:`LowcommConfig`."""
+
+from __future__ import annotations
+
+from typing import Callable, Iterable
+
+import torch
+
+from ..comm import Transport
+from ..config import LowcommConfig, check_lr
+from .adamw import AllReduceAdamW
+from .demo import DeMo
+from .outer import DCTDiLoCo, DiLoCo
+
+
+def _compression_kwargs(cfg: LowcommConfig) -> dict:
+    return dict(decay=cfg.decay, topk=cfg.topk, chunk=cfg.chunk, value_dtype=cfg.value_dtype,
+                transform=cfg.transform, average=cfg.average)
+
+
+def _outer_kwargs(cfg: LowcommConfig) -> dict:
+    return dict(sync_every=cfg.sync_every, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
+                nesterov=cfg.nesterov)
+
+
+def build_optimizer(
+    cfg: LowcommConfig,
+    params: Iterable,
+    *,
+    lr: float,
+    weight_decay: float = 0.0,
+    betas: tuple[float, float] = (0.9, 0.999),
+    eps: float = 1e-8,
+    transport: Transport | None = None,
+    inner_factory: Callable[[Iterable], torch.optim.Optimizer] | None = None,
+) -> torch.optim.Optimizer:
+    """The optimizer for ``cfg.method``. ``lr``/``weight_decay``/``betas`` are the per-step
+    optimizer's (AdamW's, DeMo's) or, for outer-loop methods, the inner AdamW's, unless
+    ``inner_factory(params)`` builds another inner optimizer."""
+    cfg.validate()
+    check_lr(lr)
+    if weight_decay < 0:
+        raise ValueError(f"weight_decay must be >= 0; got {weight_decay!r}")
+    if cfg.method == "adamw":
+        return AllReduceAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, transport=transport)
+    if cfg.method == "demo":
+        return DeMo(params, lr=lr, weight_decay=weight_decay, transport=transport, **_compression_kwargs(cfg))
+    inner = inner_factory(params) if inner_factory else torch.optim.AdamW(
+        params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
+    )
+    if cfg.method == "diloco":
+        return DiLoCo(inner, transport=transport, **_outer_kwargs(cfg))
+    if cfg.method == "dct_diloco":
+        return DCTDiLoCo(inner, transport=transport, **_outer_kwargs(cfg), **_compression_kwargs(cfg))
+    raise AssertionError(cfg.method)  # validate() admits only the methods above

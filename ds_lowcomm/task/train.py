@@ -1,0 +1,130 @@
+"""One worker of the reference task: the training loop every method runs in ``ds-lowcomm compare``.
+
+``train_worker(rank, world_size, spec)`` runs inside an initialised torch.distributed process
+group (see :func:`ds_lowcomm.comm.run_local_workers`) and returns its metrics. All
+method-specific communication goes through the optimizer and is in its ledger; the evaluation
+metrics are averaged over ranks with a separate 2-float all-reduce that is not method traffic.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import os
+import time
+from dataclasses import asdict
+
+import torch
+import torch.distributed as dist
+
+from ..comm import TorchDistTransport
+from ..config import LowcommConfig
+from ..optim import build_optimizer
+from .data import ByteCorpus
+from .model import GPT, GPTConfig
+
+
+def lr_lambda(warmup: int, total: int, floor: float = 0.1):
+    """Linear warm-up, then cosine down to ``floor`` x the peak."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def params_digest(model: torch.nn.Module) -> str:
+    h = hashlib.sha256()
+    for p in model.parameters():
+        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+@torch.no_grad()
+def evaluate(model, batches) -> float:
+    model.eval()
+    loss = sum(model(x, y).item() for x, y in batches) / len(batches)
+    model.train()
+    return loss
+
+
+def _mean_over_ranks(*values: float) -> list[float]:
+    t = torch.tensor(values, dtype=torch.float64)
+    dist.all_reduce(t)
+    return (t / dist.get_world_size()).tolist()
+
+
+def train_worker(rank: int, world_size: int, spec: dict) -> dict:
+    cfg = LowcommConfig.from_dict(spec["lowcomm"])
+    model_cfg = GPTConfig(**spec.get("model", {}))
+    steps, batch, seq = spec["steps"], spec["batch"], model_cfg.seq_len
+    eval_every = spec.get("eval_every", max(1, steps // 10))
+    corpus = ByteCorpus(spec.get("data"), **spec.get("data_limits", {}))
+    val = corpus.val_batches(spec.get("val_batches", 8), batch, seq)
+
+    torch.manual_seed(spec.get("seed", 0))  # same init on every rank and for every method
+    model = GPT(model_cfg)
+    transport = TorchDistTransport()
+    opt = build_optimizer(
+        cfg, model.parameters(), lr=spec["lr"], weight_decay=spec.get("weight_decay", 0.0),
+        betas=tuple(spec.get("betas", (0.9, 0.95))), transport=transport,
+    )
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec.get("warmup", 0) or 1, steps))
+    start_step = 0
+    if spec.get("resume_from"):
+        ckpt = torch.load(os.path.join(spec["resume_from"], f"rank{rank}.pt"), weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        opt.load_state_dict(ckpt["optimizer"])
+        sched.load_state_dict(ckpt["scheduler"])
+        start_step = ckpt["step"]
+
+    history, recent, train_s = [], [], 0.0
+    label = spec.get("label", cfg.method)
+    for step in range(start_step, steps):
+        t0 = time.perf_counter()
+        x, y = corpus.train_batch(rank, world_size, step, batch, seq, spec.get("seed", 0))
+        loss = model(x, y)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        train_s += time.perf_counter() - t0
+        recent = (recent + [loss.item()])[-eval_every:]
+        done = step + 1
+        if done % eval_every == 0 or done == steps:
+            train_loss, val_loss = _mean_over_ranks(sum(recent) / len(recent), evaluate(model, val))
+            row = {"step": done, "train_loss": train_loss, "val_loss": val_loss,
+                   "bytes_sent": opt.ledger.sent, "bytes_received": opt.ledger.received}
+            history.append(row)
+            if rank == 0 and spec.get("verbose", True):
+                print(f"[{label}] step {done:5d}/{steps}  train {train_loss:.4f}  val {val_loss:.4f}  "
+                      f"sent {row['bytes_sent'] / 1e6:9.3f} MB", flush=True)
+        if spec.get("save_at") == done:
+            os.makedirs(spec["save_dir"], exist_ok=True)
+            torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                        "scheduler": sched.state_dict(), "step": done},
+                       os.path.join(spec["save_dir"], f"rank{rank}.pt"))
+            if spec.get("stop_after_save"):
+                break
+
+    summary = opt.ledger.summary()
+    return {
+        "method": cfg.method,
+        "label": label,
+        "settings": cfg.effective(),
+        "model": asdict(model_cfg),
+        "num_params": model.num_params(),
+        "history": history,
+        "final_train_loss": history[-1]["train_loss"] if history else float("nan"),
+        "final_val_loss": history[-1]["val_loss"] if history else float("nan"),
+        "bytes_sent": summary["bytes_sent"],
+        "bytes_received": summary["bytes_received"],
+        "ledger": summary,
+        "train_s": train_s,
+        "codec_s": summary["seconds"].get("codec", 0.0),
+        "comm_s": summary["seconds"].get("comm", 0.0),
+        "params_digest": params_digest(model),
+    }
