@@ -145,7 +145,7 @@ class SparseSpec:
         vals = torch.gather(coeffs, -1, idx)
         value_bytes, sent_vals = self.values.pack(vals)
         index_bytes = pack_uint(idx, index_width(self.plan.block_size))
-        sent = torch.zeros_like(coeffs).scatter_(-1, idx, sent_vals)
+        sent = torch.zeros_like(coeffs).scatter_(-1, idx, sent_vals.to(coeffs.dtype))
         return torch.cat([index_bytes, value_bytes]), self._decode(sent)
 
     def decompress_mean(self, rows: torch.Tensor, average: str = "senders") -> torch.Tensor:

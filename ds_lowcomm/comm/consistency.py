@@ -8,6 +8,7 @@ from typing import Any, Iterable
 
 import torch
 
+from .ledger import SETUP_OP
 from .transport import Transport
 
 
@@ -24,10 +25,10 @@ def _gather_json(transport: Transport, obj: Any) -> list[Any]:
     dev = transport.device
     data = torch.tensor(list(json.dumps(obj, sort_keys=True).encode()), dtype=torch.uint8, device=dev)
     length = torch.tensor([data.numel()], dtype=torch.int64, device=dev).view(torch.uint8)
-    lengths = transport.all_gather_bytes(length, op="setup").view(torch.int64).reshape(-1)
+    lengths = transport.all_gather_bytes(length, op=SETUP_OP).view(torch.int64).reshape(-1)
     padded = torch.zeros(int(lengths.max()), dtype=torch.uint8, device=dev)
     padded[: data.numel()] = data
-    rows = transport.all_gather_bytes(padded, op="setup")
+    rows = transport.all_gather_bytes(padded, op=SETUP_OP)
     rows = rows.cpu()
     return [json.loads(bytes(rows[r, : int(lengths[r])].tolist()).decode()) for r in range(rows.shape[0])]
 

@@ -12,6 +12,9 @@ from array import array
 
 import torch
 
+# Start-up traffic (the settings check): counted in the run totals, in no step.
+SETUP_OP = "setup"
+
 
 class ByteLedger:
     def __init__(self) -> None:
@@ -29,8 +32,9 @@ class ByteLedger:
         self.sent += sent
         self.received += received
         self.calls += 1
-        self._open_sent += sent
-        self._open_received += received
+        if op != SETUP_OP:
+            self._open_sent += sent
+            self._open_received += received
         row = self.by_op.setdefault(op, [0, 0, 0])
         row[0] += 1
         row[1] += sent

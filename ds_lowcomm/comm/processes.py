@@ -45,17 +45,26 @@ def run_local_workers(fn, world_size: int, *args, backend: str = "gloo", threads
     if threads is None:
         threads = max(1, (os.cpu_count() or 1) // world_size)
     with tempfile.TemporaryDirectory(prefix="ds_lowcomm_") as store_dir:
-        mp.start_processes(
-            _worker,
-            args=(world_size, store_dir, fn, args, backend, threads),
-            nprocs=world_size,
-            join=True,
-            start_method="spawn",
-        )
-        results = []
+        failure = None
+        try:
+            mp.start_processes(
+                _worker,
+                args=(world_size, store_dir, fn, args, backend, threads),
+                nprocs=world_size,
+                join=True,
+                start_method="spawn",
+            )
+        except (mp.ProcessRaisedException, mp.ProcessExitedException) as err:
+            failure = err  # the ranks' own tracebacks, read below, say more
+        outs = {}
         for rank in range(world_size):
-            out = torch.load(os.path.join(store_dir, f"result{rank}.pt"), weights_only=False)
+            path = os.path.join(store_dir, f"result{rank}.pt")
+            if os.path.exists(path):
+                outs[rank] = torch.load(path, weights_only=False)
+        for rank, out in sorted(outs.items()):
             if "error" in out:
                 raise RuntimeError(f"rank {rank} failed:\n{out['error']}")
-            results.append(out["result"])
+        if failure is not None or len(outs) != world_size:
+            raise RuntimeError(f"worker processes failed: {failure}")
+        results = [outs[rank]["result"] for rank in range(world_size)]
         return results

@@ -1,0 +1,45 @@
+"""The ``ds-lowcomm`` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from .config import ConfigError
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="ds-lowcomm", description="Low-communication distributed training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    c = sub.add_parser("compare", help="train the reference task with several methods and compare loss vs bytes")
+    c.add_argument("--methods", default="adamw,demo,diloco,dct_diloco", help="comma-separated method names")
+    c.add_argument("--workers", type=int, default=2, help="worker processes per method (gloo on this machine)")
+    c.add_argument("--steps", type=int, default=300)
+    c.add_argument("--out", default="runs/compare", help="output directory")
+    c.add_argument("--batch", type=int, default=16, help="sequences per worker per step")
+    c.add_argument("--seq-len", type=int, default=128)
+    c.add_argument("--n-layer", type=int, default=2)
+    c.add_argument("--n-embd", type=int, default=128)
+    c.add_argument("--warmup", type=int, default=20)
+    c.add_argument("--eval-every", type=int, default=0, help="default: steps/10")
+    c.add_argument("--seed", type=int, default=0)
+    c.add_argument("--data", default=None, help="text file or directory (default: the Python standard library sources)")
+    c.add_argument("--config", default=None, help="JSON/YAML overrides: {method: {lr: .., lowcomm: {...}}}")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    try:
+        if args.command == "compare":
+            from .compare import run_compare
+
+            run_compare(args)
+    except ConfigError as err:
+        print(f"ds-lowcomm: configuration error: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,165 @@
+"""``ds-lowcomm compare``: train the reference task with several methods from the same
+initialisation, each with real worker processes over gloo, and report loss against bytes.
+
+Writes ``OUT/results.csv`` (one row per method), ``OUT/history.csv`` (held-out loss over steps),
+``OUT/results.json`` (everything, ledgers included) and ``OUT/loss_vs_bytes.png``.
+"""
+
+from __future__ import annotations
+
+import copy
+import csv
+import json
+import time
+from pathlib import Path
+
+from .comm import run_local_workers
+from .config import METHODS, ConfigError, LowcommConfig, check_lr
+from .task.train import train_worker
+
+# The reference task's recipe per method: learning rate of the per-step (or inner) optimizer
+# and the lowcomm settings. Chosen on this task with 2 workers; see README "Reference results".
+RECIPES: dict[str, dict] = {
+    "adamw": {"lr": 1e-3, "lowcomm": {"method": "adamw"}},
+    "demo": {"lr": 1e-3, "lowcomm": {"method": "demo", "topk": 32, "chunk": 64, "value_dtype": "bf16"}},
+    "diloco": {"lr": 1e-3, "lowcomm": {"method": "diloco", "sync_every": 20}},
+    "dct_diloco": {"lr": 1e-3, "lowcomm": {"method": "dct_diloco", "sync_every": 20, "topk": 256}},
+}
+
+RESULT_COLUMNS = [
+    "method", "workers", "steps", "final_train_loss", "final_val_loss", "bytes_sent_per_worker",
+    "bytes_received_per_worker", "compression_vs_adamw", "wall_s", "codec_share",
+]
+
+
+def load_overrides(path: str | None) -> dict:
+    """A JSON or YAML file {method: {"lr": ..., "lowcomm": {...}}} merged over the recipes."""
+    if not path:
+        return {}
+    text = Path(path).read_text()
+    if path.endswith((".yaml", ".yml")):
+        import yaml
+
+        data = yaml.safe_load(text)
+    else:
+        data = json.loads(text)
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping of method name -> settings")
+    return data
+
+
+def build_specs(methods: list[str], args, overrides: dict) -> list[dict]:
+    """Validate everything before any worker starts; return one worker spec per method."""
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown:
+        raise ConfigError(f"--methods: unknown method(s) {', '.join(unknown)}; allowed: {', '.join(METHODS)}")
+    if args.workers < 1:
+        raise ConfigError(f"--workers must be >= 1; got {args.workers}")
+    if args.steps < 1:
+        raise ConfigError(f"--steps must be >= 1; got {args.steps}")
+    specs = []
+    for method in methods:
+        recipe = copy.deepcopy(RECIPES[method])
+        over = overrides.get(method, {})
+        recipe["lr"] = over.get("lr", recipe["lr"])
+        recipe["lowcomm"].update(over.get("lowcomm", {}))
+        recipe["lowcomm"]["method"] = method
+        LowcommConfig.from_dict(recipe["lowcomm"], where=f"{method}.lowcomm")
+        check_lr(recipe["lr"], where=f"{method}.lr")
+        specs.append({
+            "lowcomm": recipe["lowcomm"], "lr": recipe["lr"], "steps": args.steps, "batch": args.batch,
+            "warmup": args.warmup, "eval_every": args.eval_every or max(1, args.steps // 10), "seed": args.seed,
+            "data": args.data, "model": {"n_layer": args.n_layer, "n_embd": args.n_embd, "seq_len": args.seq_len},
+            "weight_decay": over.get("weight_decay", 0.0),
+        })
+    return specs
+
+
+def run_compare(args) -> list[dict]:
+    methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    specs = build_specs(methods, args, load_overrides(args.config))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for spec in specs:
+        start = time.perf_counter()
+        per_rank = run_local_workers(train_worker, args.workers, spec)
+        wall = time.perf_counter() - start
+        r0 = per_rank[0]
+        rows.append({
+            "method": r0["method"],
+            "workers": args.workers,
+            "steps": args.steps,
+            "final_train_loss": r0["final_train_loss"],
+            "final_val_loss": r0["final_val_loss"],
+            "bytes_sent_per_worker": sum(r["bytes_sent"] for r in per_rank) / len(per_rank),
+            "bytes_received_per_worker": sum(r["bytes_received"] for r in per_rank) / len(per_rank),
+            "wall_s": wall,
+            "codec_share": r0["codec_s"] / r0["train_s"] if r0["train_s"] else 0.0,
+            "replicas_identical": len({r["params_digest"] for r in per_rank}) == 1,
+            "settings": r0["settings"],
+            "lr": spec["lr"],
+            "num_params": r0["num_params"],
+            "history": r0["history"],
+            "ledger": r0["ledger"],
+        })
+    base = next((r["bytes_sent_per_worker"] for r in rows if r["method"] == "adamw"), None)
+    for r in rows:
+        r["compression_vs_adamw"] = base / r["bytes_sent_per_worker"] if base and r["bytes_sent_per_worker"] else float("nan")
+    write_outputs(out, rows)
+    print_table(rows)
+    return rows
+
+
+def write_outputs(out: Path, rows: list[dict]) -> None:
+    with open(out / "results.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=RESULT_COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    with open(out / "history.csv", "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["method", "step", "train_loss", "val_loss", "bytes_sent", "bytes_received"])
+        for r in rows:
+            for h in r["history"]:
+                w.writerow([r["method"], h["step"], h["train_loss"], h["val_loss"], h["bytes_sent"], h["bytes_received"]])
+    (out / "results.json").write_text(json.dumps(rows, indent=1))
+    plot(out / "loss_vs_bytes.png", rows)
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print(f"matplotlib is not installed (pip install 'ds_lowcomm[plot]'): no {path.name}")
+        return
+    fig, (ax_bytes, ax_steps) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for r in rows:
+        h = r["history"]
+        val = [x["val_loss"] for x in h]
+        ax_bytes.plot([max(x["bytes_sent"], 1) / 1e6 for x in h], val, marker="o", ms=3, label=r["method"])
+        ax_steps.plot([x["step"] for x in h], val, marker="o", ms=3, label=r["method"])
+    ax_bytes.set_xscale("log")
+    ax_bytes.set_xlabel("MB sent per worker (log)")
+    ax_steps.set_xlabel("step")
+    for ax in (ax_bytes, ax_steps):
+        ax.set_ylabel("held-out loss (nats/byte)")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    workers = rows[0]["workers"] if rows else 0
+    fig.suptitle(f"Reference task, {workers} workers: held-out loss against bytes sent and steps")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def print_table(rows: list[dict]) -> None:
+    head = f"{'method':<12}{'val loss':>10}{'train loss':>12}{'MB sent/worker':>16}{'vs adamw':>10}{'wall s':>9}{'codec %':>9}"
+    print(head)
+    print("-" * len(head))
+    for r in rows:
+        print(f"{r['method']:<12}{r['final_val_loss']:>10.4f}{r['final_train_loss']:>12.4f}"
+              f"{r['bytes_sent_per_worker'] / 1e6:>16.3f}{r['compression_vs_adamw']:>9.1f}x"
+              f"{r['wall_s']:>9.1f}{100 * r['codec_share']:>8.1f}%")

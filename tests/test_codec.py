@@ -1,0 +1,174 @@
+"""The codec against independent references: the DCT from its definition and scipy, dense loops."""
+
+import math
+
+import numpy as np
+import pytest
+import scipy.fft
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from ds_lowcomm.codec import (
+    ChunkPlan,
+    SparseSpec,
+    dct_basis,
+    dct_decode,
+    dct_encode,
+    index_width,
+    pack_uint,
+    topk_count,
+    unpack_uint,
+)
+from ds_lowcomm.codec.dct import to_blocks
+
+
+def dct_by_definition(n):
+    """DCT-II, orthonormal, written from the formula with plain loops."""
+    c = np.zeros((n, n))
+    for k in range(n):
+        scale = math.sqrt(1.0 / n) if k == 0 else math.sqrt(2.0 / n)
+        for i in range(n):
+            c[k, i] = scale * math.cos(math.pi * (2 * i + 1) * k / (2 * n))
+    return c
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 64])
+def test_basis_matches_definition_and_is_orthonormal(n):
+    basis = dct_basis(n, torch.float64, torch.device("cpu")).numpy()
+    np.testing.assert_allclose(basis, dct_by_definition(n), atol=1e-12)
+    np.testing.assert_allclose(basis @ basis.T, np.eye(n), atol=1e-12)
+
+
+def test_chunked_encode_matches_scipy_per_block():
+    x = torch.randn(128, 192, dtype=torch.float64)
+    plan = ChunkPlan.for_shape(x.shape, 64)
+    assert (plan.h, plan.w, plan.num_blocks) == (64, 64, 6)
+    coeffs = dct_encode(x, plan)
+    blocks = x.numpy().reshape(2, 64, 3, 64).transpose(0, 2, 1, 3).reshape(6, 64, 64)
+    for b in range(6):
+        expected = scipy.fft.dctn(blocks[b], norm="ortho")
+        np.testing.assert_allclose(coeffs[b].reshape(64, 64).numpy(), expected, atol=1e-10)
+
+
+@pytest.mark.parametrize(
+    "shape,chunk,hw",
+    [((128, 192), 64, (64, 64)), ((100, 30), 64, (50, 30)), ((97, 8), 64, (1, 8)), ((300,), 8, (1, 60)),
+     ((16, 3, 5, 5), 64, (16, 25)), ((), 64, (1, 1)), ((4096,), 64, (1, 4096))],
+)
+def test_plan_uses_largest_divisors(shape, chunk, hw):
+    plan = ChunkPlan.for_shape(shape, chunk)
+    assert (plan.h, plan.w) == hw
+    assert plan.num_blocks * plan.block_size == max(1, math.prod(shape))
+
+
+@pytest.mark.parametrize("shape", [(128, 192), (100, 30), (97, 8), (300,), (16, 3, 5, 5), (), (7,)])
+def test_round_trip_and_energy(shape):
+    x = torch.randn(shape, dtype=torch.float64)
+    plan = ChunkPlan.for_shape(x.shape, 8)
+    coeffs = dct_encode(x, plan)
+    torch.testing.assert_close(dct_decode(coeffs, plan), x, atol=1e-12, rtol=0)
+    assert math.isclose(coeffs.pow(2).sum().item(), x.pow(2).sum().item(), rel_tol=1e-12)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_low_precision_inputs_transform_in_fp32(dtype):
+    x = torch.randn(64, 64).to(dtype)
+    plan = ChunkPlan.for_shape(x.shape, 32)
+    coeffs = dct_encode(x, plan)
+    assert coeffs.dtype == torch.float32
+    torch.testing.assert_close(dct_decode(coeffs, plan), x.float(), atol=1e-5, rtol=0)
+
+
+def test_full_k_is_lossless():
+    x = torch.randn(128, 64)
+    spec = SparseSpec.build(x.shape, chunk=64, topk=64 * 64, value_dtype="fp32")
+    payload, sent = spec.compress(x)
+    torch.testing.assert_close(sent, x, atol=1e-5, rtol=0)
+    torch.testing.assert_close(spec.decompress_mean(payload[None]), x, atol=1e-5, rtol=0)
+
+
+def test_topk_keeps_the_largest_coefficients_of_each_block():
+    x = torch.randn(64, 128, dtype=torch.float64)
+    spec = SparseSpec.build(x.shape, chunk=64, topk=32, value_dtype="fp32")
+    payload, sent = spec.compress(x)
+    coeffs = dct_encode(x, spec.plan)
+    sent_coeffs = dct_encode(sent, spec.plan)
+    for b in range(spec.plan.num_blocks):
+        order = np.argsort(-np.abs(coeffs[b].numpy()))
+        expected = np.zeros(spec.plan.block_size)
+        expected[order[:32]] = coeffs[b].numpy()[order[:32]]
+        np.testing.assert_allclose(sent_coeffs[b].numpy(), expected, atol=1e-6)
+
+
+def test_index_width_and_payload_size():
+    assert index_width(64 * 64) == 2  # uint16 for 64x64 blocks
+    assert index_width(256) == 1 and index_width(257) == 2 and index_width(70000) == 4
+    spec = SparseSpec.build((64, 64), chunk=64, topk=32, value_dtype="fp32")
+    assert spec.nbytes == 32 * (2 + 4)
+    assert SparseSpec.build((64, 64), chunk=64, topk=32, value_dtype="bf16").nbytes == 32 * (2 + 2)
+    assert SparseSpec.build((64, 64), chunk=64, topk=32, value_dtype="int8").nbytes == 32 * (2 + 1) + 8
+
+
+def test_topk_is_proportional_for_small_blocks():
+    assert topk_count(ChunkPlan.for_shape((64, 64), 64), 32, 64) == 32
+    assert topk_count(ChunkPlan.for_shape((128,), 64), 32, 64) == 1  # 1-D: density topk/chunk**2
+    assert topk_count(ChunkPlan.for_shape((4096,), 64), 32, 64) == 32
+    assert topk_count(ChunkPlan.for_shape((8, 8), 64), 4096, 64) == 64  # never more than the block
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.sampled_from([1, 2, 4]), st.lists(st.integers(0, 2**16 - 1), min_size=1, max_size=64))
+def test_uint_packing_round_trip(width, values):
+    limit = 1 << (8 * width) if width < 4 else 1 << 31
+    vals = torch.tensor([v % limit for v in values])
+    packed = pack_uint(vals, width)
+    assert packed.dtype == torch.uint8 and packed.numel() == len(values) * width
+    assert torch.equal(unpack_uint(packed, width), vals)
+
+
+@pytest.mark.parametrize("value_dtype", ["fp32", "bf16", "fp16", "int8"])
+def test_wire_round_trip_is_exact_for_every_value_dtype(value_dtype):
+    torch.manual_seed(0)
+    x = torch.randn(96, 64)
+    spec = SparseSpec.build(x.shape, chunk=32, topk=64, value_dtype=value_dtype)
+    payload, sent = spec.compress(x)
+    assert payload.dtype == torch.uint8 and payload.numel() == spec.nbytes
+    decoded = spec.decompress_mean(payload[None])
+    # The receiver reconstructs bit for bit what the sender says it sent (error feedback relies on it).
+    assert torch.equal(decoded, sent)
+    tol = {"fp32": 1e-6, "bf16": 2e-2, "fp16": 2e-3, "int8": 5e-2}[value_dtype]
+    best = dct_decode(_keep_topk(dct_encode(x, spec.plan), spec.k), spec.plan)
+    assert (decoded - best).abs().max() < tol * x.abs().max()
+
+
+def _keep_topk(coeffs, k):
+    idx = coeffs.abs().topk(k, dim=-1).indices
+    return torch.zeros_like(coeffs).scatter_(-1, idx, coeffs.gather(-1, idx))
+
+
+@pytest.mark.parametrize("average", ["senders", "world"])
+def test_mean_decode_matches_dense_reference_and_is_deterministic(average):
+    torch.manual_seed(1)
+    spec = SparseSpec.build((64, 128), chunk=32, topk=16, value_dtype="fp32")
+    xs = [torch.randn(64, 128) for _ in range(4)]
+    payloads = torch.stack([spec.compress(x)[0] for x in xs])
+    got = spec.decompress_mean(payloads, average)
+    # Reference: dense coefficient tensors and sender masks, summed in float64.
+    total = torch.zeros(spec.plan.num_blocks, spec.plan.block_size, dtype=torch.float64)
+    count = torch.zeros_like(total)
+    for x in xs:
+        sparse = _keep_topk(dct_encode(x, spec.plan), spec.k).double()
+        total += sparse
+        count += (sparse != 0).double()
+    mean = total / 4 if average == "world" else total / count.clamp(min=1)
+    expected = dct_decode(mean, spec.plan)
+    torch.testing.assert_close(got.double(), expected, atol=1e-5, rtol=0)
+    assert torch.equal(spec.decompress_mean(payloads, average), got)
+    assert count.max() > 1  # the case exercised collisions
+
+
+def test_blocks_are_row_major():
+    x = torch.arange(16.0).reshape(4, 4)
+    blocks = to_blocks(x, ChunkPlan.for_shape((4, 4), 2))
+    assert blocks[1].tolist() == [[2.0, 3.0], [6.0, 7.0]]
