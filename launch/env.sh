@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# Idempotent set-up for a fresh machine (run as root) or an existing one: OpenMPI when mpirun is
+# missing, a virtual environment at .venv/, torch==2.13.0 there only when no torch is importable
+# (pip takes the CPU build where a CPU wheel is provided locally, as on these machines; on a GPU
+# machine it is the regular build), then this package with its test and plot extras.
+# Re-running skips every step that is already done.
+set -euo pipefail
+cd "$(dirname "${BASH_SOURCE[0]}")/.."
+
+if ! command -v mpirun >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        echo "[env] installing OpenMPI (mpirun missing)"
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends openmpi-bin libopenmpi-dev >/dev/null
+    else
+        echo "[env] note: mpirun not found and cannot apt-get install it; MPI launches will be unavailable" >&2
+    fi
+fi
+
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    echo "[env] creating .venv"
+    "$PY" -m venv .venv
+fi
+VPY=.venv/bin/python
+
+if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
+    echo "[env] installing torch==2.13.0"
+    "$VPY" -m pip install -q torch==2.13.0
+fi
+
+# Reinstall the package (editable) only when its declared dependencies changed.
+stamp=.venv/.ds_lowcomm-installed
+want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$VPY" -c "import ds_lowcomm, deepspeed, pytest" >/dev/null 2>&1; then
+    echo "[env] installing ds_lowcomm and its dependencies into .venv"
+    "$VPY" -m pip install -q -e ".[test,plot]"
+    echo "$want" > "$stamp"
+fi
