@@ -52,17 +52,18 @@ def test_chunked_encode_matches_scipy_per_block():
 
 
 @pytest.mark.parametrize(
-    "shape,chunk,hw",
-    [((128, 192), 64, (64, 64)), ((100, 30), 64, (50, 30)), ((97, 8), 64, (1, 8)), ((300,), 8, (1, 60)),
-     ((16, 3, 5, 5), 64, (16, 25)), ((), 64, (1, 1)), ((4096,), 64, (1, 4096))],
+    "shape,chunk,hw,pad",
+    [((128, 192), 64, (64, 64), 0), ((100, 30), 64, (50, 30), 0), ((97, 8), 64, (1, 8), 0),
+     ((16, 3, 5, 5), 64, (16, 25), 0), ((), 64, (1, 1), 0), ((4096,), 64, (1, 4096), 0),
+     ((60,), 8, (1, 60), 0), ((300,), 8, (1, 64), 20), ((4099,), 64, (1, 4096), 4093)],
 )
-def test_plan_uses_largest_divisors(shape, chunk, hw):
+def test_plan_uses_largest_divisors_and_pads_long_vectors(shape, chunk, hw, pad):
     plan = ChunkPlan.for_shape(shape, chunk)
-    assert (plan.h, plan.w) == hw
-    assert plan.num_blocks * plan.block_size == max(1, math.prod(shape))
+    assert (plan.h, plan.w, plan.pad) == (*hw, pad)
+    assert plan.num_blocks * plan.block_size == max(1, math.prod(shape)) + pad
 
 
-@pytest.mark.parametrize("shape", [(128, 192), (100, 30), (97, 8), (300,), (16, 3, 5, 5), (), (7,)])
+@pytest.mark.parametrize("shape", [(128, 192), (100, 30), (97, 8), (300,), (16, 3, 5, 5), (), (7,), (4099,)])
 def test_round_trip_and_energy(shape):
     x = torch.randn(shape, dtype=torch.float64)
     plan = ChunkPlan.for_shape(x.shape, 8)

@@ -52,7 +52,7 @@ def _demo_worker(rank, world, steps):
         opt.zero_grad()
     return {"initial": initial, "grads": grads, "final": [p.detach().clone() for p in model.parameters()],
             "digest": _digest(model), "by_op": opt.ledger.summary()["by_op"], "steps": opt.ledger.steps,
-            "payload": opt.sync.payload_bytes}
+            "payload": opt._sync_for(list(model.parameters()), "sparse_all_gather").payload_bytes}
 
 
 def _block_dct(x, plan, inverse=False):

@@ -2,9 +2,10 @@
 
 A tensor is viewed as a matrix (rows, cols): 2-D tensors as they are, higher ranks as
 (shape[0], prod(shape[1:])), 1-D tensors and scalars as a single row. The matrix is cut into
-blocks (h, w), h and w the largest divisors of rows and cols not above the chunk size (for a
-single row, w is the largest divisor of its length not above chunk*chunk, so vectors are cut
-into pieces as large as a matrix block). Every block gets the 2-D orthonormal DCT-II
+blocks (h, w), h and w the largest divisors of rows and cols not above the chunk size. A vector
+is cut into pieces as large as a matrix block: one piece when it is at most chunk*chunk long,
+else pieces of chunk*chunk with the tail zero-padded (vectors include ZeRO's flat partitions,
+whose lengths need not have a useful divisor). Every block gets the 2-D orthonormal DCT-II
 C_h @ B @ C_w^T in one batched matmul; its coefficients are returned flattened, one row per
 block, so per-block top-k is a plain ``topk(dim=-1)``.
 """
@@ -37,6 +38,7 @@ class ChunkPlan:
     cols: int
     h: int
     w: int
+    pad: int = 0  # zeros appended to a vector to fill its last piece
 
     @classmethod
     def for_shape(cls, shape, chunk: int) -> "ChunkPlan":
@@ -45,13 +47,15 @@ class ChunkPlan:
             rows, cols = shape[0], math.prod(shape[1:])
             h, w = largest_divisor_at_most(rows, chunk), largest_divisor_at_most(cols, chunk)
         else:
-            rows, cols = 1, math.prod(shape)  # math.prod(()) == 1 for scalars
-            h, w = 1, largest_divisor_at_most(cols, chunk * chunk)
+            n = math.prod(shape)  # math.prod(()) == 1 for scalars
+            w = min(n, chunk * chunk)
+            pad = -n % w
+            return cls(shape, 1, n + pad, 1, w, pad)
         return cls(shape, rows, cols, h, w)
 
     @property
     def numel(self) -> int:
-        return self.rows * self.cols
+        return self.rows * self.cols - self.pad
 
     @property
     def num_blocks(self) -> int:
@@ -88,12 +92,17 @@ def dct_basis(n: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
 def to_blocks(x: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
     """(rows, cols) view of x -> (num_blocks, h, w), blocks in row-major order."""
     r, c = plan.rows // plan.h, plan.cols // plan.w
+    if plan.pad:
+        x = torch.nn.functional.pad(x.reshape(-1), (0, plan.pad))
     return x.reshape(r, plan.h, c, plan.w).permute(0, 2, 1, 3).reshape(r * c, plan.h, plan.w)
 
 
 def from_blocks(blocks: torch.Tensor, plan: ChunkPlan) -> torch.Tensor:
     r, c = plan.rows // plan.h, plan.cols // plan.w
-    return blocks.reshape(r, c, plan.h, plan.w).permute(0, 2, 1, 3).reshape(plan.shape)
+    x = blocks.reshape(r, c, plan.h, plan.w).permute(0, 2, 1, 3)
+    if plan.pad:
+        return x.reshape(-1)[: plan.numel].reshape(plan.shape)
+    return x.reshape(plan.shape)
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:

@@ -4,8 +4,9 @@ from .collectives import SparseAllGather, all_reduce_mean_
 from .consistency import assert_same_across_ranks
 from .ledger import ByteLedger
 from .processes import run_local_workers
+from .topology import ReplicaTopology
 from .transport import TorchDistTransport, Transport
 
 __all__ = [
-    "ByteLedger", "SparseAllGather", "assert_same_across_ranks", "TorchDistTransport", "Transport", "all_reduce_mean_", "run_local_workers",
+    "ByteLedger", "ReplicaTopology", "SparseAllGather", "assert_same_across_ranks", "TorchDistTransport", "Transport", "all_reduce_mean_", "run_local_workers",
 ]

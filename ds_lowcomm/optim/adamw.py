@@ -21,13 +21,13 @@ class AllReduceAdamW(LowcommOptimizer, torch.optim.AdamW):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        grads = []
-        for group in self.param_groups:
-            for p in group["params"]:
-                if p.grad is None:  # keep the flat buffer's layout the same on every rank
-                    p.grad = torch.zeros_like(p)
-                grads.append(p.grad)
-        all_reduce_mean_(grads, self.transport)
+        params = self._current_params()
+        if self._is_placeholder_step(params):
+            return loss
+        for p in params:
+            if p.grad is None:  # keep the flat buffer's layout the same on every rank
+                p.grad = torch.zeros_like(p)
+        all_reduce_mean_([p.grad for p in params], self.transport)
         torch.optim.AdamW.step(self)
-        self.ledger.end_step()
+        self._finish_step()
         return loss

@@ -1,5 +1,11 @@
 """What every ds_lowcomm optimizer shares: a transport with its ledger, the start-up
-consistency check, and a state_dict that keeps state dtypes and the communication state."""
+consistency check, lazily built per-parameter state and sync layouts, and a state_dict that
+keeps state dtypes and the communication state.
+
+State and layouts are built at the first real step, for whatever parameters the param_groups
+hold then: DeepSpeed swaps them after construction (fp32 master copies for bf16/fp16, flat
+partitions for ZeRO 1/2, which also steps one group at a time).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..comm import TorchDistTransport, Transport, assert_same_across_ranks
+from ..comm import SparseAllGather, TorchDistTransport, Transport, assert_same_across_ranks
 
 
 def ordered_params(param_groups) -> list[torch.Tensor]:
@@ -18,14 +24,20 @@ class LowcommOptimizer(torch.optim.Optimizer):
     """Base class. Subclasses set ``method`` and may add counters via ``_extra_state``."""
 
     method = ""
+    # The optimizer closes a ledger step at the end of step(); the DeepSpeed glue turns this off
+    # and closes it at the engine's step boundary instead.
+    manage_ledger_steps = True
 
-    def _init_comm(self, transport: Transport | None, settings: dict[str, Any]) -> None:
+    def _init_comm(self, transport: Transport | None, settings: dict[str, Any], codec: dict[str, Any] | None = None) -> None:
         self.transport = transport if transport is not None else TorchDistTransport()
+        self._codec = codec
+        self._syncs: dict[tuple[int, ...], SparseAllGather] = {}
         params = ordered_params(self.param_groups)
         settings = {
             "method": self.method,
             "world_size": self.transport.world_size,
             **settings,
+            **(codec or {}),
             "param_shapes": [list(p.shape) for p in params],
             "param_dtypes": [str(p.dtype) for p in params],
         }
@@ -35,6 +47,30 @@ class LowcommOptimizer(torch.optim.Optimizer):
     @property
     def ledger(self):
         return self.transport.ledger
+
+    def _current_params(self) -> list[torch.Tensor]:
+        return ordered_params(self.param_groups)
+
+    def _sync_for(self, params: list[torch.Tensor], op: str) -> SparseAllGather:
+        """The compressed exchange for this exact list of tensors (built once, then reused)."""
+        key = tuple(id(p) for p in params)
+        sync = self._syncs.get(key)
+        if sync is None:
+            sync = SparseAllGather([p.shape for p in params], transport=self.transport, op=op, **self._codec)
+            self._syncs[key] = sync
+        return sync
+
+    def _is_placeholder_step(self, params: list[torch.Tensor]) -> bool:
+        """DeepSpeed's fp16/bf16 wrapper calls step() once at construction with zero gradients.
+        Before any state exists, a step whose gradients are all missing or zero changes nothing
+        worth keeping; skipping it keeps counters, weight decay and schedules exact."""
+        if any(self.state.get(p) for p in params):
+            return False
+        return all(p.grad is None or not p.grad.any() for p in params)
+
+    def _finish_step(self) -> None:
+        if self.manage_ledger_steps:
+            self.ledger.end_step()
 
     # -- checkpointing ------------------------------------------------------------------
     def _extra_state(self) -> dict[str, Any]:
@@ -50,9 +86,11 @@ class LowcommOptimizer(torch.optim.Optimizer):
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         state_dict = dict(state_dict)
-        lowcomm = state_dict.pop("lowcomm")
-        if lowcomm["settings"] != self.settings:
-            mine, saved = self.settings, lowcomm["settings"]
+        lowcomm = state_dict.pop("lowcomm", None)
+        if lowcomm is None:
+            raise ValueError(f"not a ds_lowcomm {self.method} optimizer state (no 'lowcomm' entry)")
+        mine, saved = self.settings, lowcomm["settings"]
+        if mine != saved:
             diffs = [k for k in sorted(set(mine) | set(saved)) if mine.get(k) != saved.get(k)]
             raise ValueError(
                 "checkpoint was saved with other lowcomm settings: "

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import SparseAllGather, Transport
-from .base import LowcommOptimizer, ordered_params
+from ..comm import Transport
+from .base import LowcommOptimizer
 
 
 class DeMo(LowcommOptimizer):
@@ -42,13 +42,8 @@ class DeMo(LowcommOptimizer):
         self.state_dtype = state_dtype
         self._init_comm(
             transport,
-            dict(decay=decay, topk=topk, chunk=chunk, value_dtype=value_dtype, transform=transform,
-                 average=average, state_dtype=str(state_dtype)),
-        )
-        self.sync = SparseAllGather(
-            [p.shape for p in ordered_params(self.param_groups)],
-            chunk=chunk, topk=topk, value_dtype=value_dtype, transform=transform, average=average,
-            transport=self.transport,
+            dict(decay=decay, state_dtype=str(state_dtype)),
+            codec=dict(topk=topk, chunk=chunk, value_dtype=value_dtype, transform=transform, average=average),
         )
 
     @torch.no_grad()
@@ -57,7 +52,10 @@ class DeMo(LowcommOptimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        momenta, params, lrs = [], [], []
+        params = self._current_params()
+        if self._is_placeholder_step(params):
+            return loss
+        momenta, lrs = [], []
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:
@@ -71,11 +69,10 @@ class DeMo(LowcommOptimizer):
                 if p.grad is not None:  # a parameter without a gradient still takes part in the exchange
                     m.add_(p.grad.to(m.dtype), alpha=lr)
                 momenta.append(m)
-                params.append(p)
                 lrs.append(lr)
         # Sends each momentum's top-k DCT components and removes them from it (error feedback).
-        means = self.sync.exchange(momenta)
+        means = self._sync_for(params, "sparse_all_gather").exchange(momenta)
         for p, lr, q in zip(params, lrs, means):
             p.add_(q.sign().to(p.dtype), alpha=-lr)
-        self.ledger.end_step()
+        self._finish_step()
         return loss

@@ -17,13 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from ..comm import SparseAllGather, Transport, all_reduce_mean_
+from ..comm import Transport, all_reduce_mean_
 from .base import LowcommOptimizer, ordered_params
 
 
 class OuterLoop(LowcommOptimizer):
-    """Base of the DiLoCo family: wraps ``inner``, whose param_groups it shares (LR schedulers
-    and DeepSpeed see the inner learning rate)."""
+    """Base of the DiLoCo family. It wraps ``inner`` and *is* its param_groups: LR schedulers
+    and DeepSpeed see (and may swap, as ZeRO does per step) the inner optimizer's groups."""
 
     def __init__(
         self,
@@ -36,6 +36,7 @@ class OuterLoop(LowcommOptimizer):
         state_dtype: torch.dtype = torch.float32,
         transport: Transport | None = None,
         settings: dict | None = None,
+        codec: dict | None = None,
     ):
         if sync_every < 1:
             raise ValueError(f"sync_every must be >= 1; got {sync_every!r}")
@@ -43,48 +44,77 @@ class OuterLoop(LowcommOptimizer):
             raise ValueError(f"outer_lr must be > 0; got {outer_lr!r}")
         if not 0.0 <= outer_momentum < 1.0:
             raise ValueError(f"outer_momentum must be in [0, 1); got {outer_momentum!r}")
-        self.inner = inner
         super().__init__(ordered_params(inner.param_groups), {})
-        self.param_groups = inner.param_groups
+        self.inner = inner  # from here on, param_groups are the inner optimizer's
+        self.__dict__.pop("_own_groups", None)
         self.sync_every = sync_every
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
         self.nesterov = nesterov
-        self.local_step = 0
-        self.outer_steps = 0
+        self.state_dtype = state_dtype
         self._init_comm(
             transport,
             dict(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
                  inner=type(inner).__name__, state_dtype=str(state_dtype), **(settings or {})),
+            codec=codec,
         )
-        with torch.no_grad():
-            for p in self._params():
-                self.state[p]["anchor"] = p.detach().to(state_dtype, copy=True)
-                self.state[p]["outer_momentum"] = torch.zeros_like(p, dtype=state_dtype)
 
-    def _params(self) -> list[torch.Tensor]:
-        return ordered_params(self.param_groups)
+    @property
+    def param_groups(self):
+        if "inner" in self.__dict__:
+            return self.inner.param_groups
+        return self.__dict__.setdefault("_own_groups", [])  # only while Optimizer.__init__ runs
+
+    @param_groups.setter
+    def param_groups(self, groups):
+        if "inner" in self.__dict__:
+            self.inner.param_groups = groups
+        else:
+            self.__dict__["_own_groups"] = groups
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self.inner.zero_grad(set_to_none=set_to_none)
 
+    @property
+    def local_step(self) -> int:
+        """Inner steps taken (by the first parameter currently in param_groups)."""
+        params = self._current_params()
+        return self.state[params[0]].get("local_step", 0) if params else 0
+
+    @property
+    def outer_steps(self) -> int:
+        params = self._current_params()
+        return self.state[params[0]].get("outer_steps", 0) if params else 0
+
     def step(self, closure=None):
+        params = self._current_params()
+        if self._is_placeholder_step(params):
+            return None
+        with torch.no_grad():
+            for p in params:
+                state = self.state[p]
+                if "anchor" not in state:  # the global parameters every replica starts from
+                    state["anchor"] = p.detach().to(self.state_dtype, copy=True)
+                    state["outer_momentum"] = torch.zeros_like(state["anchor"])
+                    state["local_step"] = 0
+                    state["outer_steps"] = 0
         loss = self.inner.step(closure)
-        self.local_step += 1
-        if self.local_step % self.sync_every == 0:
-            self.outer_step()
-        self.ledger.end_step()
+        for p in params:
+            self.state[p]["local_step"] += 1
+        if self.state[params[0]]["local_step"] % self.sync_every == 0:
+            self.outer_step(params)
+        self._finish_step()
         return loss
 
-    def _combine(self, deltas: list[torch.Tensor]) -> list[torch.Tensor]:
+    def _combine(self, params: list[torch.Tensor], deltas: list[torch.Tensor]) -> list[torch.Tensor]:
         """Local pseudo-gradients -> the update every replica applies (identical on all)."""
         raise NotImplementedError
 
     @torch.no_grad()
-    def outer_step(self) -> None:
-        params = self._params()
-        deltas = [self.state[p]["anchor"] - p.to(self.state[p]["anchor"].dtype) for p in params]
-        updates = self._combine(deltas)
+    def outer_step(self, params: list[torch.Tensor] | None = None) -> None:
+        params = self._current_params() if params is None else params
+        deltas = [self.state[p]["anchor"] - p.to(self.state_dtype) for p in params]
+        updates = self._combine(params, deltas)
         mu = self.outer_momentum
         for p, g in zip(params, updates):
             state = self.state[p]
@@ -92,24 +122,20 @@ class OuterLoop(LowcommOptimizer):
             buf.mul_(mu).add_(g)
             state["anchor"].sub_(g.add(buf, alpha=mu) if self.nesterov else buf, alpha=self.outer_lr)
             p.copy_(state["anchor"])
-        self.outer_steps += 1
+            state["outer_steps"] += 1
 
     # -- checkpointing: outer state here, the inner optimizer's under "inner" ---------------
     def _extra_state(self):
-        return {"local_step": self.local_step, "outer_steps": self.outer_steps, "inner": self.inner.state_dict()}
+        return {"inner": self.inner.state_dict()}
 
     def _load_extra_state(self, extra):
-        self.local_step = extra["local_step"]
-        self.outer_steps = extra["outer_steps"]
         self.inner.load_state_dict(extra["inner"])
-        # Both loads replace their param_groups list; share the inner one again.
-        self.param_groups = self.inner.param_groups
 
 
 class DiLoCo(OuterLoop):
     method = "diloco"
 
-    def _combine(self, deltas):
+    def _combine(self, params, deltas):
         all_reduce_mean_(deltas, self.transport, op="outer_all_reduce")
         return deltas
 
@@ -132,21 +158,17 @@ class DCTDiLoCo(OuterLoop):
     ):
         if not 0.0 <= decay < 1.0:
             raise ValueError(f"decay must be in [0, 1); got {decay!r}")
-        settings = dict(decay=decay, topk=topk, chunk=chunk, value_dtype=value_dtype, transform=transform, average=average)
-        super().__init__(inner, sync_every=sync_every, settings=settings, **outer_kwargs)
+        codec = dict(topk=topk, chunk=chunk, value_dtype=value_dtype, transform=transform, average=average)
+        super().__init__(inner, sync_every=sync_every, settings=dict(decay=decay), codec=codec, **outer_kwargs)
         self.decay = decay
-        for p in self._params():
-            self.state[p]["residual"] = torch.zeros_like(self.state[p]["anchor"])
-        self.sync = SparseAllGather(
-            [p.shape for p in self._params()],
-            chunk=chunk, topk=topk, value_dtype=value_dtype, transform=transform, average=average,
-            transport=self.transport, op="outer_sparse_all_gather",
-        )
 
-    def _combine(self, deltas):
+    def _combine(self, params, deltas):
         residuals = []
-        for p, delta in zip(self._params(), deltas):
-            e = self.state[p]["residual"]
-            e.mul_(self.decay).add_(delta)
-            residuals.append(e)
-        return self.sync.exchange(residuals)  # sent components leave the residuals
+        for p, delta in zip(params, deltas):
+            state = self.state[p]
+            if "residual" not in state:
+                state["residual"] = torch.zeros_like(delta)
+            state["residual"].mul_(self.decay).add_(delta)
+            residuals.append(state["residual"])
+        # sent components leave the residuals
+        return self._sync_for(params, "outer_sparse_all_gather").exchange(residuals)

@@ -1,0 +1,106 @@
+"""Count the bytes of DeepSpeed's own collectives, where DeepSpeed issues them.
+
+Every collective DeepSpeed runs goes through the communication backend object
+``deepspeed.comm.comm.cdb``; wrapping its methods records each call in a :class:`ByteLedger`
+(same conventions as ours: payload bytes this rank contributes and gets back; nothing over a
+group of one rank). This is how the tests see that the engine's gradient all-reduce did not run
+when a method communicates itself, and how the adamw baseline's bytes through DeepSpeed compare.
+"""
+
+from __future__ import annotations
+
+import inspect
+import threading
+
+import torch.distributed as dist
+
+from ..comm import ByteLedger
+
+_depth = threading.local()
+
+
+def _nbytes(t) -> int:
+    return t.numel() * t.element_size()
+
+
+def _size(group) -> int:
+    return dist.get_world_size(group)
+
+
+# op name -> (sent, received) from the call's arguments, bound to their names
+def _one(a):
+    n = _nbytes(a["tensor"])
+    return n, n
+
+
+def _coalesced(a):
+    n = sum(_nbytes(t) for t in a["tensors"])
+    return n, n
+
+
+def _reduce_scatter_tensor(a):
+    return _nbytes(a["input_tensor"]), _nbytes(a["output_tensor"])
+
+
+def _all_gather_into_tensor(a):
+    inp = _nbytes(a["input_tensor"])
+    return inp, _nbytes(a["output_tensor"]) - inp
+
+
+def _all_gather(a):
+    inp = _nbytes(a["tensor"])
+    return inp, sum(_nbytes(t) for t in a["tensor_list"]) - inp
+
+
+def _broadcast(a):
+    n = _nbytes(a["tensor"])
+    return (n, 0) if dist.get_rank() == a["src"] else (0, n)
+
+
+COUNTED = {
+    "all_reduce": _one,
+    "inference_all_reduce": _one,
+    "all_reduce_coalesced": _coalesced,
+    "reduce": _one,
+    "reduce_scatter_tensor": _reduce_scatter_tensor,
+    "all_gather_into_tensor": _all_gather_into_tensor,
+    "all_gather_base": _all_gather_into_tensor,
+    "all_gather": _all_gather,
+    "broadcast": _broadcast,
+}
+
+
+def count_deepspeed_collectives(ledger: ByteLedger) -> None:
+    """Wrap the live DeepSpeed backend's collectives (idempotent); needs init_distributed() first."""
+    from deepspeed.comm import comm as ds_comm
+
+    cdb = ds_comm.cdb
+    if cdb is None:
+        raise RuntimeError("deepspeed.comm is not initialised")
+    if getattr(cdb, "_ds_lowcomm_counted", False):
+        cdb._ds_lowcomm_ledger = ledger
+        return
+    cdb._ds_lowcomm_counted = True
+    cdb._ds_lowcomm_ledger = ledger
+    for name, sizes in COUNTED.items():
+        original = getattr(cdb, name, None)
+        if original is None:
+            continue
+
+        signature = inspect.signature(original)
+
+        def wrapped(*args, _original=original, _name=name, _sizes=sizes, _sig=signature, **kw):
+            outer = getattr(_depth, "value", 0) == 0
+            _depth.value = getattr(_depth, "value", 0) + 1
+            try:
+                return _original(*args, **kw)
+            finally:
+                _depth.value -= 1
+                if outer:  # a nested call is part of the outer one
+                    bound = _sig.bind(*args, **kw)
+                    bound.apply_defaults()
+                    if _size(bound.arguments.get("group")) > 1:
+                        sent, received = _sizes(bound.arguments)
+                        cdb._ds_lowcomm_ledger.record(f"deepspeed.{_name}", sent, received)
+
+        setattr(cdb, name, wrapped)

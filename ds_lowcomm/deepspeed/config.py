@@ -1,0 +1,65 @@
+"""Split a DeepSpeed JSON config into the lowcomm settings and what DeepSpeed itself gets."""
+
+from __future__ import annotations
+
+import copy
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from ..config import ConfigError, LowcommConfig, check_lr
+
+INNER_OPTIMIZERS = ("adam", "adamw")
+
+
+@dataclass
+class SplitConfig:
+    lowcomm: LowcommConfig
+    deepspeed: dict[str, Any]  # what deepspeed.initialize receives
+    optimizer_params: dict[str, Any]  # lr, betas, eps, weight_decay of the config's "optimizer"
+    zero_stage: int
+
+
+def load_config(config: str | Path | dict) -> dict[str, Any]:
+    if isinstance(config, dict):
+        return copy.deepcopy(config)
+    path = Path(config)
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"deepspeed config file not found: {path}") from None
+    except json.JSONDecodeError as err:
+        raise ConfigError(f"{path}: not valid JSON ({err})") from None
+
+
+def split_config(raw: dict[str, Any]) -> SplitConfig:
+    """Validate the ``lowcomm`` and ``optimizer`` sections and prepare DeepSpeed's config."""
+    ds = copy.deepcopy(raw)
+    lowcomm = LowcommConfig.from_dict(ds.pop("lowcomm", None) or {"method": "adamw"}, where="lowcomm")
+    stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
+    if stage not in (0, 1, 2):
+        raise ConfigError(f"zero_optimization.stage must be 0, 1 or 2 with lowcomm; got {stage}")
+    opt = ds.get("optimizer")
+    if not isinstance(opt, dict) or "params" not in opt:
+        raise ConfigError('optimizer: a section {"type": "AdamW", "params": {"lr": ...}} is required (it is the '
+                          "per-step optimizer, or the inner optimizer of outer-loop methods)")
+    kind = str(opt.get("type", "")).lower()
+    if kind not in INNER_OPTIMIZERS:
+        raise ConfigError(f"optimizer.type must be one of Adam, AdamW with lowcomm; got {opt.get('type')!r}")
+    params = dict(opt["params"])
+    check_lr(params.get("lr"), where="optimizer.params.lr")
+    optimizer_params = {
+        "lr": float(params["lr"]),
+        "betas": tuple(params.get("betas", (0.9, 0.999))),
+        "eps": float(params.get("eps", 1e-8)),
+        "weight_decay": float(params.get("weight_decay", 0.01 if kind == "adamw" else 0.0)),
+    }
+    if optimizer_params["weight_decay"] < 0:
+        raise ConfigError(f"optimizer.params.weight_decay must be >= 0; got {optimizer_params['weight_decay']}")
+    # ds_lowcomm builds the optimizer (every method, the adamw baseline included, so that its
+    # bytes are counted the same way) and hands it to DeepSpeed as a client optimizer.
+    ds.pop("optimizer")
+    if stage >= 1:
+        ds["zero_allow_untested_optimizer"] = True
+    return SplitConfig(lowcomm, ds, optimizer_params, stage)
