@@ -99,8 +99,8 @@ def count_deepspeed_collectives(ledger: ByteLedger) -> None:
                 if outer:  # a nested call is part of the outer one
                     bound = _sig.bind(*args, **kw)
                     bound.apply_defaults()
-                    if _size(bound.arguments.get("group")) > 1:
-                        sent, received = _sizes(bound.arguments)
-                        cdb._ds_lowcomm_ledger.record(f"deepspeed.{_name}", sent, received)
+                    # A call over a one-rank group is counted, with no bytes: nothing left the rank.
+                    sent, received = _sizes(bound.arguments) if _size(bound.arguments.get("group")) > 1 else (0, 0)
+                    cdb._ds_lowcomm_ledger.record(f"deepspeed.{_name}", sent, received)
 
         setattr(cdb, name, wrapped)

@@ -40,6 +40,9 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
     stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
     if stage not in (0, 1, 2):
         raise ConfigError(f"zero_optimization.stage must be 0, 1 or 2 with lowcomm; got {stage}")
+    if (ds.get("zero_optimization") or {}).get("elastic_checkpoint"):
+        raise ConfigError("zero_optimization.elastic_checkpoint must be false with lowcomm: elastic checkpoints "
+                          "keep only per-group optimizer state and would drop the method's state")
     opt = ds.get("optimizer")
     if not isinstance(opt, dict) or "params" not in opt:
         raise ConfigError('optimizer: a section {"type": "AdamW", "params": {"lr": ...}} is required (it is the '

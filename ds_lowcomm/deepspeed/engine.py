@@ -24,7 +24,6 @@ import types
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 import torch.distributed as dist
 
 from ..comm import ByteLedger, ReplicaTopology, TorchDistTransport, assert_same_across_ranks
@@ -94,8 +93,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if args is not None and getattr(args, "deepspeed_config", None) is not None:
         args = argparse.Namespace(**{**vars(args), "deepspeed_config": None})  # config goes by dict
 
-    if not dist.is_initialized():
-        deepspeed.init_distributed(dist_backend=_default_backend())
+    # Also when torch.distributed is already up: DeepSpeed then wraps the existing group.
+    deepspeed.init_distributed(dist_backend=_default_backend())
     engine_ledger = ByteLedger()
     count_deepspeed_collectives(engine_ledger)
 

@@ -1,0 +1,237 @@
+"""Every method through real DeepSpeed engines (ZeRO 0/1/2, replicas, bf16), real processes, gloo."""
+
+import json
+import math
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from ds_lowcomm.comm import run_local_workers
+from ds_lowcomm.config import ConfigError
+from ds_lowcomm.deepspeed.config import split_config
+from ds_lowcomm.task.train import train_worker
+
+ROOT = Path(__file__).resolve().parents[1]
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+TINY_ARGS = ["--steps", "6", "--eval-every", "3", "--warmup", "2", "--n-layer", "1", "--n-embd", "32",
+             "--n-head", "2", "--seq-len", "32", "--max-train-bytes", "200000"]
+LOWCOMM = {
+    "adamw": {"method": "adamw"},
+    "demo": {"method": "demo", "topk": 4, "chunk": 16, "decay": 0.9, "value_dtype": "int8"},
+    "diloco": {"method": "diloco", "sync_every": 3},
+    "dct_diloco": {"method": "dct_diloco", "sync_every": 3, "topk": 32, "chunk": 16, "value_dtype": "bf16",
+                   "average": "world"},
+}
+
+
+def ds_config(method, stage=0, replica_size=1, **extra):
+    return {
+        "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
+        "steps_per_print": 10**6,
+        "optimizer": {"type": "AdamW", "params": {"lr": 3e-3, "betas": [0.9, 0.95], "weight_decay": 0.0}},
+        "zero_optimization": {"stage": stage},
+        "lowcomm": {**LOWCOMM[method], "replica_size": replica_size}, **extra,
+    }
+
+
+def _run(cfg, workdir, name, *more):
+    from ds_lowcomm.deepspeed.train import parser, run
+
+    path = Path(workdir) / f"{name}.json"
+    if torch.distributed.get_rank() == 0:
+        path.write_text(json.dumps(cfg))
+    torch.distributed.barrier()
+    return run(parser().parse_args(["--deepspeed_config", str(path), *TINY_ARGS, *more]))
+
+
+def _stage_worker(rank, world, stage, workdir):
+    out = {}
+    for method in LOWCOMM:
+        m = _run(ds_config(method, stage), workdir, f"{method}{stage}")
+        # resume: save at step 3 (an outer sync: diloco/dct_diloco have H=3), restore, finish
+        save = os.path.join(workdir, f"ckpt_{method}{stage}")
+        full = _run(ds_config(method, stage), workdir, f"{method}{stage}", "--save-dir", save, "--save-at", "4")
+        resumed = _run(ds_config(method, stage), workdir, f"{method}{stage}", "--save-dir", save, "--resume")
+        out[method] = {"metrics": m, "full_digest": full["params_digests"], "resumed_digest": resumed["params_digests"],
+                       "full_bytes": full["cross_replica_bytes_sent_per_worker"],
+                       "resumed_bytes": resumed["cross_replica_bytes_sent_per_worker"]}
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2])
+def test_every_method_at_every_zero_stage(stage, tmp_path):
+    results = run_local_workers(_stage_worker, 2, stage, str(tmp_path))[0]
+    for method, r in results.items():
+        m = r["metrics"]
+        hist = m["history"]
+        assert hist[-1]["train_loss"] < hist[0]["train_loss"], f"{method}: loss did not fall"
+        assert hist[-1]["val_loss"] < math.log(256), method
+        # 6 steps = 2 outer intervals: every method promises identical replicas here
+        assert len(set(m["params_digests"])) == 1, method
+        assert m["ledgers"][0]["method"]["steps"] == 6, method  # one ledger step per engine step
+        # The engine's own gradient reduction moved no byte between the two replicas.
+        engine = m["engine_ops_during_training"]
+        assert all(row[1] == 0 for row in engine.values()), (method, engine)
+        if stage == 0:
+            assert "deepspeed.all_reduce" not in engine, (method, engine)  # not even called
+        # resume is exact: parameters and the method's byte count
+        assert r["full_digest"] == r["resumed_digest"], method
+        assert r["full_bytes"] == r["resumed_bytes"], method
+    # bytes: compressed methods send less than their dense counterparts, measured by the ledger
+    b = {k: v["metrics"]["cross_replica_bytes_sent_per_worker"] for k, v in results.items()}
+    assert b["demo"] < b["adamw"] / 5 and b["dct_diloco"] < b["diloco"] / 5 and b["diloco"] < b["adamw"]
+
+
+def _training_bytes(ledger_summary):
+    """Bytes sent by the method's collectives (the start-up settings check left out)."""
+    return sum(row["sent"] for op, row in ledger_summary["by_op"].items() if op != "setup")
+
+
+def _foundation_match_worker(rank, world, workdir):
+    """ZeRO 0, fp32, one rank per replica: DeepSpeed path == plain torch.distributed path."""
+    out = {}
+    for method in LOWCOMM:
+        ds = _run(ds_config(method, 0), workdir, method)
+        spec = {"lowcomm": LOWCOMM[method], "lr": 3e-3, "betas": (0.9, 0.95), "steps": 6, "batch": 4, "warmup": 2,
+                "eval_every": 3, "seed": 0, "model": {"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 32},
+                "data_limits": {"max_train_bytes": 200000}, "verbose": False}
+        plain = train_worker(rank, world, spec)
+        out[method] = (ds["params_digests"][rank], plain["params_digest"],
+                       _training_bytes(ds["ledgers"][rank]["method"]), _training_bytes(plain["ledger"]))
+    return out
+
+
+def test_deepspeed_path_matches_plain_torch_distributed(tmp_path):
+    for rank_result in run_local_workers(_foundation_match_worker, 2, str(tmp_path)):
+        for method, (ds_digest, plain_digest, ds_bytes, plain_bytes) in rank_result.items():
+            assert ds_digest == plain_digest, method
+            assert ds_bytes == plain_bytes > 0, method
+
+
+def _replica_worker(rank, world, stage, workdir):
+    out = {}
+    for method in ("demo", "dct_diloco", "adamw"):
+        out[method] = _run(ds_config(method, stage, replica_size=2), workdir, f"r{method}{stage}")
+    single = _run(ds_config("demo", stage, replica_size=1), workdir, f"s{stage}")
+    return out, single
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_replicas_of_two_ranks_with_zero_inside(stage, tmp_path):
+    results = run_local_workers(_replica_worker, 4, stage, str(tmp_path))
+    replicas, single = results[0]
+    for method, m in replicas.items():
+        assert m["world_size"] == 4 and m["replica_size"] == 2
+        assert len(set(m["params_digests"])) == 1, method  # all four ranks agree after 2 syncs
+        assert m["history"][-1]["train_loss"] < m["history"][0]["train_loss"], method
+        # DeepSpeed reduced gradients inside each replica: real bytes on the engine's ledger
+        assert m["engine_bytes_sent_per_worker"] > 0, method
+    # Each rank sends only its share across replicas: about half of what a whole-model sync sends.
+    share = replicas["demo"]["cross_replica_bytes_sent_per_worker"] / single["cross_replica_bytes_sent_per_worker"]
+    assert 0.4 < share < 0.6, share
+
+
+def _bf16_worker(rank, world, workdir):
+    out = {}
+    for method in ("demo", "diloco", "dct_diloco"):
+        m = _run(ds_config(method, 0, bf16={"enabled": True}), workdir, f"bf16{method}")
+        out[method] = m
+    return out
+
+
+def test_bf16_engines(tmp_path):
+    for method, m in run_local_workers(_bf16_worker, 2, str(tmp_path))[0].items():
+        assert len(set(m["params_digests"])) == 1, method
+        assert m["history"][-1]["train_loss"] < m["history"][0]["train_loss"], method
+        steps = m["ledgers"][0]["method"]["steps"]
+        assert steps == 6, (method, steps)  # DeepSpeed's placeholder step at construction is not a step
+
+
+# --- configuration errors --------------------------------------------------------------------
+
+@pytest.mark.parametrize(
+    "mutate,message",
+    [
+        (lambda c: c["lowcomm"].update(topk=10**6), r"lowcomm.topk must be an integer in \[1, 256\]"),
+        (lambda c: c["optimizer"].update(type="SGD"), "optimizer.type must be one of Adam, AdamW"),
+        (lambda c: c.update(zero_optimization={"stage": 3}), "zero_optimization.stage must be 0, 1 or 2"),
+        (lambda c: c.pop("optimizer"), "optimizer: a section"),
+        (lambda c: c["optimizer"]["params"].update(lr=-1), "optimizer.params.lr must be a number > 0"),
+        (lambda c: c["lowcomm"].update(method="powersgd"), "lowcomm.method must be one of"),
+    ],
+)
+def test_config_errors(mutate, message):
+    cfg = ds_config("demo")
+    mutate(cfg)
+    with pytest.raises(ConfigError, match=message):
+        split_config(cfg)
+
+
+def _mismatch_worker(rank, world, workdir):
+    cfg = ds_config("demo")
+    if rank == 1:
+        cfg["lowcomm"]["topk"] = 2
+    from ds_lowcomm.deepspeed import initialize
+    from ds_lowcomm.task.model import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    initialize(model=GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, seq_len=32)), config=cfg)
+
+
+def test_mismatched_settings_across_ranks_are_refused(tmp_path):
+    with pytest.raises(RuntimeError, match="topk: rank 0 has 4, rank 1 has 2"):
+        run_local_workers(_mismatch_worker, 2, str(tmp_path))
+
+
+def _wrong_resume_worker(rank, world, workdir):
+    save = os.path.join(workdir, "ckpt")
+    _run(ds_config("demo"), workdir, "a", "--save-dir", save, "--save-at", "3")
+    _run(ds_config("dct_diloco"), workdir, "b", "--save-dir", save, "--resume")
+
+
+def test_resume_with_another_method_is_refused(tmp_path):
+    with pytest.raises(RuntimeError, match="method: saved 'demo', now 'dct_diloco'"):
+        run_local_workers(_wrong_resume_worker, 2, str(tmp_path))
+
+
+# --- the three launchers start launch/train.py ----------------------------------------------------
+
+def _launch(cmd, tmp_path, config):
+    cfg = tmp_path / "cfg.json"
+    cfg.write_text(json.dumps(config))
+    metrics = tmp_path / "metrics.json"
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",
+           "OMPI_ALLOW_RUN_AS_ROOT": "1", "OMPI_ALLOW_RUN_AS_ROOT_CONFIRM": "1"}
+    proc = subprocess.run([*cmd, str(ROOT / "launch" / "train.py"), "--deepspeed_config", str(cfg), *TINY_ARGS,
+                           "--metrics-out", str(metrics)], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=400)
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    m = json.loads(metrics.read_text())
+    assert m["world_size"] == 2 and m["steps"] == 6
+    assert math.isfinite(m["final_val_loss"]) and m["bytes_sent_per_worker"] > 0
+    assert len(set(m["params_digests"])) == 1
+    return m
+
+
+def test_deepspeed_launcher(tmp_path):
+    bindir = Path(sys.executable).parent
+    _launch([str(bindir / "deepspeed"), "--num_gpus", "2", "--master_port", "29533"], tmp_path, ds_config("demo"))
+
+
+def test_torchrun(tmp_path):
+    bindir = Path(sys.executable).parent
+    _launch([str(bindir / "torchrun"), "--nproc_per_node", "2", "--master_port", "29534"], tmp_path,
+            ds_config("diloco", 1))
+
+
+@pytest.mark.skipif(shutil.which("mpirun") is None, reason="mpirun not installed (launch/env.sh installs it)")
+def test_mpirun(tmp_path):
+    _launch(["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", "-x", "MASTER_PORT=29535",
+             sys.executable], tmp_path, ds_config("dct_diloco", 2))
