@@ -18,22 +18,24 @@ import torch.multiprocessing as mp
 
 def _worker(rank, world_size, store_dir, fn, args, backend, threads):
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+    # What torchrun would set (DeepSpeed's engine asks for LOCAL_RANK); one machine, so local == global.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
     dist.init_process_group(
         backend, init_method=f"file://{store_dir}/store", rank=rank, world_size=world_size
     )
     try:
         result = fn(rank, world_size, *args)
-        torch.save({"result": result}, os.path.join(store_dir, f"result{rank}.pt"))
     except BaseException:
+        # No barrier here: the other ranks may be inside a collective this rank will never join;
+        # exiting lets the parent see the failure and stop them.
         torch.save({"error": traceback.format_exc()}, os.path.join(store_dir, f"result{rank}.pt"))
         raise
-    finally:
-        # Without the barrier before destroying, gloo now and then aborts at exit.
-        try:
-            dist.barrier()
-        finally:
-            dist.destroy_process_group()
+    torch.save({"result": result}, os.path.join(store_dir, f"result{rank}.pt"))
+    # Without the barrier before destroying, gloo now and then aborts at exit.
+    dist.barrier()
+    dist.destroy_process_group()
 
 
 def run_local_workers(fn, world_size: int, *args, backend: str = "gloo", threads: int | None = None):
@@ -61,9 +63,9 @@ def run_local_workers(fn, world_size: int, *args, backend: str = "gloo", threads
             path = os.path.join(store_dir, f"result{rank}.pt")
             if os.path.exists(path):
                 outs[rank] = torch.load(path, weights_only=False)
-        for rank, out in sorted(outs.items()):
-            if "error" in out:
-                raise RuntimeError(f"rank {rank} failed:\n{out['error']}")
+        errors = [f"rank {rank} failed:\n{out['error']}" for rank, out in sorted(outs.items()) if "error" in out]
+        if errors:  # all of them: the first rank's error may only be a consequence of another's
+            raise RuntimeError("\n".join(errors))
         if failure is not None or len(outs) != world_size:
             raise RuntimeError(f"worker processes failed: {failure}")
         results = [outs[rank]["result"] for rank in range(world_size)]

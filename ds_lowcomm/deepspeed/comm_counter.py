@@ -9,7 +9,6 @@ when a method communicates itself, and how the adamw baseline's bytes through De
 
 from __future__ import annotations
 
-import inspect
 import threading
 
 import torch.distributed as dist
@@ -54,19 +53,21 @@ def _all_gather(a):
 
 def _broadcast(a):
     n = _nbytes(a["tensor"])
-    return (n, 0) if dist.get_rank() == a["src"] else (0, n)
+    return (n, 0) if dist.get_rank() == a.get("src", 0) else (0, n)
 
 
+# The backend's methods hide their signatures behind decorators; these are their parameters
+# (deepspeed/comm/torch.py, TorchBackend), in order.
 COUNTED = {
-    "all_reduce": _one,
-    "inference_all_reduce": _one,
-    "all_reduce_coalesced": _coalesced,
-    "reduce": _one,
-    "reduce_scatter_tensor": _reduce_scatter_tensor,
-    "all_gather_into_tensor": _all_gather_into_tensor,
-    "all_gather_base": _all_gather_into_tensor,
-    "all_gather": _all_gather,
-    "broadcast": _broadcast,
+    "all_reduce": (_one, ("tensor", "op", "group", "async_op")),
+    "inference_all_reduce": (_one, ("tensor", "op", "group")),
+    "all_reduce_coalesced": (_coalesced, ("tensors", "op", "group", "async_op")),
+    "reduce": (_one, ("tensor", "dst", "op", "group", "async_op")),
+    "reduce_scatter_tensor": (_reduce_scatter_tensor, ("output_tensor", "input_tensor", "op", "group", "async_op")),
+    "all_gather_into_tensor": (_all_gather_into_tensor, ("output_tensor", "input_tensor", "group", "async_op")),
+    "all_gather_base": (_all_gather_into_tensor, ("output_tensor", "input_tensor", "group", "async_op")),
+    "all_gather": (_all_gather, ("tensor_list", "tensor", "group", "async_op")),
+    "broadcast": (_broadcast, ("tensor", "src", "group", "async_op")),
 }
 
 
@@ -82,14 +83,12 @@ def count_deepspeed_collectives(ledger: ByteLedger) -> None:
         return
     cdb._ds_lowcomm_counted = True
     cdb._ds_lowcomm_ledger = ledger
-    for name, sizes in COUNTED.items():
+    for name, (sizes, names) in COUNTED.items():
         original = getattr(cdb, name, None)
         if original is None:
             continue
 
-        signature = inspect.signature(original)
-
-        def wrapped(*args, _original=original, _name=name, _sizes=sizes, _sig=signature, **kw):
+        def wrapped(*args, _original=original, _name=name, _sizes=sizes, _names=names, **kw):
             outer = getattr(_depth, "value", 0) == 0
             _depth.value = getattr(_depth, "value", 0) + 1
             try:
@@ -97,10 +96,9 @@ def count_deepspeed_collectives(ledger: ByteLedger) -> None:
             finally:
                 _depth.value -= 1
                 if outer:  # a nested call is part of the outer one
-                    bound = _sig.bind(*args, **kw)
-                    bound.apply_defaults()
+                    bound = {**dict(zip(_names, args)), **kw}
                     # A call over a one-rank group is counted, with no bytes: nothing left the rank.
-                    sent, received = _sizes(bound.arguments) if _size(bound.arguments.get("group")) > 1 else (0, 0)
+                    sent, received = _sizes(bound) if _size(bound.get("group")) > 1 else (0, 0)
                     cdb._ds_lowcomm_ledger.record(f"deepspeed.{_name}", sent, received)
 
         setattr(cdb, name, wrapped)

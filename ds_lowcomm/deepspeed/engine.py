@@ -144,10 +144,13 @@ def _patch_engine(engine, run: LowcommRun) -> None:
                 "method": run.config.lowcomm.method, "zero_stage": run.config.zero_stage}
 
     def lowcomm_save(self, save_dir, tag=None, client_state={}, save_latest=True, **kwargs):
+        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"  # DeepSpeed's default
         if dist.get_rank() == 0:
+            # DeepSpeed writes its "latest" file on global rank 0 only, so the other replicas'
+            # directories lack it: the latest tag is kept here, for every replica.
             os.makedirs(save_dir, exist_ok=True)
             with open(os.path.join(save_dir, CHECKPOINT_META), "w") as f:
-                json.dump(meta(self), f)
+                json.dump({**meta(self), "latest": tag if save_latest else None}, f)
         return save(replica_dir(save_dir), tag, client_state=client_state, save_latest=save_latest, **kwargs)
 
     def lowcomm_load(self, load_dir, tag=None, **kwargs):
@@ -160,7 +163,13 @@ def _patch_engine(engine, run: LowcommRun) -> None:
         diffs = [f"{k}: saved {saved.get(k)!r}, now {now[k]!r}" for k in now if saved.get(k) != now[k]]
         if diffs:
             raise ValueError(f"{load_dir}: checkpoint does not fit this run ({'; '.join(diffs)})")
-        return load(replica_dir(load_dir), tag, **kwargs)
+        tag = tag if tag is not None else saved.get("latest")
+        if tag is None:
+            raise FileNotFoundError(f"{load_dir}: no latest checkpoint recorded; pass tag=")
+        path, client_state = load(replica_dir(load_dir), tag, **kwargs)
+        if path is None:
+            raise FileNotFoundError(f"{replica_dir(load_dir)}/{tag}: DeepSpeed found no checkpoint to load")
+        return path, client_state
 
     engine.step = types.MethodType(lowcomm_step, engine)
     engine.save_checkpoint = types.MethodType(lowcomm_save, engine)

@@ -39,7 +39,7 @@ def lr_lambda(warmup: int, total: int, floor: float = 0.1):
 def params_digest(model: torch.nn.Module) -> str:
     h = hashlib.sha256()
     for p in model.parameters():
-        h.update(p.detach().cpu().contiguous().numpy().tobytes())
+        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())  # any dtype
     return h.hexdigest()
 
 
