@@ -185,7 +185,7 @@ def _mismatch_worker(rank, world, workdir):
 
 
 def test_mismatched_settings_across_ranks_are_refused(tmp_path):
-    with pytest.raises(RuntimeError, match="topk: rank 0 has 4, rank 1 has 2"):
+    with pytest.raises(RuntimeError, match="lowcomm.topk: rank 0 has 4, rank 1 has 2"):
         run_local_workers(_mismatch_worker, 2, str(tmp_path))
 
 

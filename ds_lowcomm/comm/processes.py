@@ -31,6 +31,7 @@ def _worker(rank, world_size, store_dir, fn, args, backend, threads):
         # No barrier here: the other ranks may be inside a collective this rank will never join;
         # exiting lets the parent see the failure and stop them.
         torch.save({"error": traceback.format_exc()}, os.path.join(store_dir, f"result{rank}.pt"))
+        dist.destroy_process_group()  # closes this rank's connections: peers fail fast, not at a timeout
         raise
     torch.save({"result": result}, os.path.join(store_dir, f"result{rank}.pt"))
     # Without the barrier before destroying, gloo now and then aborts at exit.

@@ -99,10 +99,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     count_deepspeed_collectives(engine_ledger)
 
     topology = ReplicaTopology.build(split.lowcomm.replica_size)
-    assert_same_across_ranks(
+    assert_same_across_ranks(  # flat keys, so that a difference names its field
         TorchDistTransport(ledger=engine_ledger),
-        {"lowcomm": split.lowcomm.effective(), "zero_stage": split.zero_stage,
-         "optimizer": {k: list(v) if isinstance(v, tuple) else v for k, v in split.optimizer_params.items()}},
+        {**{f"lowcomm.{k}": v for k, v in split.lowcomm.effective().items()},
+         "zero_optimization.stage": split.zero_stage,
+         **{f"optimizer.params.{k}": list(v) if isinstance(v, tuple) else v for k, v in split.optimizer_params.items()}},
     )
     params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     opt = build_optimizer(split.lowcomm, params, transport=TorchDistTransport(topology.cross_group),
