@@ -23,7 +23,7 @@ RECIPES: dict[str, dict] = {
     "adamw": {"lr": 1e-3, "lowcomm": {"method": "adamw"}},
     "demo": {"lr": 1e-3, "lowcomm": {"method": "demo", "topk": 1, "chunk": 8, "decay": 0.9, "value_dtype": "int8"}},
     "diloco": {"lr": 1e-3, "lowcomm": {"method": "diloco", "sync_every": 20}},
-    "dct_diloco": {"lr": 1e-3, "lowcomm": {"method": "dct_diloco", "sync_every": 20, "topk": 28, "chunk": 16,
+    "dct_diloco": {"lr": 1e-3, "lowcomm": {"method": "dct_diloco", "sync_every": 20, "topk": 32, "chunk": 16,
                                            "value_dtype": "bf16", "average": "world"}},
 }
 

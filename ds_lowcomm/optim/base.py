@@ -60,6 +60,13 @@ class LowcommOptimizer(torch.optim.Optimizer):
             self._syncs[key] = sync
         return sync
 
+    @staticmethod
+    def _evaluate_closure(closure):
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
+
     def _is_placeholder_step(self, params: list[torch.Tensor]) -> bool:
         """DeepSpeed's fp16/bf16 wrapper calls step() once at construction with zero gradients.
         Before any state exists, a step whose gradients are all missing or zero changes nothing

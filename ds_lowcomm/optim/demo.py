@@ -48,10 +48,7 @@ class DeMo(LowcommOptimizer):
 
     @torch.no_grad()
     def step(self, closure=None):
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._evaluate_closure(closure)
         params = self._current_params()
         if self._is_placeholder_step(params):
             return loss
