@@ -14,16 +14,18 @@ from .codec import AVERAGES, TRANSFORMS, VALUE_DTYPES
 
 METHODS = ("adamw", "demo", "diloco", "dct_diloco")
 TRANSPORTS = ("torch",)
+STATE_DTYPES = ("fp32", "bf16", "fp16")
+INNER_IMPLS = ("torch", "apex")
 
 # Which settings each method reads; a setting outside its method's set is ignored with a warning.
 _COMPRESSION = ("topk", "chunk", "decay", "value_dtype", "average", "transform")
-_OUTER = ("sync_every", "outer_lr", "outer_momentum", "nesterov")
+_OUTER = ("sync_every", "outer_lr", "outer_momentum", "nesterov", "inner_impl")
 _COMMON = ("method", "transport", "replica_size")
 METHOD_KEYS = {
     "adamw": _COMMON,
-    "demo": _COMMON + _COMPRESSION,
-    "diloco": _COMMON + _OUTER,
-    "dct_diloco": _COMMON + _OUTER + _COMPRESSION,
+    "demo": _COMMON + _COMPRESSION + ("state_dtype",),
+    "diloco": _COMMON + _OUTER + ("state_dtype",),
+    "dct_diloco": _COMMON + _OUTER + _COMPRESSION + ("state_dtype",),
 }
 # Defaults that differ by method (ALGORITHMS.md): DeMo's momentum decay is 0.999, the DCT outer
 # momentum's 0.9.
@@ -49,6 +51,8 @@ class LowcommConfig:
     transform: str = "dct"
     replica_size: int = 1
     transport: str = "torch"
+    state_dtype: str = "fp32"  # momenta, residuals and anchors (whatever the parameters' dtype)
+    inner_impl: str = "torch"  # the inner AdamW: torch's, or NVIDIA apex's FusedAdam where installed
 
     @classmethod
     def from_dict(cls, raw: dict[str, Any] | None, *, where: str = "lowcomm") -> "LowcommConfig":
@@ -83,6 +87,8 @@ class LowcommConfig:
         _check_choice(where, "transform", self.transform, TRANSFORMS)
         _check_int(where, "replica_size", self.replica_size, 1)
         _check_choice(where, "transport", self.transport, TRANSPORTS)
+        _check_choice(where, "state_dtype", self.state_dtype, STATE_DTYPES)
+        _check_choice(where, "inner_impl", self.inner_impl, INNER_IMPLS)
 
     def effective(self) -> dict[str, Any]:
         """The settings the chosen method actually uses (compared across ranks, written to results)."""

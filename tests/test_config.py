@@ -5,6 +5,7 @@ import sys
 import time
 
 import pytest
+import torch
 
 from ds_lowcomm.config import ConfigError, LowcommConfig, check_lr
 
@@ -21,11 +22,27 @@ from ds_lowcomm.config import ConfigError, LowcommConfig, check_lr
         ({"method": "diloco", "outer_lr": -1}, r"lowcomm.outer_lr must be a number > 0"),
         ({"method": "demo", "topK": 3}, r"unknown setting\(s\) topK; allowed: .*topk"),
         ({"method": "demo", "chunk": 2.5}, r"lowcomm.chunk must be an integer >= 1; got 2.5"),
+        ({"method": "diloco", "state_dtype": "fp64"}, r"lowcomm.state_dtype must be one of fp32, bf16, fp16"),
+        ({"method": "diloco", "inner_impl": "fused"}, r"lowcomm.inner_impl must be one of torch, apex"),
     ],
 )
 def test_bad_settings(raw, message):
     with pytest.raises(ConfigError, match=message):
         LowcommConfig.from_dict(raw)
+
+
+def test_apex_inner_optimizer_is_optional():
+    pytest.importorskip("torch")
+    try:
+        import apex.optimizers  # noqa: F401  (NVIDIA apex: only on GPU machines that built it)
+    except ImportError:
+        from ds_lowcomm.optim import build_optimizer
+
+        with pytest.raises(ConfigError, match="lowcomm.inner_impl is 'apex' but NVIDIA apex is not importable"):
+            build_optimizer(LowcommConfig.from_dict({"method": "diloco", "inner_impl": "apex"}),
+                            [torch.nn.Parameter(torch.zeros(2))], lr=1e-3)
+    else:
+        pytest.skip("apex installed: the error path does not apply")
 
 
 def test_negative_lr():

@@ -122,7 +122,7 @@ def _replica_worker(rank, world, stage, workdir):
     return out, single
 
 
-@pytest.mark.parametrize("stage", [1, 2])
+@pytest.mark.parametrize("stage", [0, 1, 2])
 def test_replicas_of_two_ranks_with_zero_inside(stage, tmp_path):
     results = run_local_workers(_replica_worker, 4, stage, str(tmp_path))
     replicas, single = results[0]
@@ -132,9 +132,11 @@ def test_replicas_of_two_ranks_with_zero_inside(stage, tmp_path):
         assert m["history"][-1]["train_loss"] < m["history"][0]["train_loss"], method
         # DeepSpeed reduced gradients inside each replica: real bytes on the engine's ledger
         assert m["engine_bytes_sent_per_worker"] > 0, method
-    # Each rank sends only its share across replicas: about half of what a whole-model sync sends.
-    share = _training_bytes(replicas["demo"]["ledgers"][0]["method"]) / _training_bytes(single["ledgers"][0]["method"])
-    assert 0.45 < share < 0.55, share
+    # Each rank sends only its share across replicas: about half of what a whole-model sync sends
+    # (ZeRO 1/2: its partition; ZeRO 0: the parameters it owns, balanced by size).
+    for r in range(4):
+        share = _training_bytes(replicas["demo"]["ledgers"][r]["method"]) / _training_bytes(single["ledgers"][r]["method"])
+        assert (0.45 < share < 0.55) if stage else (0.3 < share < 0.7), (r, share)
 
 
 def _bf16_worker(rank, world, workdir):

@@ -4,9 +4,10 @@ from .collectives import SparseAllGather, all_reduce_mean_
 from .consistency import assert_same_across_ranks
 from .ledger import ByteLedger
 from .processes import run_local_workers
+from .shard import ReplicaShard
 from .topology import ReplicaTopology
 from .transport import TorchDistTransport, Transport
 
 __all__ = [
-    "ByteLedger", "ReplicaTopology", "SparseAllGather", "assert_same_across_ranks", "TorchDistTransport", "Transport", "all_reduce_mean_", "run_local_workers",
+    "ByteLedger", "ReplicaShard", "ReplicaTopology", "SparseAllGather", "assert_same_across_ranks", "TorchDistTransport", "Transport", "all_reduce_mean_", "run_local_workers",
 ]

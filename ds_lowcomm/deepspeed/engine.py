@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..comm import ByteLedger, ReplicaTopology, TorchDistTransport, assert_same_across_ranks
+from ..comm import ByteLedger, ReplicaShard, ReplicaTopology, TorchDistTransport, assert_same_across_ranks
 from ..config import ConfigError
 from ..optim import LowcommOptimizer, build_optimizer
 from .comm_counter import count_deepspeed_collectives
@@ -109,6 +109,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     opt = build_optimizer(split.lowcomm, params, transport=TorchDistTransport(topology.cross_group),
                           **split.optimizer_params)
     opt.manage_ledger_steps = False  # engine.step marks the boundaries (ZeRO steps once per group)
+    if split.zero_stage == 0 and topology.replica_size > 1:
+        # Every rank of a replica holds the whole model: split the cross-replica sync by owner.
+        opt.shard = ReplicaShard(topology.local_rank, topology.replica_size,
+                                 TorchDistTransport(topology.replica_group, ledger=engine_ledger))
     engine, ds_opt, loader, sched = deepspeed.initialize(
         args=args, model=model, optimizer=opt, model_parameters=params, training_data=training_data,
         lr_scheduler=lr_scheduler, mpu=ReplicaMPU(topology), dist_init_required=dist_init_required,

@@ -21,10 +21,17 @@ class AllReduceAdamW(LowcommOptimizer, torch.optim.AdamW):
         params = self._current_params()
         if self._is_placeholder_step(params):
             return loss
+        owned = self._owned(params)
         for p in params:
             if p.grad is None:  # keep the flat buffer's layout the same on every rank
                 p.grad = torch.zeros_like(p)
-        all_reduce_mean_([p.grad for p in params], self.transport)
+        all_reduce_mean_([p.grad for p in owned], self.transport)
+        if self.shard is not None:  # AdamW skips parameters without a gradient
+            keep = {id(p) for p in owned}
+            for p in params:
+                if id(p) not in keep:
+                    p.grad = None
         torch.optim.AdamW.step(self)
+        self._share(params)
         self._finish_step()
         return loss

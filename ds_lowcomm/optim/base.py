@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from ..comm import SparseAllGather, TorchDistTransport, Transport, assert_same_across_ranks
+from ..comm import ReplicaShard, SparseAllGather, TorchDistTransport, Transport, assert_same_across_ranks
 
 
 def ordered_params(param_groups) -> list[torch.Tensor]:
@@ -27,6 +27,9 @@ class LowcommOptimizer(torch.optim.Optimizer):
     # The optimizer closes a ledger step at the end of step(); the DeepSpeed glue turns this off
     # and closes it at the engine's step boundary instead.
     manage_ledger_steps = True
+    # Set by the DeepSpeed glue at ZeRO 0 with replicas of several ranks: this rank syncs only the
+    # parameters it owns and shares them inside its replica (see comm/shard.py).
+    shard: ReplicaShard | None = None
 
     def _init_comm(self, transport: Transport | None, settings: dict[str, Any], codec: dict[str, Any] | None = None) -> None:
         self.transport = transport if transport is not None else TorchDistTransport()
@@ -74,6 +77,13 @@ class LowcommOptimizer(torch.optim.Optimizer):
         if any(self.state.get(p) for p in params):
             return False
         return all(p.grad is None or not p.grad.any() for p in params)
+
+    def _owned(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        return params if self.shard is None else self.shard.owned(params)
+
+    def _share(self, params: list[torch.Tensor]) -> None:
+        if self.shard is not None:
+            self.shard.share(params)
 
     def _finish_step(self) -> None:
         if self.manage_ledger_steps:

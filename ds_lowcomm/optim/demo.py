@@ -52,10 +52,13 @@ class DeMo(LowcommOptimizer):
         params = self._current_params()
         if self._is_placeholder_step(params):
             return loss
-        momenta, lrs = [], []
+        owned = {id(p) for p in self._owned(params)}
+        synced, momenta, lrs = [], [], []
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:
+                if id(p) not in owned:  # another rank of this replica syncs it and sends it here
+                    continue
                 state = self.state[p]
                 if "momentum" not in state:
                     state["momentum"] = torch.zeros_like(p, dtype=self.state_dtype)
@@ -65,11 +68,14 @@ class DeMo(LowcommOptimizer):
                 m.mul_(self.decay)
                 if p.grad is not None:  # a parameter without a gradient still takes part in the exchange
                     m.add_(p.grad.to(m.dtype), alpha=lr)
+                synced.append(p)
                 momenta.append(m)
                 lrs.append(lr)
-        # Sends each momentum's top-k DCT components and removes them from it (error feedback).
-        means = self._sync_for(params, "sparse_all_gather").exchange(momenta)
-        for p, lr, q in zip(params, lrs, means):
-            p.add_(q.sign().to(p.dtype), alpha=-lr)
+        if synced:
+            # Sends each momentum's top-k DCT components and removes them from it (error feedback).
+            means = self._sync_for(synced, "sparse_all_gather").exchange(momenta)
+            for p, lr, q in zip(synced, lrs, means):
+                p.add_(q.sign().to(p.dtype), alpha=-lr)
+        self._share(params)
         self._finish_step()
         return loss

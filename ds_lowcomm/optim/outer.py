@@ -90,19 +90,27 @@ class OuterLoop(LowcommOptimizer):
         params = self._current_params()
         if self._is_placeholder_step(params):
             return None
+        owned = self._owned(params)
         with torch.no_grad():
             for p in params:
+                state = self.state[p]
+                if "local_step" not in state:
+                    state["local_step"] = 0
+                    state["outer_steps"] = 0
+            for p in owned:
                 state = self.state[p]
                 if "anchor" not in state:  # the global parameters every replica starts from
                     state["anchor"] = p.detach().to(self.state_dtype, copy=True)
                     state["outer_momentum"] = torch.zeros_like(state["anchor"])
-                    state["local_step"] = 0
-                    state["outer_steps"] = 0
         loss = self.inner.step(closure)
         for p in params:
             self.state[p]["local_step"] += 1
         if self.state[params[0]]["local_step"] % self.sync_every == 0:
-            self.outer_step(params)
+            if owned:
+                self.outer_step(owned)
+            self._share(params)
+            for p in params:
+                self.state[p]["outer_steps"] += 1
         self._finish_step()
         return loss
 
@@ -122,7 +130,6 @@ class OuterLoop(LowcommOptimizer):
             buf.mul_(mu).add_(g)
             state["anchor"].sub_(g.add(buf, alpha=mu) if self.nesterov else buf, alpha=self.outer_lr)
             p.copy_(state["anchor"])
-            state["outer_steps"] += 1
 
     # -- checkpointing: outer state here, the inner optimizer's under "inner" ---------------
     def _extra_state(self):

@@ -7,10 +7,22 @@ from typing import Callable, Iterable
 import torch
 
 from ..comm import Transport
-from ..config import LowcommConfig, check_lr
+from ..config import ConfigError, LowcommConfig, check_lr
 from .adamw import AllReduceAdamW
 from .demo import DeMo
 from .outer import DCTDiLoCo, DiLoCo
+
+
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _apex_fused_adamw(params, lr, betas, eps, weight_decay):
+    try:
+        from apex.optimizers import FusedAdam  # NVIDIA apex, built from source on GPU machines
+    except ImportError:
+        raise ConfigError("lowcomm.inner_impl is 'apex' but NVIDIA apex is not importable here; "
+                          "allowed: torch, apex (apex only where it is installed)") from None
+    return FusedAdam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_w_mode=True)
 
 
 def _compression_kwargs(cfg: LowcommConfig) -> dict:
@@ -20,7 +32,7 @@ def _compression_kwargs(cfg: LowcommConfig) -> dict:
 
 def _outer_kwargs(cfg: LowcommConfig) -> dict:
     return dict(sync_every=cfg.sync_every, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
-                nesterov=cfg.nesterov)
+                nesterov=cfg.nesterov, state_dtype=_TORCH_DTYPES[cfg.state_dtype])
 
 
 def build_optimizer(
@@ -44,10 +56,14 @@ def build_optimizer(
     if cfg.method == "adamw":
         return AllReduceAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, transport=transport)
     if cfg.method == "demo":
-        return DeMo(params, lr=lr, weight_decay=weight_decay, transport=transport, **_compression_kwargs(cfg))
-    inner = inner_factory(params) if inner_factory else torch.optim.AdamW(
-        params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay
-    )
+        return DeMo(params, lr=lr, weight_decay=weight_decay, transport=transport,
+                    state_dtype=_TORCH_DTYPES[cfg.state_dtype], **_compression_kwargs(cfg))
+    if inner_factory is not None:
+        inner = inner_factory(params)
+    elif cfg.inner_impl == "apex":
+        inner = _apex_fused_adamw(params, lr, betas, eps, weight_decay)
+    else:
+        inner = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     if cfg.method == "diloco":
         return DiLoCo(inner, transport=transport, **_outer_kwargs(cfg))
     if cfg.method == "dct_diloco":
