@@ -202,6 +202,20 @@ def test_resume_with_another_method_is_refused(tmp_path):
         run_local_workers(_wrong_resume_worker, 2, str(tmp_path))
 
 
+def _save_worker(rank, world, workdir):
+    _run(ds_config("diloco"), workdir, "a", "--save-dir", os.path.join(workdir, "ckpt"), "--save-at", "3")
+
+
+def _resume_worker(rank, world, workdir):
+    _run(ds_config("diloco"), workdir, "a", "--save-dir", os.path.join(workdir, "ckpt"), "--resume")
+
+
+def test_resume_with_another_world_size_is_refused(tmp_path):
+    run_local_workers(_save_worker, 2, str(tmp_path))
+    with pytest.raises(RuntimeError, match="world_size: saved 2, now 4"):
+        run_local_workers(_resume_worker, 4, str(tmp_path))
+
+
 # --- the three launchers start launch/train.py ----------------------------------------------------
 
 def _launch(cmd, tmp_path, config):
