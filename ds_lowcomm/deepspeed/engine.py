@@ -90,6 +90,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                           "lowcomm sections; leave optimizer out")
     if mpu is not None:
         raise ConfigError("mpu=: the data-parallel layout comes from lowcomm.replica_size; leave mpu out")
+    from deepspeed.pipe import PipelineModule
+
+    if isinstance(model, PipelineModule):
+        raise ConfigError("model: DeepSpeed's pipeline engine is not supported by ds_lowcomm yet")
     if args is not None and getattr(args, "deepspeed_config", None) is not None:
         args = argparse.Namespace(**{**vars(args), "deepspeed_config": None})  # config goes by dict
 
