@@ -53,8 +53,10 @@ def _run(cfg, workdir, name, *more):
 def _stage_worker(rank, world, stage, workdir):
     out = {}
     for method in LOWCOMM:
+        # A run without checkpoints: DeepSpeed's save_checkpoint issues collectives of its own
+        # (tag validation), which would blur the count of its gradient reduction.
         m = _run(ds_config(method, stage), workdir, f"{method}{stage}")
-        # resume: save at step 3 (an outer sync: diloco/dct_diloco have H=3), restore, finish
+        # resume: the full run saves at step 4, inside an outer interval (diloco/dct_diloco have H=3)
         save = os.path.join(workdir, f"ckpt_{method}{stage}")
         full = _run(ds_config(method, stage), workdir, f"{method}{stage}", "--save-dir", save, "--save-at", "4")
         resumed = _run(ds_config(method, stage), workdir, f"{method}{stage}", "--save-dir", save, "--resume")

@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from ..task.data import ByteCorpus
 from ..task.model import GPT, GPTConfig
-from ..task.train import evaluate, lr_lambda, params_digest
+from ..task.train import evaluate, lr_lambda, mean_over_ranks, params_digest
 
 
 def parser() -> argparse.ArgumentParser:
@@ -97,10 +97,8 @@ def run(args: argparse.Namespace) -> dict:
             recent = (recent + [loss.item()])[-eval_every * accum:]
         done = step + 1
         if done % eval_every == 0 or done == args.steps:
-            stats = torch.tensor([sum(recent) / len(recent), evaluate(engine.module, [(a.to(engine.device), b.to(engine.device)) for a, b in val])],
-                                 dtype=torch.float64)
-            dist.all_reduce(stats)  # evaluation only, not method traffic
-            train_loss, val_loss = (stats / world).tolist()
+            val_on_device = [(a.to(engine.device), b.to(engine.device)) for a, b in val]
+            train_loss, val_loss = mean_over_ranks(sum(recent) / len(recent), evaluate(engine.module, val_on_device))
             history.append({"step": done, "train_loss": train_loss, "val_loss": val_loss,
                             "bytes_sent": engine.lowcomm.summary()["bytes_sent"]})
             if rank == 0:

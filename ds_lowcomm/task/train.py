@@ -51,7 +51,8 @@ def evaluate(model, batches) -> float:
     return loss
 
 
-def _mean_over_ranks(*values: float) -> list[float]:
+def mean_over_ranks(*values: float) -> list[float]:
+    """Evaluation metrics averaged over ranks (a plain all-reduce: not method traffic)."""
     t = torch.tensor(values, dtype=torch.float64)
     dist.all_reduce(t)
     return (t / dist.get_world_size()).tolist()
@@ -95,7 +96,7 @@ def train_worker(rank: int, world_size: int, spec: dict) -> dict:
         recent = (recent + [loss.item()])[-eval_every:]
         done = step + 1
         if done % eval_every == 0 or done == steps:
-            train_loss, val_loss = _mean_over_ranks(sum(recent) / len(recent), evaluate(model, val))
+            train_loss, val_loss = mean_over_ranks(sum(recent) / len(recent), evaluate(model, val))
             row = {"step": done, "train_loss": train_loss, "val_loss": val_loss,
                    "bytes_sent": opt.ledger.sent, "bytes_received": opt.ledger.received}
             history.append(row)
