@@ -12,10 +12,15 @@ from hypothesis import strategies as st
 from ds_lowcomm.codec import (
     ChunkPlan,
     SparseSpec,
+    ValueFormat,
     dct_basis,
     dct_decode,
     dct_encode,
-    index_width,
+    index_bits,
+    pack_2bit,
+    pack_indices,
+    unpack_2bit,
+    unpack_indices,
     pack_uint,
     topk_count,
     unpack_uint,
@@ -102,13 +107,17 @@ def test_topk_keeps_the_largest_coefficients_of_each_block():
         np.testing.assert_allclose(sent_coeffs[b].numpy(), expected, atol=1e-6)
 
 
-def test_index_width_and_payload_size():
-    assert index_width(64 * 64) == 2  # uint16 for 64x64 blocks
-    assert index_width(256) == 1 and index_width(257) == 2 and index_width(70000) == 4
+def test_index_bits_and_payload_size():
+    assert index_bits(64 * 64) == 12  # two indices in three bytes for 64x64 blocks
+    assert index_bits(256) == 8 and index_bits(257) == 12 and index_bits(4097) == 16 and index_bits(70000) == 32
     spec = SparseSpec.build((64, 64), chunk=64, topk=32, value_dtype="fp32")
-    assert spec.nbytes == 32 * (2 + 4)
-    assert SparseSpec.build((64, 64), chunk=64, topk=32, value_dtype="bf16").nbytes == 32 * (2 + 2)
-    assert SparseSpec.build((64, 64), chunk=64, topk=32, value_dtype="int8").nbytes == 32 * (2 + 1) + 8
+    assert spec.nbytes == 32 * 12 // 8 + 32 * 4
+    assert SparseSpec.build((64, 64), chunk=64, topk=32, value_dtype="bf16").nbytes == 48 + 32 * 2
+    assert SparseSpec.build((64, 64), chunk=64, topk=32, value_dtype="int8").nbytes == 48 + 32 + 8
+    # SparseLoCo's wire: 64 of 4096 per chunk, 12-bit indices, 2-bit values + a 4-entry fp32 lookup
+    assert SparseSpec.build((64, 64), chunk=64, topk=64, value_dtype="2bit").nbytes == 96 + 16 + 16
+    # odd counts round up to whole bytes
+    assert SparseSpec.build((4096 * 3,), chunk=64, topk=1, value_dtype="2bit").nbytes == 5 + 16 + 1
 
 
 def test_topk_is_proportional_for_small_blocks():
@@ -128,7 +137,49 @@ def test_uint_packing_round_trip(width, values):
     assert torch.equal(unpack_uint(packed, width), vals)
 
 
-@pytest.mark.parametrize("value_dtype", ["fp32", "bf16", "fp16", "int8"])
+@settings(max_examples=50, deadline=None)
+@given(st.sampled_from([8, 12, 16, 32]), st.lists(st.integers(0, 2**31 - 1), min_size=1, max_size=65))
+def test_index_packing_round_trip(bits, values):
+    vals = torch.tensor([v % (1 << min(bits, 31)) for v in values])
+    packed = pack_indices(vals, bits)
+    assert packed.dtype == torch.uint8 and packed.numel() == (len(values) * bits + 7) // 8
+    assert torch.equal(unpack_indices(packed, bits, len(values)), vals)
+    # rows of several ranks unpack at once
+    assert torch.equal(unpack_indices(torch.stack([packed, packed]), bits, len(values)), torch.stack([vals, vals]))
+
+
+def test_12bit_layout_is_the_documented_one():
+    # (a, b) = (0xABC, 0x123) -> bytes 0xBC, 0x3A, 0x12
+    assert pack_indices(torch.tensor([0xABC, 0x123]), 12).tolist() == [0xBC, 0x3A, 0x12]
+
+
+@settings(max_examples=30, deadline=None)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=33))
+def test_2bit_code_packing_round_trip(codes):
+    c = torch.tensor(codes)
+    packed = pack_2bit(c)
+    assert packed.numel() == (len(codes) + 3) // 4
+    assert torch.equal(unpack_2bit(packed, len(codes)), c)
+
+
+def test_2bit_quantiser_against_its_definition():
+    """4 equal bins over mean +- 3 sigma; each value decodes to the mean of its bin's values."""
+    torch.manual_seed(3)
+    x = torch.cat([torch.randn(500) * 2 + 0.3, torch.tensor([40.0, -40.0])])  # outliers land in the end bins
+    fmt = ValueFormat("2bit")
+    data, sent = fmt.pack(x)
+    assert data.numel() == fmt.nbytes(x.numel()) == 16 + (x.numel() + 3) // 4
+    xs = x.double().numpy()
+    mean, sigma = xs.mean(), xs.std()
+    edges = mean + sigma * np.array([-1.5, 0.0, 1.5])  # inner edges of the 4 bins over [mean-3s, mean+3s]
+    bins = np.searchsorted(edges, xs, side="right")
+    expected = np.array([xs[bins == b].mean() for b in bins])
+    np.testing.assert_allclose(sent.numpy(), expected, rtol=1e-5, atol=1e-5)
+    assert torch.equal(fmt.unpack(data, x.numel()), sent)  # receivers decode the same bits
+    assert len(set(sent.tolist())) == 4
+
+
+@pytest.mark.parametrize("value_dtype", ["fp32", "bf16", "fp16", "int8", "2bit"])
 def test_wire_round_trip_is_exact_for_every_value_dtype(value_dtype):
     torch.manual_seed(0)
     x = torch.randn(96, 64)
@@ -138,7 +189,7 @@ def test_wire_round_trip_is_exact_for_every_value_dtype(value_dtype):
     decoded = spec.decompress_mean(payload[None])
     # The receiver reconstructs bit for bit what the sender says it sent (error feedback relies on it).
     assert torch.equal(decoded, sent)
-    tol = {"fp32": 1e-6, "bf16": 2e-2, "fp16": 2e-3, "int8": 5e-2}[value_dtype]
+    tol = {"fp32": 1e-6, "bf16": 2e-2, "fp16": 2e-3, "int8": 5e-2, "2bit": 0.5}[value_dtype]
     best = dct_decode(_keep_topk(dct_encode(x, spec.plan), spec.k), spec.plan)
     assert (decoded - best).abs().max() < tol * x.abs().max()
 

@@ -15,15 +15,35 @@ from ds_lowcomm.config import ConfigError, LowcommConfig, check_lr
     [
         ({"method": "demo", "topk": 5000}, r"lowcomm.topk must be an integer in \[1, 4096\] \(chunk\*chunk = 4096\); got 5000"),
         ({"method": "diloco", "sync_every": 0}, r"lowcomm.sync_every must be an integer >= 1; got 0"),
-        ({"method": "sgd"}, r"lowcomm.method must be one of adamw, demo, diloco, dct_diloco; got 'sgd'"),
+        ({"method": "sgd"}, r"lowcomm.method must be one of adamw, demo, diloco, dct_diloco, sparseloco, mtdao; got 'sgd'"),
         ({"method": "demo", "decay": 1.0}, r"lowcomm.decay must be a number in \[0.0, 1.0\); got 1.0"),
         ({"method": "demo", "decay": -0.1}, r"lowcomm.decay must be a number in \[0.0, 1.0\)"),
-        ({"method": "dct_diloco", "value_dtype": "fp8"}, r"lowcomm.value_dtype must be one of fp32, bf16, fp16, int8"),
+        ({"method": "dct_diloco", "value_dtype": "fp8"}, r"lowcomm.value_dtype must be one of fp32, bf16, fp16, int8, 2bit"),
         ({"method": "diloco", "outer_lr": -1}, r"lowcomm.outer_lr must be a number > 0"),
         ({"method": "demo", "topK": 3}, r"unknown setting\(s\) topK; allowed: .*topk"),
         ({"method": "demo", "chunk": 2.5}, r"lowcomm.chunk must be an integer >= 1; got 2.5"),
         ({"method": "diloco", "state_dtype": "fp64"}, r"lowcomm.state_dtype must be one of fp32, bf16, fp16"),
         ({"method": "diloco", "inner_impl": "fused"}, r"lowcomm.inner_impl must be one of torch, apex"),
+        ({"method": "diloco", "transport": "nccl"}, r"lowcomm.transport must be one of torch, mpi; got 'nccl'"),
+        # SparseLoCo
+        ({"method": "sparseloco", "topk": 0}, r"lowcomm.topk must be an integer in \[1, 4096\]"),
+        ({"method": "sparseloco", "value_dtype": "1bit"}, r"lowcomm.value_dtype must be one of .*2bit; got '1bit'"),
+        ({"method": "sparseloco", "decay": 1.5}, r"lowcomm.decay must be a number in \[0.0, 1.0\)"),
+        # streaming outer sync
+        ({"method": "diloco", "sync_every": 4, "fragments": 5}, r"lowcomm.fragments must be an integer in \[1, 4\]"),
+        ({"method": "dct_diloco", "sync_every": 4, "sync_delay": 4},
+         r"lowcomm.sync_delay must be an integer in \[0, 3\] \(a fragment's sync must land before its next one"),
+        ({"method": "sparseloco", "fragment_mix": 1.5}, r"lowcomm.fragment_mix must be a number in \[0, 1\]; got 1.5"),
+        # MT-DAO
+        ({"method": "mtdao", "momentum_betas": [0.9, 0.99], "momentum_weights": [0.5]},
+         r"lowcomm.momentum_weights must be a list with one weight per momentum_betas entry \(2\)"),
+        ({"method": "mtdao", "momentum_betas": [0.9, 0.99], "momentum_weights": [0.6, 0.6]},
+         r"lowcomm.momentum_weights must sum to at most 1"),
+        ({"method": "mtdao", "momentum_betas": [1.0]}, r"lowcomm.momentum_betas\[\] must be a number in \[0.0, 1.0\); got 1.0"),
+        ({"method": "mtdao", "momentum_betas": []}, r"lowcomm.momentum_betas must be a non-empty list"),
+        ({"method": "mtdao", "momentum_sync_every": [8, 8]}, r"lowcomm.momentum_sync_every must be a list with one period"),
+        ({"method": "mtdao", "second_moment_sync_every": 0}, r"lowcomm.second_moment_sync_every must be an integer >= 1"),
+        ({"method": "mtdao", "sync_codec": "powersgd"}, r"lowcomm.sync_codec must be one of dense, topk; got 'powersgd'"),
     ],
 )
 def test_bad_settings(raw, message):
@@ -55,12 +75,19 @@ def test_method_defaults_and_ignored_settings():
     assert LowcommConfig.from_dict({"method": "demo"}).decay == 0.999
     with pytest.warns(UserWarning, match="sync_every do not apply to method 'demo'"):
         LowcommConfig.from_dict({"method": "demo", "sync_every": 4})
+    sl = LowcommConfig.from_dict({"method": "sparseloco"})  # the published recipe
+    assert (sl.decay, sl.topk, sl.chunk, sl.value_dtype, sl.transform, sl.outer_lr, sl.sync_every) == \
+        (0.95, 64, 64, "2bit", "none", 1.0, 30)
+    with pytest.warns(UserWarning, match="outer_momentum do not apply to method 'sparseloco'"):
+        LowcommConfig.from_dict({"method": "sparseloco", "outer_momentum": 0.9})
+    mt = LowcommConfig.from_dict({"method": "mtdao", "momentum_betas": [0.9, 0.999], "momentum_weights": [0.3, 0.5]})
+    assert mt.momentum_betas == (0.9, 0.999) and mt.sync_every == 32 and mt.sync_codec == "dense"
 
 
 @pytest.mark.parametrize(
     "args,message",
     [
-        (["--methods", "adamw,foo"], "--methods: unknown method(s) foo; allowed: adamw, demo, diloco, dct_diloco"),
+        (["--methods", "adamw,foo"], "--methods: unknown method(s) foo; allowed: adamw, demo, diloco, dct_diloco, sparseloco, mtdao"),
         (["--workers", "0"], "--workers must be >= 1"),
     ],
 )

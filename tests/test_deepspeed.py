@@ -168,6 +168,8 @@ def test_bf16_engines(tmp_path):
         (lambda c: c.pop("optimizer"), "optimizer: a section"),
         (lambda c: c["optimizer"]["params"].update(lr=-1), "optimizer.params.lr must be a number > 0"),
         (lambda c: c["lowcomm"].update(method="powersgd"), "lowcomm.method must be one of"),
+        (lambda c: (c["lowcomm"].update(method="diloco", sync_every=4, fragments=2), c.update(zero_optimization={"stage": 1})),
+         "lowcomm.fragments must be 1 with zero_optimization.stage 1"),
     ],
 )
 def test_config_errors(mutate, message):

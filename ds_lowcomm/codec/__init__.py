@@ -7,14 +7,20 @@ from .sparse import (
     VALUE_DTYPES,
     SparseSpec,
     ValueFormat,
-    index_width,
+    index_bits,
+    pack_2bit,
+    pack_indices,
     pack_uint,
+    packed_nbytes,
     topk_count,
+    unpack_2bit,
+    unpack_indices,
     unpack_uint,
 )
 
 __all__ = [
     "AVERAGES", "TRANSFORMS", "VALUE_DTYPES", "ChunkPlan", "SparseSpec", "ValueFormat",
-    "dct_basis", "dct_decode", "dct_encode", "index_width", "largest_divisor_at_most",
-    "pack_uint", "topk_count", "unpack_uint",
+    "dct_basis", "dct_decode", "dct_encode", "index_bits", "largest_divisor_at_most",
+    "pack_2bit", "pack_indices", "pack_uint", "packed_nbytes", "topk_count", "unpack_2bit", "unpack_indices",
+    "unpack_uint",
 ]

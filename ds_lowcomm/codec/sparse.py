@@ -1,10 +1,11 @@
 """Per-block top-k of transform coefficients and its byte format.
 
 One tensor's payload is ``[indices | values]``: indices are positions inside their block, in
-the smallest unsigned width that holds the block size (1, 2 or 4 bytes, little-endian), values
-in fp32/bf16/fp16, or int8 codes with a per-tensor (min, step) fp32 header. The layout of a
-payload follows from the tensor shape and the settings alone, so every rank knows every other
-rank's layout without a header on the wire.
+the smallest of 8, 12, 16 or 32 bits that holds the block size (12 bits for 64x64 blocks: two
+indices in three bytes), values in fp32/bf16/fp16, int8 codes with a per-tensor (min, step) fp32
+header, or 2-bit codes with a per-tensor lookup table of 4 fp32 bin means. The layout of a payload
+follows from the tensor shape and the settings alone, so every rank knows every other rank's
+layout without a header on the wire.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from .dct import ChunkPlan, dct_decode, dct_encode, identity_decode, identity_en
 if sys.byteorder != "little":  # the index packing reinterprets int32 bytes
     raise ImportError("ds_lowcomm's wire format assumes a little-endian host")
 
-VALUE_DTYPES = ("fp32", "bf16", "fp16", "int8")
+VALUE_DTYPES = ("fp32", "bf16", "fp16", "int8", "2bit")
 TRANSFORMS = ("dct", "none")
 AVERAGES = ("senders", "world")
 
@@ -35,13 +36,16 @@ def topk_count(plan: ChunkPlan, topk: int, chunk: int) -> int:
     return max(1, min(plan.block_size, k))
 
 
-def index_width(block_size: int) -> int:
-    """Bytes per index: the smallest unsigned width that holds 0..block_size-1."""
-    if block_size <= 1 << 8:
-        return 1
-    if block_size <= 1 << 16:
-        return 2
-    return 4
+def index_bits(block_size: int) -> int:
+    """Bits per index: the smallest of 8, 12, 16, 32 that holds 0..block_size-1."""
+    for bits in (8, 12, 16):
+        if block_size <= 1 << bits:
+            return bits
+    return 32
+
+
+def packed_nbytes(count: int, bits: int) -> int:
+    return (count * bits + 7) // 8
 
 
 def pack_uint(values: torch.Tensor, width: int) -> torch.Tensor:
@@ -59,6 +63,55 @@ def unpack_uint(data: torch.Tensor, width: int) -> torch.Tensor:
     return padded.view(torch.int32).squeeze(-1).to(torch.int64)
 
 
+def pack_indices(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Integers in [0, 2**bits) -> flat uint8 of ``packed_nbytes(n, bits)`` bytes. 12 bits: each
+    pair (a, b) becomes 3 bytes: a's low 8 bits | a's high 4 bits + b's low 4 | b's high 8."""
+    if bits != 12:
+        return pack_uint(values, bits // 8)
+    flat = values.reshape(-1).to(torch.int32)
+    n = flat.numel()
+    if n % 2:
+        flat = torch.cat([flat, flat.new_zeros(1)])
+    a, b = flat[0::2], flat[1::2]
+    out = torch.stack([a & 0xFF, (a >> 8) | ((b & 0xF) << 4), b >> 4], dim=-1).to(torch.uint8)
+    return out.reshape(-1)[: packed_nbytes(n, 12)]
+
+
+def unpack_indices(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_indices` over the last dimension: (..., nbytes) uint8 -> (..., count) int64."""
+    if bits != 12:
+        return unpack_uint(data, bits // 8)
+    if count % 2:
+        data = torch.cat([data, data.new_zeros(*data.shape[:-1], 1)], dim=-1)
+    triples = data.reshape(*data.shape[:-1], -1, 3).to(torch.int64)
+    a = triples[..., 0] | ((triples[..., 1] & 0xF) << 8)
+    b = (triples[..., 1] >> 4) | (triples[..., 2] << 4)
+    return torch.stack([a, b], dim=-1).reshape(*data.shape[:-1], -1)[..., :count]
+
+
+def pack_2bit(codes: torch.Tensor) -> torch.Tensor:
+    """Codes in 0..3 -> flat uint8, four per byte, the first in the lowest bits."""
+    flat = codes.reshape(-1).to(torch.uint8)
+    pad = (-flat.numel()) % 4
+    if pad:
+        flat = torch.cat([flat, flat.new_zeros(pad)])
+    q = flat.reshape(-1, 4)
+    return q[:, 0] | (q[:, 1] << 2) | (q[:, 2] << 4) | (q[:, 3] << 6)
+
+
+def unpack_2bit(data: torch.Tensor, count: int) -> torch.Tensor:
+    """Inverse of :func:`pack_2bit` over the last dimension: (..., nbytes) uint8 -> (..., count) int64."""
+    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=data.device)
+    codes = (data.unsqueeze(-1) >> shifts) & 3
+    return codes.reshape(*data.shape[:-1], -1)[..., :count].to(torch.int64)
+
+
+# 2-bit values (SparseLoCo): 4 equal bins over mean +- 3 sigma, each decoded to the mean of the
+# values that fell in it (a per-tensor lookup table sent with the codes).
+TWO_BIT_BINS = 4
+TWO_BIT_SIGMAS = 3.0
+
+
 class ValueFormat:
     """How kept coefficient values travel: a float dtype, or 8-bit min/max codes."""
 
@@ -70,11 +123,15 @@ class ValueFormat:
     def nbytes(self, count: int) -> int:
         if self.name == "int8":
             return count + 8
+        if self.name == "2bit":
+            return 4 * TWO_BIT_BINS + packed_nbytes(count, 2)
         return count * torch.finfo(_FLOAT_DTYPES[self.name]).bits // 8
 
     def pack(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 values -> (flat uint8 bytes, the fp32 values the receivers will decode)."""
         flat = values.reshape(-1).float()
+        if self.name == "2bit":
+            return self._pack_2bit(flat, values.shape)
         if self.name != "int8":
             sent = flat.to(_FLOAT_DTYPES[self.name])
             return sent.view(torch.uint8), sent.float().view_as(values)
@@ -86,9 +143,28 @@ class ValueFormat:
         sent = lo + codes.float() * step
         return torch.cat([header, codes]), sent.view_as(values)
 
-    def unpack(self, data: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _pack_2bit(flat: torch.Tensor, shape) -> tuple[torch.Tensor, torch.Tensor]:
+        mean = flat.mean()
+        sigma = flat.std(correction=0) if flat.numel() > 1 else torch.zeros_like(mean)
+        width = 2 * TWO_BIT_SIGMAS * sigma / TWO_BIT_BINS
+        safe_width = torch.where(width > 0, width, torch.ones_like(width))
+        lo = mean - TWO_BIT_SIGMAS * sigma
+        codes = torch.floor((flat - lo) / safe_width).clamp_(0, TWO_BIT_BINS - 1).to(torch.int64)
+        sums = torch.zeros(TWO_BIT_BINS, dtype=torch.float32, device=flat.device).scatter_add_(0, codes, flat)
+        counts = torch.zeros_like(sums).scatter_add_(0, codes, torch.ones_like(flat))
+        centres = lo + (torch.arange(TWO_BIT_BINS, device=flat.device, dtype=torch.float32) + 0.5) * width
+        lookup = torch.where(counts > 0, sums / counts.clamp(min=1), centres)  # empty bins are never decoded
+        return torch.cat([lookup.view(torch.uint8), pack_2bit(codes)]), lookup[codes].view(shape)
+
+    def unpack(self, data: torch.Tensor, count: int) -> torch.Tensor:
         """(..., nbytes) uint8 -> (..., count) fp32, vectorised over leading dims (one row per rank)."""
         data = data.contiguous()
+        if self.name == "2bit":
+            header = 4 * TWO_BIT_BINS
+            lookup = data[..., :header].contiguous().view(torch.float32)
+            codes = unpack_2bit(data[..., header:], count)
+            return torch.gather(lookup, -1, codes)
         if self.name != "int8":
             return data.view(_FLOAT_DTYPES[self.name]).float()
         header = data[..., :8].contiguous().view(torch.float32)
@@ -118,7 +194,7 @@ class SparseSpec:
 
     @property
     def index_bytes(self) -> int:
-        return self.count * index_width(self.plan.block_size)
+        return packed_nbytes(self.count, index_bits(self.plan.block_size))
 
     @property
     def nbytes(self) -> int:
@@ -144,7 +220,7 @@ class SparseSpec:
         idx = torch.topk(coeffs.abs(), self.k, dim=-1, sorted=False).indices
         vals = torch.gather(coeffs, -1, idx)
         value_bytes, sent_vals = self.values.pack(vals)
-        index_bytes = pack_uint(idx, index_width(self.plan.block_size))
+        index_bytes = pack_indices(idx, index_bits(self.plan.block_size))
         sent = torch.zeros_like(coeffs).scatter_(-1, idx, sent_vals.to(coeffs.dtype))
         return torch.cat([index_bytes, value_bytes]), self._decode(sent)
 
@@ -160,8 +236,9 @@ class SparseSpec:
             raise ValueError(f"average must be one of {', '.join(AVERAGES)}; got {average!r}")
         n = rows.shape[0]
         nb = self.plan.num_blocks
-        idx = unpack_uint(rows[:, : self.index_bytes], index_width(self.plan.block_size)).reshape(n, nb, self.k)
-        vals = self.values.unpack(rows[:, self.index_bytes :]).reshape(n, nb, self.k)
+        bits = index_bits(self.plan.block_size)
+        idx = unpack_indices(rows[:, : self.index_bytes], bits, self.count).reshape(n, nb, self.k)
+        vals = self.values.unpack(rows[:, self.index_bytes :], self.count).reshape(n, nb, self.k)
         total = torch.zeros(nb, self.plan.block_size, dtype=torch.float32, device=rows.device)
         for r in range(n):
             total.scatter_add_(-1, idx[r], vals[r])

@@ -1,13 +1,13 @@
 """The compressed collective backend: transports, the byte ledger, sparse and dense collectives."""
 
-from .collectives import SparseAllGather, all_reduce_mean_
+from .collectives import SparseAllGather, all_reduce_mean_, start_all_reduce_mean_
 from .consistency import assert_same_across_ranks
 from .ledger import ByteLedger
 from .processes import run_local_workers
 from .shard import ReplicaShard
 from .topology import ReplicaTopology
-from .transport import TorchDistTransport, Transport
+from .transport import Pending, TorchDistTransport, Transport
 
 __all__ = [
-    "ByteLedger", "ReplicaShard", "ReplicaTopology", "SparseAllGather", "assert_same_across_ranks", "TorchDistTransport", "Transport", "all_reduce_mean_", "run_local_workers",
+    "ByteLedger", "Pending", "ReplicaShard", "ReplicaTopology", "SparseAllGather", "assert_same_across_ranks", "TorchDistTransport", "Transport", "all_reduce_mean_", "run_local_workers", "start_all_reduce_mean_",
 ]

@@ -16,23 +16,58 @@ from .ledger import ByteLedger
 _all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
+class Pending:
+    """A collective in flight. ``wait()`` blocks until it has landed and returns its result (the
+    same object on every later call). Only the time spent issuing and waiting is booked as
+    "comm" time: a collective that lands while the caller computes costs the step nothing.
+    With ``ledger=None`` nothing is timed here (for wrappers whose parts time themselves)."""
+
+    def __init__(self, finish, ledger: ByteLedger | None):
+        self._finish = finish
+        self._ledger = ledger
+        self._done = False
+        self._result = None
+
+    def wait(self):
+        if not self._done:
+            start = time.perf_counter()
+            self._result = self._finish()
+            if self._ledger is not None:
+                self._ledger.add_time("comm", time.perf_counter() - start)
+            self._done, self._finish = True, None
+        return self._result
+
+
 class Transport:
-    """Interface: rank, world_size, ledger, and three collectives."""
+    """Interface: rank, world_size, ledger, device, and three collectives.
+
+    A transport implements the ``start_*`` forms (non-blocking: issue, record the bytes, return
+    a :class:`Pending`) and ``broadcast_``; the blocking forms are ``start_*(...).wait()``.
+    Collectives must be started in the same order on every rank.
+    """
 
     rank: int
     world_size: int
     ledger: ByteLedger
     device: torch.device  # where this transport's buffers must live
 
-    def all_gather_bytes(self, payload: torch.Tensor, op: str = "all_gather") -> torch.Tensor:
-        """Flat uint8 payload of equal length on every rank -> (world_size, length) uint8."""
+    def start_all_gather_bytes(self, payload: torch.Tensor, op: str = "all_gather") -> Pending:
+        """Flat uint8 payload of equal length on every rank -> Pending of (world_size, length) uint8."""
         raise NotImplementedError
 
-    def all_reduce_sum_(self, tensor: torch.Tensor, op: str = "all_reduce") -> torch.Tensor:
+    def start_all_reduce_sum_(self, tensor: torch.Tensor, op: str = "all_reduce") -> Pending:
+        """Sum ``tensor`` over ranks in place -> Pending of ``tensor``. Do not touch ``tensor``
+        before ``wait()``."""
         raise NotImplementedError
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0, op: str = "broadcast") -> torch.Tensor:
         raise NotImplementedError
+
+    def all_gather_bytes(self, payload: torch.Tensor, op: str = "all_gather") -> torch.Tensor:
+        return self.start_all_gather_bytes(payload, op).wait()
+
+    def all_reduce_sum_(self, tensor: torch.Tensor, op: str = "all_reduce") -> torch.Tensor:
+        return self.start_all_reduce_sum_(tensor, op).wait()
 
 
 class TorchDistTransport(Transport):
@@ -50,23 +85,23 @@ class TorchDistTransport(Transport):
     def _timed(self, start: float) -> None:
         self.ledger.add_time("comm", time.perf_counter() - start)
 
-    def all_gather_bytes(self, payload, op="all_gather"):
+    def start_all_gather_bytes(self, payload, op="all_gather"):
         start = time.perf_counter()
         payload = payload.contiguous()
         out = torch.empty(self.world_size, payload.numel(), dtype=torch.uint8, device=payload.device)
-        _all_gather_single(out.view(-1), payload, group=self.group)
+        work = _all_gather_single(out.view(-1), payload, group=self.group, async_op=True)
         n = payload.numel()
         self.ledger.record(op, n, (self.world_size - 1) * n)
         self._timed(start)
-        return out
+        return Pending(lambda: (work.wait(), out)[1], self.ledger)
 
-    def all_reduce_sum_(self, tensor, op="all_reduce"):
+    def start_all_reduce_sum_(self, tensor, op="all_reduce"):
         start = time.perf_counter()
-        dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group)
+        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
         n = tensor.numel() * tensor.element_size()
         self.ledger.record(op, n, n)
         self._timed(start)
-        return tensor
+        return Pending(lambda: (work.wait(), tensor)[1], self.ledger)
 
     def broadcast_(self, tensor, src=0, op="broadcast"):
         start = time.perf_counter()

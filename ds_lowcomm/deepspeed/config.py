@@ -43,6 +43,10 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
     if (ds.get("zero_optimization") or {}).get("elastic_checkpoint"):
         raise ConfigError("zero_optimization.elastic_checkpoint must be false with lowcomm: elastic checkpoints "
                           "keep only per-group optimizer state and would drop the method's state")
+    if stage >= 1 and lowcomm.fragments > 1:
+        raise ConfigError(f"lowcomm.fragments must be 1 with zero_optimization.stage {stage} (ZeRO 1/2 hand the "
+                          f"optimizer one flat partition, which has no parameter fragments); got {lowcomm.fragments}. "
+                          "Use stage 0 for streaming syncs, or fragments 1 (sync_delay still overlaps the sync)")
     opt = ds.get("optimizer")
     if not isinstance(opt, dict) or "params" not in opt:
         raise ConfigError('optimizer: a section {"type": "AdamW", "params": {"lr": ...}} is required (it is the '

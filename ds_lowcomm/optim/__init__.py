@@ -3,7 +3,9 @@
 from .adamw import AllReduceAdamW
 from .base import LowcommOptimizer
 from .demo import DeMo
-from .outer import DCTDiLoCo, DiLoCo, OuterLoop
+from .mtdao import MTDAO
+from .outer import DCTDiLoCo, DiLoCo, OuterLoop, SparseLoCo
 from .registry import build_optimizer
 
-__all__ = ["AllReduceAdamW", "DCTDiLoCo", "DeMo", "DiLoCo", "LowcommOptimizer", "OuterLoop", "build_optimizer"]
+__all__ = ["AllReduceAdamW", "DCTDiLoCo", "DeMo", "DiLoCo", "LowcommOptimizer", "MTDAO", "OuterLoop", "SparseLoCo",
+           "build_optimizer"]

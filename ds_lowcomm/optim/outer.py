@@ -11,13 +11,23 @@ local, as in the paper.
   e_r <- decay * e_r + Delta_r treated as a signal; only its top-k DCT components travel
   (sparse all-gather) and leave it; the mean of everyone's components drives the outer step.
   Every replica applies the same decoded update, so replicas stay identical, as with DiLoCo.
+- :class:`SparseLoCo` (arXiv 2508.15706): the same error-feedback buffer (decay 0.95), chunked
+  top-k without a transform by default, 2-bit values, 12-bit indices, and no outer momentum:
+  anchor <- anchor - outer_lr * mean_r(sent_r).
+
+Streaming (Streaming DiLoCo, arXiv 2501.18512), for all three: with ``fragments`` P > 1 the
+parameters are cut into P contiguous groups of about equal size; fragment f syncs at local steps
+t with t = (f + 1) * H // P (mod H), so one fragment at a time is on the wire. A sync is started
+without blocking and lands ``sync_delay`` inner steps later (the inner steps run meanwhile); the
+landed global fragment replaces the local one, or with ``fragment_mix`` a > 0 becomes
+a * local + (1 - a) * global. P = 1 with no delay is plain DiLoCo.
 """
 
 from __future__ import annotations
 
 import torch
 
-from ..comm import Transport, all_reduce_mean_
+from ..comm import Pending, Transport, start_all_reduce_mean_
 from .base import LowcommOptimizer, ordered_params
 
 
@@ -33,6 +43,9 @@ class OuterLoop(LowcommOptimizer):
         outer_lr: float = 0.7,
         outer_momentum: float = 0.9,
         nesterov: bool = True,
+        fragments: int = 1,
+        sync_delay: int = 0,
+        fragment_mix: float = 0.0,
         state_dtype: torch.dtype = torch.float32,
         transport: Transport | None = None,
         settings: dict | None = None,
@@ -44,6 +57,12 @@ class OuterLoop(LowcommOptimizer):
             raise ValueError(f"outer_lr must be > 0; got {outer_lr!r}")
         if not 0.0 <= outer_momentum < 1.0:
             raise ValueError(f"outer_momentum must be in [0, 1); got {outer_momentum!r}")
+        if not 1 <= fragments <= sync_every:
+            raise ValueError(f"fragments must be in [1, sync_every={sync_every}]; got {fragments!r}")
+        if not 0 <= sync_delay < sync_every:
+            raise ValueError(f"sync_delay must be in [0, sync_every={sync_every}); got {sync_delay!r}")
+        if not 0.0 <= fragment_mix <= 1.0:
+            raise ValueError(f"fragment_mix must be in [0, 1]; got {fragment_mix!r}")
         super().__init__(ordered_params(inner.param_groups), {})
         self.inner = inner  # from here on, param_groups are the inner optimizer's
         self.__dict__.pop("_own_groups", None)
@@ -51,10 +70,17 @@ class OuterLoop(LowcommOptimizer):
         self.outer_lr = outer_lr
         self.outer_momentum = outer_momentum
         self.nesterov = nesterov
+        self.fragments = fragments
+        self.sync_delay = sync_delay
+        self.fragment_mix = fragment_mix
         self.state_dtype = state_dtype
+        # fragment (its param ids) -> (the params this rank syncs, their sync in flight)
+        self._in_flight: dict[tuple[int, ...], tuple[list[torch.Tensor], Pending]] = {}
+        self._fragment_cache: dict[tuple[int, ...], list[list[torch.Tensor]]] = {}
         self._init_comm(
             transport,
             dict(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
+                 fragments=fragments, sync_delay=sync_delay, fragment_mix=fragment_mix,
                  inner=type(inner).__name__, state_dtype=str(state_dtype), **(settings or {})),
             codec=codec,
         )
@@ -83,68 +109,135 @@ class OuterLoop(LowcommOptimizer):
 
     @property
     def outer_steps(self) -> int:
+        """Outer steps applied to the first parameter currently in param_groups."""
         params = self._current_params()
         return self.state[params[0]].get("outer_steps", 0) if params else 0
 
+    # -- the fragment schedule ---------------------------------------------------------------
+    def fragments_of(self, params: list[torch.Tensor]) -> list[list[torch.Tensor]]:
+        """``params`` cut into ``fragments`` contiguous groups of about equal element count."""
+        key = tuple(id(p) for p in params)
+        cached = self._fragment_cache.get(key)
+        if cached is not None:
+            return cached
+        n = self.fragments
+        if len(params) < n:
+            raise ValueError(f"lowcomm.fragments is {n} but this optimizer steps {len(params)} tensor(s) at a time "
+                             "(ZeRO 1/2 hand it one flat partition): use fragments <= the number of tensors")
+        total = sum(p.numel() for p in params)
+        out, current, seen = [], [], 0
+        for i, p in enumerate(params):
+            current.append(p)
+            seen += p.numel()
+            remaining_tensors, remaining_frags = len(params) - i - 1, n - len(out) - 1
+            if remaining_frags and (seen >= total * (len(out) + 1) / n or remaining_tensors == remaining_frags):
+                out.append(current)
+                current = []
+        out.append(current)
+        self._fragment_cache[key] = out
+        return out
+
+    def _sends_at(self, fragment: int, step: int) -> bool:
+        offset = (fragment + 1) * self.sync_every // self.fragments
+        return step >= offset and (step - offset) % self.sync_every == 0
+
+    # -- the step ----------------------------------------------------------------------------
     def step(self, closure=None):
         params = self._current_params()
         if self._is_placeholder_step(params):
             return None
-        owned = self._owned(params)
+        owned_ids = {id(p) for p in self._owned(params)}
         with torch.no_grad():
             for p in params:
                 state = self.state[p]
                 if "local_step" not in state:
                     state["local_step"] = 0
                     state["outer_steps"] = 0
-            for p in owned:
-                state = self.state[p]
-                if "anchor" not in state:  # the global parameters every replica starts from
+                if id(p) in owned_ids and "anchor" not in state:  # the global parameters every replica starts from
                     state["anchor"] = p.detach().to(self.state_dtype, copy=True)
-                    state["outer_momentum"] = torch.zeros_like(state["anchor"])
+                    if self.outer_momentum > 0:
+                        state["outer_momentum"] = torch.zeros_like(state["anchor"])
         loss = self.inner.step(closure)
         for p in params:
             self.state[p]["local_step"] += 1
-        if self.state[params[0]]["local_step"] % self.sync_every == 0:
-            if owned:
-                self.outer_step(owned)
-            self._share(params)
-            for p in params:
-                self.state[p]["outer_steps"] += 1
+        t = self.state[params[0]]["local_step"]
+        with torch.no_grad():
+            for f, fragment in enumerate(self.fragments_of(params)):
+                owned = [p for p in fragment if id(p) in owned_ids]
+                if self._sends_at(f, t):
+                    self._send(fragment, owned, t)
+                if self.state[fragment[0]].get("sync_sent_at") == t - self.sync_delay:
+                    self._land(fragment, owned)
         self._finish_step()
         return loss
 
-    def _combine(self, params: list[torch.Tensor], deltas: list[torch.Tensor]) -> list[torch.Tensor]:
-        """Local pseudo-gradients -> the update every replica applies (identical on all)."""
+    def _send(self, fragment: list[torch.Tensor], owned: list[torch.Tensor], step: int) -> None:
+        for p in fragment:
+            self.state[p]["sync_sent_at"] = step
+        if owned:
+            deltas = [self.state[p]["anchor"] - p.to(self.state_dtype) for p in owned]
+            self._in_flight[tuple(id(p) for p in fragment)] = (owned, self._start_combine(owned, deltas))
+
+    def _land(self, fragment: list[torch.Tensor], owned: list[torch.Tensor]) -> None:
+        if owned:
+            in_flight = self._in_flight.pop(tuple(id(p) for p in fragment), None)
+            # After state_dict() (a checkpoint) the landed result waits in the state instead.
+            updates = in_flight[1].wait() if in_flight else [self.state[p].pop("landed_update") for p in owned]
+            self._apply_outer(owned, updates)
+        self._share(fragment)
+        for p in fragment:
+            state = self.state[p]
+            del state["sync_sent_at"]
+            state["outer_steps"] += 1
+
+    def _apply_outer(self, params: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
+        mu, mix = self.outer_momentum, self.fragment_mix
+        for p, g in zip(params, updates):
+            state = self.state[p]
+            if mu > 0:
+                buf = state["outer_momentum"]
+                buf.mul_(mu).add_(g)
+                g = g.add(buf, alpha=mu) if self.nesterov else buf
+            state["anchor"].sub_(g, alpha=self.outer_lr)
+            if mix:
+                p.mul_(mix).add_(state["anchor"].to(p.dtype), alpha=1.0 - mix)
+            else:
+                p.copy_(state["anchor"])
+
+    def _start_combine(self, params: list[torch.Tensor], deltas: list[torch.Tensor]) -> Pending:
+        """Local pseudo-gradients -> (in flight) the update every replica applies, identical on all."""
         raise NotImplementedError
 
     @torch.no_grad()
     def outer_step(self, params: list[torch.Tensor] | None = None) -> None:
+        """Sync ``params`` (default: all) now and apply the outer step, blocking."""
         params = self._current_params() if params is None else params
         deltas = [self.state[p]["anchor"] - p.to(self.state_dtype) for p in params]
-        updates = self._combine(params, deltas)
-        mu = self.outer_momentum
-        for p, g in zip(params, updates):
-            state = self.state[p]
-            buf = state["outer_momentum"]
-            buf.mul_(mu).add_(g)
-            state["anchor"].sub_(g.add(buf, alpha=mu) if self.nesterov else buf, alpha=self.outer_lr)
-            p.copy_(state["anchor"])
+        self._apply_outer(params, self._start_combine(params, deltas).wait())
 
     # -- checkpointing: outer state here, the inner optimizer's under "inner" ---------------
+    def state_dict(self):
+        # A sync in flight cannot be saved: let it land now and keep its result for its step.
+        for owned, pending in self._in_flight.values():
+            for p, update in zip(owned, pending.wait()):
+                self.state[p]["landed_update"] = update
+        self._in_flight.clear()
+        return super().state_dict()
+
     def _extra_state(self):
         return {"inner": self.inner.state_dict()}
 
     def _load_extra_state(self, extra):
         self.inner.load_state_dict(extra["inner"])
+        self._in_flight.clear()
 
 
 class DiLoCo(OuterLoop):
     method = "diloco"
 
-    def _combine(self, params, deltas):
-        all_reduce_mean_(deltas, self.transport, op="outer_all_reduce")
-        return deltas
+    def _start_combine(self, params, deltas):
+        pending = start_all_reduce_mean_(deltas, self.transport, op="outer_all_reduce")
+        return Pending(lambda: (pending.wait(), deltas)[1], None)
 
 
 class DCTDiLoCo(OuterLoop):
@@ -169,7 +262,7 @@ class DCTDiLoCo(OuterLoop):
         super().__init__(inner, sync_every=sync_every, settings=dict(decay=decay), codec=codec, **outer_kwargs)
         self.decay = decay
 
-    def _combine(self, params, deltas):
+    def _start_combine(self, params, deltas):
         residuals = []
         for p, delta in zip(params, deltas):
             state = self.state[p]
@@ -177,5 +270,20 @@ class DCTDiLoCo(OuterLoop):
                 state["residual"] = torch.zeros_like(delta)
             state["residual"].mul_(self.decay).add_(delta)
             residuals.append(state["residual"])
-        # sent components leave the residuals
-        return self._sync_for(params, "outer_sparse_all_gather").exchange(residuals)
+        # sent components leave the residuals now; the means arrive on wait()
+        return self._sync_for(params, "outer_sparse_all_gather").start(residuals)
+
+
+class SparseLoCo(DCTDiLoCo):
+    """DCT-DiLoCo's error-feedback sync with SparseLoCo's defaults and no outer momentum."""
+
+    method = "sparseloco"
+
+    def __init__(self, inner: torch.optim.Optimizer, *, sync_every: int = 30, decay: float = 0.95, topk: int = 64,
+                 chunk: int = 64, value_dtype: str = "2bit", transform: str = "none", average: str = "world",
+                 outer_lr: float = 1.0, **outer_kwargs):
+        outer_kwargs.pop("outer_momentum", None)
+        outer_kwargs.pop("nesterov", None)
+        super().__init__(inner, sync_every=sync_every, decay=decay, topk=topk, chunk=chunk, value_dtype=value_dtype,
+                         transform=transform, average=average, outer_lr=outer_lr, outer_momentum=0.0, nesterov=False,
+                         **outer_kwargs)

@@ -10,7 +10,8 @@ from ..comm import Transport
 from ..config import ConfigError, LowcommConfig, check_lr
 from .adamw import AllReduceAdamW
 from .demo import DeMo
-from .outer import DCTDiLoCo, DiLoCo
+from .mtdao import MTDAO
+from .outer import DCTDiLoCo, DiLoCo, SparseLoCo
 
 
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -32,7 +33,8 @@ def _compression_kwargs(cfg: LowcommConfig) -> dict:
 
 def _outer_kwargs(cfg: LowcommConfig) -> dict:
     return dict(sync_every=cfg.sync_every, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
-                nesterov=cfg.nesterov, state_dtype=_TORCH_DTYPES[cfg.state_dtype])
+                nesterov=cfg.nesterov, fragments=cfg.fragments, sync_delay=cfg.sync_delay,
+                fragment_mix=cfg.fragment_mix, state_dtype=_TORCH_DTYPES[cfg.state_dtype])
 
 
 def build_optimizer(
@@ -47,7 +49,8 @@ def build_optimizer(
     inner_factory: Callable[[Iterable], torch.optim.Optimizer] | None = None,
 ) -> torch.optim.Optimizer:
     """The optimizer for ``cfg.method``. ``lr``/``weight_decay``/``betas`` are the per-step
-    optimizer's (AdamW's, DeMo's) or, for outer-loop methods, the inner AdamW's, unless
+    optimizer's (AdamW's, DeMo's; MT-DAO takes its beta2 from ``betas[1]``, its first moments
+    from ``cfg.momentum_betas``) or, for outer-loop methods, the inner AdamW's, unless
     ``inner_factory(params)`` builds another inner optimizer."""
     cfg.validate()
     check_lr(lr)
@@ -58,6 +61,13 @@ def build_optimizer(
     if cfg.method == "demo":
         return DeMo(params, lr=lr, weight_decay=weight_decay, transport=transport,
                     state_dtype=_TORCH_DTYPES[cfg.state_dtype], **_compression_kwargs(cfg))
+    if cfg.method == "mtdao":
+        return MTDAO(params, lr=lr, momentum_betas=cfg.momentum_betas, momentum_weights=cfg.momentum_weights,
+                     beta2=betas[1], eps=eps, weight_decay=weight_decay, sync_every=cfg.sync_every,
+                     momentum_sync_every=cfg.momentum_sync_every, second_moment_sync_every=cfg.second_moment_sync_every,
+                     sync_codec=cfg.sync_codec, topk=cfg.topk, chunk=cfg.chunk, value_dtype=cfg.value_dtype,
+                     transform=cfg.transform, average=cfg.average, state_dtype=_TORCH_DTYPES[cfg.state_dtype],
+                     transport=transport)
     if inner_factory is not None:
         inner = inner_factory(params)
     elif cfg.inner_impl == "apex":
@@ -68,4 +78,6 @@ def build_optimizer(
         return DiLoCo(inner, transport=transport, **_outer_kwargs(cfg))
     if cfg.method == "dct_diloco":
         return DCTDiLoCo(inner, transport=transport, **_outer_kwargs(cfg), **_compression_kwargs(cfg))
+    if cfg.method == "sparseloco":  # no outer momentum: SparseLoCo drops those two settings
+        return SparseLoCo(inner, transport=transport, **_outer_kwargs(cfg), **_compression_kwargs(cfg))
     raise AssertionError(cfg.method)  # validate() admits only the methods above
