@@ -30,7 +30,6 @@ class LowcommOptimizer(torch.optim.Optimizer):
     # Set by the DeepSpeed glue at ZeRO 0 with replicas of several ranks: this rank syncs only the
     # parameters it owns and shares them inside its replica (see comm/shard.py).
     shard: ReplicaShard | None = None
-    supports_shard = True  # False: every rank of a replica syncs everything (see MTDAO)
 
     def _init_comm(self, transport: Transport | None, settings: dict[str, Any], codec: dict[str, Any] | None = None) -> None:
         self.transport = transport if transport is not None else TorchDistTransport()

@@ -11,9 +11,12 @@ recommended w 0.7, beta 0.999 are the defaults). Slow momenta (beta ~ 0.999) car
 direction across the long gaps between syncs. Instead of a gradient all-reduce, the ranks
 average the parameters every ``sync_every`` steps, momentum j every ``momentum_sync_every[j]``
 and v every ``second_moment_sync_every`` (all 32 by default), all that is due at a step in one
-collective. ``sync_codec="topk"`` sends those averages compressed: each rank sends the top-k
-(optionally DCT) components of its change since the last sync plus what it has not sent yet
-(error feedback) and everyone adds the mean of the sent changes to the last synced value.
+collective. ``sync_codec="topk"`` sends the parameters and first moments compressed: each rank
+sends the top-k (optionally DCT) components of its change since the last sync plus what it has
+not sent yet (error feedback) and everyone adds the mean of the sent changes to the last synced
+value. The second moment stays dense: it divides the step, and a compressed average leaves the
+components nobody sent at their last synced value, which before the first sync is zero (a
+measured divergence on the reference task).
 """
 
 from __future__ import annotations
@@ -26,9 +29,9 @@ from .base import LowcommOptimizer
 
 class MTDAO(LowcommOptimizer):
     method = "mtdao"
-    # Every rank of a replica holds (and DeepSpeed keeps identical) the whole optimizer state, and
-    # all of it is averaged: it is not split by owner inside a replica.
-    supports_shard = False
+    # With replicas of several ranks at ZeRO 0 every rank of a replica holds the whole (identical)
+    # state and averages all of it with its cross-replica peers: ``shard`` is not used, so the
+    # sync is not split by owner inside a replica as the other methods' are.
 
     def __init__(
         self,
@@ -111,7 +114,7 @@ class MTDAO(LowcommOptimizer):
                     if self.sync_codec == "topk":
                         # The value at the last sync (equal on every rank: the common start, zero
                         # states) and this rank's change not sent yet, kept in fp32.
-                        for name in self.periods:
+                        for name in [n for n in self.periods if n != "v"]:
                             start = p.detach().float().clone() if name == "param" else torch.zeros_like(p, dtype=torch.float32)
                             state[f"{name}_synced"] = start
                             state[f"{name}_unsent"] = torch.zeros_like(p, dtype=torch.float32)
@@ -146,20 +149,25 @@ class MTDAO(LowcommOptimizer):
             for p in params:
                 tensors.append(p if name == "param" else self.state[p][name])
                 names.append((p, name))
-        if self.sync_codec == "dense":
-            start_all_reduce_mean_(tensors, self.transport, op="mtdao_all_reduce").wait()
-            return
-        # Compressed: send the change since the last sync plus the unsent remainder.
+        dense = [x for (p, name), x in zip(names, tensors) if self.sync_codec == "dense" or name == "v"]
+        pending = start_all_reduce_mean_(dense, self.transport, op="mtdao_all_reduce") if dense else None
+        compressed = [(p, name, x) for (p, name), x in zip(names, tensors) if self.sync_codec == "topk" and name != "v"]
+        if compressed:
+            self._sync_compressed(compressed)
+        if pending is not None:
+            pending.wait()
+
+    def _sync_compressed(self, items: list[tuple[torch.Tensor, str, torch.Tensor]]) -> None:
+        """Send the change since the last sync plus the unsent remainder; adopt last sync + mean."""
         changes = []
-        for (p, name), x in zip(names, tensors):
+        for p, name, x in items:
             state = self.state[p]
             unsent = state[f"{name}_unsent"]
             unsent.add_(x.float()).sub_(state[f"{name}_synced"])
             changes.append(unsent)
-        means = self._sync_for(tensors, "mtdao_sparse_all_gather").exchange(changes)  # sent parts leave `unsent`
-        for (p, name), x, mean in zip(names, tensors, means):
+        sync = self._sync_for([x for _, _, x in items], "mtdao_sparse_all_gather")
+        means = sync.exchange(changes)  # the sent parts leave `unsent`
+        for (p, name, x), mean in zip(items, means):
             synced = self.state[p][f"{name}_synced"]
             synced.add_(mean)
-            if name == "v":
-                synced.clamp_(min=0.0)  # a second moment stays non-negative
             x.copy_(synced)

@@ -82,7 +82,7 @@ def train_worker(rank: int, world_size: int, spec: dict) -> dict:
         sched.load_state_dict(ckpt["scheduler"])
         start_step = ckpt["step"]
 
-    history, recent, train_s = [], [], 0.0
+    history, recent, train_s, step_times = [], [], 0.0, []
     label = spec.get("label", cfg.method)
     for step in range(start_step, steps):
         t0 = time.perf_counter()
@@ -92,7 +92,8 @@ def train_worker(rank: int, world_size: int, spec: dict) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
         sched.step()
-        train_s += time.perf_counter() - t0
+        step_times.append(time.perf_counter() - t0)
+        train_s += step_times[-1]
         recent = (recent + [loss.item()])[-eval_every:]
         done = step + 1
         if done % eval_every == 0 or done == steps:
@@ -125,6 +126,7 @@ def train_worker(rank: int, world_size: int, spec: dict) -> dict:
         "bytes_received": summary["bytes_received"],
         "ledger": summary,
         "train_s": train_s,
+        "step_times": step_times,  # wall seconds of each step (forward, backward, optimizer incl. its syncs)
         "codec_s": summary["seconds"].get("codec", 0.0),
         "comm_s": summary["seconds"].get("comm", 0.0),
         "params_digest": params_digest(model),

@@ -1,0 +1,48 @@
+"""Run the reference task's workers as separate processes, each in its own test host (network
+namespace) of a :class:`~ds_lowcomm.bench.netns.TestNetwork`, so gloo talks real TCP through
+the shaped links."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from .netns import TestNetwork
+
+_port = 29700
+
+
+def run_on_hosts(net: TestNetwork, spec: dict, timeout: float = 3600) -> tuple[list[dict], float]:
+    """Start ``net.hosts`` workers on ``spec``; return (metrics per rank, wall seconds)."""
+    global _port
+    _port += 1  # a fresh rendezvous port per run (the previous may linger in TIME_WAIT)
+    with tempfile.TemporaryDirectory(prefix="dslc-bench-") as tmp:
+        spec_path, prefix = Path(tmp) / "spec.json", Path(tmp) / "metrics"
+        spec_path.write_text(json.dumps(spec))
+        procs = []
+        start = time.perf_counter()
+        for i in range(net.hosts):
+            env = {**os.environ, **net.env(i, _port), "RANK": str(i), "WORLD_SIZE": str(net.hosts),
+                   "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
+            argv = net.command(i, [sys.executable, "-m", "ds_lowcomm.bench.worker", str(spec_path), str(prefix)])
+            procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+        outputs = []
+        deadline = start + timeout
+        for p in procs:
+            try:
+                outputs.append(p.communicate(timeout=max(1.0, deadline - time.perf_counter()))[0])
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                raise RuntimeError(f"benchmark workers ran past {timeout:.0f} s")
+        wall = time.perf_counter() - start
+        failed = [(i, p.returncode, out) for i, (p, out) in enumerate(zip(procs, outputs)) if p.returncode != 0]
+        if failed:
+            i, rc, out = failed[0]
+            raise RuntimeError(f"benchmark worker {i} exited with {rc}:\n{out[-3000:]}")
+        return [json.loads((Path(f"{prefix}.rank{i}.json")).read_text()) for i in range(net.hosts)], wall

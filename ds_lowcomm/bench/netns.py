@@ -1,0 +1,153 @@
+"""Test hosts on one machine: each worker in its own network namespace, joined through a bridge,
+with its link shaped by tc on each host's egress: the rate by a token bucket (tbf), a one-way
+delay by netem where the kernel has it (``netem_available()``; some kernels ship without it).
+
+Everything lives in namespaces this module creates (the bridge too, in a hub namespace), so no
+traffic touches the machine's own interfaces; ``__exit__`` removes them all (deleting a namespace
+deletes the veth ends inside it). Needs root (``ip netns``, ``tc``).
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+from dataclasses import dataclass
+
+SUBNET = "10.213.77"  # private /24 used only inside the namespaces
+
+
+class NetworkSetupError(RuntimeError):
+    pass
+
+
+@dataclass(frozen=True)
+class LinkShape:
+    """One link: ``rate`` like "100mbit" (None: unshaped) and one-way ``delay_ms``."""
+
+    rate: str | None = None
+    delay_ms: float = 0.0
+
+    @property
+    def label(self) -> str:
+        if self.rate is None and not self.delay_ms:
+            return "unshaped"
+        return f"{self.rate or 'unlimited'} {self.delay_ms:g} ms"
+
+
+_UNITS = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+
+
+def rate_bits(rate: str) -> float:
+    """"100mbit" -> 1e8 (tc's units: kbit, mbit, gbit)."""
+    for unit, scale in _UNITS.items():
+        if rate.endswith(unit):
+            return float(rate[: -len(unit)]) * scale
+    raise ValueError(f"rate must look like 100mbit or 1gbit; got {rate!r}")
+
+
+def netem_available() -> bool:
+    """Whether this kernel can add a netem qdisc (checked on a throwaway dummy namespace)."""
+    ns = "dslc-probe"
+    subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+    try:
+        _run("ip", "netns", "add", ns)
+        return subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", "lo", "root", "netem", "delay",
+                               "1ms"], capture_output=True).returncode == 0
+    finally:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def _run(*cmd: str) -> None:
+    proc = subprocess.run(cmd, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise NetworkSetupError(f"{' '.join(cmd)} failed: {proc.stderr.strip()}")
+
+
+def check_can_create() -> None:
+    """Refuse clearly, before anything starts, where namespaces cannot be made."""
+    if os.geteuid() != 0:
+        raise PermissionError("the network benchmark needs root: it creates network namespaces, veth pairs and tc "
+                              "qdiscs (run it as root, or run the other benchmarks)")
+    for tool in ("ip", "tc"):
+        if shutil.which(tool) is None:
+            raise NetworkSetupError(f"the network benchmark needs the '{tool}' command (iproute2)")
+
+
+class TestNetwork:
+    """``with TestNetwork(4, LinkShape("100mbit", 20)) as net:`` then start worker i with
+    ``net.command(i, argv)`` and ``net.env(i)``; host 0 is the rendezvous (MASTER_ADDR)."""
+
+    __test__ = False  # not a pytest class
+
+    def __init__(self, hosts: int, shape: LinkShape = LinkShape(), prefix: str = "dslc"):
+        if not 1 <= hosts <= 200:
+            raise ValueError(f"hosts must be in [1, 200]; got {hosts}")
+        self.hosts, self.shape, self.prefix = hosts, shape, prefix
+        self.hub = f"{prefix}-hub"
+
+    def namespace(self, i: int) -> str:
+        return f"{self.prefix}-h{i}"
+
+    def address(self, i: int) -> str:
+        return f"{SUBNET}.{i + 1}"
+
+    def interface(self, i: int) -> str:
+        return f"{self.prefix}v{i}"
+
+    def command(self, i: int, argv: list[str]) -> list[str]:
+        return ["ip", "netns", "exec", self.namespace(i), *argv]
+
+    def env(self, i: int, port: int = 29600) -> dict[str, str]:
+        return {"MASTER_ADDR": self.address(0), "MASTER_PORT": str(port), "GLOO_SOCKET_IFNAME": self.interface(i)}
+
+    def existing(self) -> list[str]:
+        out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        return [line.split()[0] for line in out.splitlines() if line.startswith(f"{self.prefix}-")]
+
+    def __enter__(self) -> "TestNetwork":
+        check_can_create()
+        self.remove()  # leftovers of an interrupted run
+        try:
+            _run("ip", "netns", "add", self.hub)
+            hub = ("ip", "netns", "exec", self.hub)
+            _run(*hub, "ip", "link", "add", "br0", "type", "bridge")
+            _run(*hub, "ip", "link", "set", "br0", "up")
+            for i in range(self.hosts):
+                ns, dev = self.namespace(i), self.interface(i)
+                host = ("ip", "netns", "exec", ns)
+                _run("ip", "netns", "add", ns)
+                _run(*host, "ip", "link", "set", "lo", "up")
+                _run("ip", "link", "add", dev, "netns", ns, "type", "veth", "peer", "name", f"p{i}", "netns", self.hub)
+                _run(*host, "ip", "addr", "add", f"{self.address(i)}/24", "dev", dev)
+                _run(*host, "ip", "link", "set", dev, "up")
+                _run(*hub, "ip", "link", "set", f"p{i}", "master", "br0")
+                _run(*hub, "ip", "link", "set", f"p{i}", "up")
+                self._shape(host, dev)
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def _shape(self, host: tuple[str, ...], dev: str) -> None:
+        rate, delay = self.shape.rate, self.shape.delay_ms
+        parent = ["root"]
+        if delay:
+            if not netem_available():
+                raise NetworkSetupError(f"a {delay:g} ms delay needs the netem qdisc, which this kernel lacks "
+                                        "(sch_netem): use a rate-only link shape here")
+            _run(*host, "tc", "qdisc", "add", "dev", dev, "root", "handle", "1:", "netem", "delay", f"{delay}ms",
+                 "limit", "100000")
+            parent = ["parent", "1:1"]
+        if rate:
+            bits = rate_bits(rate)
+            burst = max(16 * 1024, int(bits / 8 / 100))  # 10 ms at line rate
+            _run(*host, "tc", "qdisc", "add", "dev", dev, *parent, "handle", "2:", "tbf", "rate", rate,
+                 "burst", str(burst), "latency", "200ms")
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def remove(self) -> None:
+        for ns in self.existing():
+            subprocess.run(["ip", "netns", "del", ns], capture_output=True)
