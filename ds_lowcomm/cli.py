@@ -5,14 +5,14 @@ from __future__ import annotations
 import argparse
 import sys
 
-from .config import ConfigError
+from .config import METHODS, ConfigError
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds-lowcomm", description="Low-communication distributed training.")
     sub = parser.add_subparsers(dest="command", required=True)
     c = sub.add_parser("compare", help="train the reference task with several methods and compare loss vs bytes")
-    c.add_argument("--methods", default="adamw,demo,diloco,dct_diloco", help="comma-separated method names")
+    c.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated method names (default: all, {', '.join(METHODS)})")
     c.add_argument("--workers", type=int, default=2, help="worker processes per method (gloo on this machine)")
     c.add_argument("--steps", type=int, default=300)
     c.add_argument("--out", default="runs/compare", help="output directory")

@@ -36,7 +36,7 @@ RECIPES: dict[str, dict] = {
 
 RESULT_COLUMNS = [
     "method", "workers", "steps", "final_train_loss", "final_val_loss", "bytes_sent_per_worker",
-    "bytes_received_per_worker", "compression_vs_adamw", "wall_s", "codec_share",
+    "bytes_received_per_worker", "compression_vs_adamw", "compression_vs_diloco", "wall_s", "codec_share",
 ]
 
 
@@ -111,9 +111,11 @@ def run_compare(args) -> list[dict]:
             "history": r0["history"],
             "ledger": r0["ledger"],
         })
-    base = next((r["bytes_sent_per_worker"] for r in rows if r["method"] == "adamw"), None)
-    for r in rows:
-        r["compression_vs_adamw"] = base / r["bytes_sent_per_worker"] if base and r["bytes_sent_per_worker"] else float("nan")
+    for baseline in ("adamw", "diloco"):
+        base = next((r["bytes_sent_per_worker"] for r in rows if r["method"] == baseline), None)
+        for r in rows:
+            sent = r["bytes_sent_per_worker"]
+            r[f"compression_vs_{baseline}"] = base / sent if base and sent else float("nan")
     write_outputs(out, rows)
     print_table(rows)
     return rows
@@ -164,10 +166,11 @@ def plot(path: Path, rows: list[dict]) -> None:
 
 
 def print_table(rows: list[dict]) -> None:
-    head = f"{'method':<12}{'val loss':>10}{'train loss':>12}{'MB sent/worker':>16}{'vs adamw':>10}{'wall s':>9}{'codec %':>9}"
+    head = (f"{'method':<12}{'val loss':>10}{'train loss':>12}{'MB sent/worker':>16}{'vs adamw':>10}{'vs diloco':>11}"
+            f"{'wall s':>9}{'codec %':>9}")
     print(head)
     print("-" * len(head))
     for r in rows:
         print(f"{r['method']:<12}{r['final_val_loss']:>10.4f}{r['final_train_loss']:>12.4f}"
-              f"{r['bytes_sent_per_worker'] / 1e6:>16.3f}{r['compression_vs_adamw']:>9.1f}x"
+              f"{r['bytes_sent_per_worker'] / 1e6:>16.3f}{r['compression_vs_adamw']:>9.1f}x{r['compression_vs_diloco']:>10.1f}x"
               f"{r['wall_s']:>9.1f}{100 * r['codec_share']:>8.1f}%")

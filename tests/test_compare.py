@@ -11,7 +11,7 @@ def test_compare_writes_results_and_plot(tmp_path):
     out = tmp_path / "run"
     _write_overrides(tmp_path / "over.json")
     proc = subprocess.run(
-        [sys.executable, "-m", "ds_lowcomm.cli", "compare", "--methods", "adamw,demo,diloco,dct_diloco",
+        [sys.executable, "-m", "ds_lowcomm.cli", "compare", "--methods", "adamw,demo,diloco,dct_diloco,sparseloco,mtdao",
          "--workers", "2", "--steps", "6", "--batch", "4", "--seq-len", "32", "--n-layer", "1", "--n-embd", "32",
          "--eval-every", "3", "--warmup", "2", "--out", str(out),
          "--config", str(tmp_path / "over.json")],
@@ -20,7 +20,7 @@ def test_compare_writes_results_and_plot(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "[demo] step     6/6" in proc.stdout  # progress is shown
     rows = list(csv.DictReader(open(out / "results.csv")))
-    assert [r["method"] for r in rows] == ["adamw", "demo", "diloco", "dct_diloco"]
+    assert [r["method"] for r in rows] == ["adamw", "demo", "diloco", "dct_diloco", "sparseloco", "mtdao"]
     assert set(REQUIRED) <= set(rows[0])
     by = {r["method"]: r for r in rows}
     for r in rows:
@@ -29,14 +29,18 @@ def test_compare_writes_results_and_plot(tmp_path):
     # The compressed methods send less than their dense counterparts, as counted by the ledger.
     assert float(by["demo"]["bytes_sent_per_worker"]) < float(by["adamw"]["bytes_sent_per_worker"]) / 10
     assert float(by["dct_diloco"]["bytes_sent_per_worker"]) < float(by["diloco"]["bytes_sent_per_worker"]) / 5
-    assert float(by["adamw"]["compression_vs_adamw"]) == 1.0
+    assert float(by["sparseloco"]["bytes_sent_per_worker"]) < float(by["diloco"]["bytes_sent_per_worker"]) / 5
+    assert float(by["adamw"]["compression_vs_adamw"]) == 1.0 == float(by["diloco"]["compression_vs_diloco"])
+    assert float(by["demo"]["compression_vs_diloco"]) == (
+        float(by["diloco"]["bytes_sent_per_worker"]) / float(by["demo"]["bytes_sent_per_worker"]))
     png = (out / "loss_vs_bytes.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
     history = list(csv.DictReader(open(out / "history.csv")))
-    assert len(history) == 4 * 2  # two evaluations per method
+    assert len(history) == 6 * 2  # two evaluations per method
 
 
 def _write_overrides(path):
     # diloco family: sync every 3 steps so that 6 steps hold two outer syncs
-    path.write_text('{"diloco": {"lowcomm": {"sync_every": 3}}, "dct_diloco": {"lowcomm": {"sync_every": 3}}}')
+    path.write_text('{"diloco": {"lowcomm": {"sync_every": 3}}, "dct_diloco": {"lowcomm": {"sync_every": 3}}, '
+                    '"sparseloco": {"lowcomm": {"sync_every": 3}}, "mtdao": {"lowcomm": {"sync_every": 3}}}')
     return True
