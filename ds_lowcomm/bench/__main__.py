@@ -5,7 +5,8 @@ from __future__ import annotations
 import importlib
 import sys
 
-BENCHMARKS = {"streaming": "streaming"}
+# name -> module of ds_lowcomm.bench with a main(argv) that writes CSV + PNG under --out
+BENCHMARKS = {name: name for name in ("network", "peers", "codec", "scaling", "vision", "streaming")}
 
 
 def main() -> None:
