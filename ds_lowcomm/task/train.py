@@ -58,7 +58,20 @@ def mean_over_ranks(*values: float) -> list[float]:
     return (t / dist.get_world_size()).tolist()
 
 
-def train_worker(rank: int, world_size: int, spec: dict) -> dict:
+def lowcomm_setup(model: torch.nn.Module, spec: dict):
+    """The module to run, the optimizer and its byte ledger: a ds_lowcomm method from spec["lowcomm"]."""
+    cfg = LowcommConfig.from_dict(spec["lowcomm"])
+    transport = TorchDistTransport()
+    opt = build_optimizer(
+        cfg, model.parameters(), lr=spec["lr"], weight_decay=spec.get("weight_decay", 0.0),
+        betas=tuple(spec.get("betas", (0.9, 0.95))), transport=transport,
+    )
+    return model, opt, opt.ledger
+
+
+def train_worker(rank: int, world_size: int, spec: dict, setup=lowcomm_setup) -> dict:
+    """``setup(model, spec) -> (module, optimizer, ledger)``; benchmarks pass their own for peer
+    baselines (e.g. DDP with PowerSGD), which then train exactly like the methods."""
     cfg = LowcommConfig.from_dict(spec["lowcomm"])
     model_cfg = GPTConfig(**spec.get("model", {}))
     steps, batch, seq = spec["steps"], spec["batch"], model_cfg.seq_len
@@ -68,11 +81,7 @@ def train_worker(rank: int, world_size: int, spec: dict) -> dict:
 
     torch.manual_seed(spec.get("seed", 0))  # same init on every rank and for every method
     model = GPT(model_cfg)
-    transport = TorchDistTransport()
-    opt = build_optimizer(
-        cfg, model.parameters(), lr=spec["lr"], weight_decay=spec.get("weight_decay", 0.0),
-        betas=tuple(spec.get("betas", (0.9, 0.95))), transport=transport,
-    )
+    net, opt, ledger = setup(model, spec)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec.get("warmup", 0) or 1, steps))
     start_step = 0
     if spec.get("resume_from"):
@@ -87,7 +96,7 @@ def train_worker(rank: int, world_size: int, spec: dict) -> dict:
     for step in range(start_step, steps):
         t0 = time.perf_counter()
         x, y = corpus.train_batch(rank, world_size, step, batch, seq, spec.get("seed", 0))
-        loss = model(x, y)
+        loss = net(x, y)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -99,7 +108,8 @@ def train_worker(rank: int, world_size: int, spec: dict) -> dict:
         if done % eval_every == 0 or done == steps:
             train_loss, val_loss = mean_over_ranks(sum(recent) / len(recent), evaluate(model, val))
             row = {"step": done, "train_loss": train_loss, "val_loss": val_loss,
-                   "bytes_sent": opt.ledger.sent, "bytes_received": opt.ledger.received}
+                   "bytes_sent": ledger.sent, "bytes_received": ledger.received,
+                   "train_s": train_s}  # training time so far, evaluations left out
             history.append(row)
             if rank == 0 and spec.get("verbose", True):
                 print(f"[{label}] step {done:5d}/{steps}  train {train_loss:.4f}  val {val_loss:.4f}  "
@@ -111,8 +121,11 @@ def train_worker(rank: int, world_size: int, spec: dict) -> dict:
                        os.path.join(spec["save_dir"], f"rank{rank}.pt"))
             if spec.get("stop_after_save"):
                 break
+        target = spec.get("stop_at_val_loss")
+        if target is not None and history and history[-1]["step"] == done and history[-1]["val_loss"] <= target:
+            break  # the held-out loss is averaged over ranks: every rank stops at the same step
 
-    summary = opt.ledger.summary()
+    summary = ledger.summary()
     return {
         "method": cfg.method,
         "label": label,

@@ -1,0 +1,129 @@
+"""``python -m ds_lowcomm.bench network``: wall-clock through slow links.
+
+Each method trains the reference task on 2 and 4 test hosts (one network namespace per worker,
+veth pairs through a bridge, tc-shaped egress) over unshaped, 1 Gbit/s 5 ms and 100 Mbit/s
+20 ms links. The target is the held-out loss adamw reaches in the step budget on that host
+count; the other methods get up to ``--budget-factor`` times the steps (their schedule spread
+over that budget) and stop at the first evaluation that reaches the target. Reported per
+(hosts, link, method): the training time to the target (evaluations are not timed), the held-out
+loss reached within a fixed budget (adamw's training time on the unshaped link), the final loss,
+bytes and wall time. Needs root; the namespaces are removed after every run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+from pathlib import Path
+
+from ..config import METHODS
+from .netns import check_can_create
+from .runs import LINKS, loss_at_time, method_spec, run_cached, time_to_loss
+
+COLUMNS = ["hosts", "link", "delay_applied", "method", "steps_run", "final_val_loss", "target_loss", "time_to_target_s",
+           "speedup_vs_adamw", "budget_s", "loss_at_budget", "train_s", "wall_s", "mb_sent_per_worker", "repeats"]
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="python -m ds_lowcomm.bench network", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="runs/bench/network")
+    ap.add_argument("--cache", default="runs/bench/cache", help="results of single runs, shared with 'peers'")
+    ap.add_argument("--hosts", default="2,4")
+    ap.add_argument("--links", default=",".join(LINKS), help=f"comma list of {', '.join(LINKS)}")
+    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--eval-every", type=int, default=15)
+    ap.add_argument("--budget-factor", type=float, default=3.0,
+                    help="steps for the other methods, as a multiple of --steps (they stop at the target)")
+    ap.add_argument("--repeats", type=int, default=1, help="times are medians over repeats")
+    ap.add_argument("--n-layer", type=int, default=2)
+    ap.add_argument("--n-embd", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=128)
+    args = ap.parse_args(argv)
+    hosts_list = [int(h) for h in args.hosts.split(",")]
+    links = [x.strip() for x in args.links.split(",")]
+    methods = [m.strip() for m in args.methods.split(",")]
+    bad = [x for x in links if x not in LINKS] + [m for m in methods if m not in METHODS]
+    if bad:
+        raise SystemExit(f"unknown link(s)/method(s): {', '.join(bad)}; links: {', '.join(LINKS)}; "
+                         f"methods: {', '.join(METHODS)}")
+    if "adamw" not in methods or "unshaped" not in links:
+        raise SystemExit("the target loss and time budget come from adamw on the unshaped link: keep both")
+    check_can_create()
+    model = {"n_layer": args.n_layer, "n_embd": args.n_embd, "seq_len": args.seq_len}
+    cache, out = Path(args.cache), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    runs: dict[tuple[int, str, str], list[dict]] = {}
+    for hosts in hosts_list:
+        # adamw first, unshaped first: its final loss is the target of everything on these hosts
+        adamw = method_spec("adamw", args.steps, args.eval_every, **model)
+        target = run_cached(cache, hosts, "unshaped", adamw)["final_val_loss"]
+        for link in links:
+            for method in methods:
+                if method == "adamw":
+                    spec = adamw
+                else:
+                    spec = method_spec(method, int(args.steps * args.budget_factor), args.eval_every, **model)
+                    spec["stop_at_val_loss"] = target
+                runs[hosts, link, method] = [run_cached(cache, hosts, link, spec, r) for r in range(args.repeats)]
+                first = runs[hosts, link, method][0]
+                print(f"{hosts} hosts {link:<13} {method:<11} val {first['final_val_loss']:.4f}  "
+                      f"train {statistics.median(x['train_s'] for x in runs[hosts, link, method]):7.1f} s", flush=True)
+
+    rows = []
+    for hosts in hosts_list:
+        target = runs[hosts, "unshaped", "adamw"][0]["final_val_loss"]
+        budget = statistics.median(x["train_s"] for x in runs[hosts, "unshaped", "adamw"])
+        for link in links:
+            adamw_time = statistics.median(time_to_loss(x["history"], target) for x in runs[hosts, link, "adamw"])
+            for method in methods:
+                reps = runs[hosts, link, method]
+                times = [time_to_loss(x["history"], target) for x in reps]
+                t = statistics.median(times) if None not in times else None
+                rows.append({
+                    "hosts": hosts, "link": link, "delay_applied": reps[0]["delay_applied"], "method": method,
+                    "steps_run": reps[0]["history"][-1]["step"],
+                    "final_val_loss": reps[0]["final_val_loss"], "target_loss": target, "time_to_target_s": t,
+                    "speedup_vs_adamw": adamw_time / t if t else None, "budget_s": budget,
+                    "loss_at_budget": statistics.median(loss_at_time(x["history"], budget) for x in reps),
+                    "train_s": statistics.median(x["train_s"] for x in reps),
+                    "wall_s": statistics.median(x["wall_s"] for x in reps),
+                    "mb_sent_per_worker": reps[0]["bytes_sent_per_worker"] / 1e6, "repeats": len(reps),
+                })
+    with open(out / "network.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    (out / "network.json").write_text(json.dumps(
+        {"args": vars(args), "rows": rows, "runs": {f"{h}@{l}@{m}": v for (h, l, m), v in runs.items()}}, indent=1))
+    plot(out / "network.png", runs, hosts_list, links, methods)
+    return rows
+
+
+def plot(path: Path, runs, hosts_list, links, methods) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(len(hosts_list), len(links), figsize=(5 * len(links), 3.8 * len(hosts_list)),
+                             squeeze=False)
+    for i, hosts in enumerate(hosts_list):
+        for j, link in enumerate(links):
+            ax = axes[i][j]
+            for method in methods:
+                h = runs[hosts, link, method][0]["history"]
+                ax.plot([x["train_s"] for x in h], [x["val_loss"] for x in h], marker=".", ms=3, label=method)
+            delay = "" if runs[hosts, link, methods[0]][0]["delay_applied"] else " (delay not applied)"
+            ax.set_title(f"{hosts} hosts, {link}{delay}", fontsize=10)
+            ax.set_xlabel("training seconds")
+            ax.set_ylabel("held-out loss")
+            ax.set_ylim(top=3.2)
+            ax.grid(alpha=0.3)
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)

@@ -1,0 +1,150 @@
+"""``python -m ds_lowcomm.bench peers``: ds_lowcomm's methods beside what users would pick instead,
+on the same task and steps: AdamW with a dense all-reduce (the ``adamw`` method, what DDP does)
+and PyTorch DDP with its PowerSGD communication hook (rank 4 and 8, AdamW), on 2 test hosts,
+unshaped and at 100 Mbit/s.
+
+PowerSGD's bytes are counted where they are sent: every ``torch.distributed.all_reduce`` issued
+during training (the hook's P, Q and uncompressed-tensor all-reduces, and its first
+``start_powerSGD_iter`` plain all-reduces) goes to a ledger with the same convention as
+ds_lowcomm's (all-reduce of N bytes: sent N, received N). DDP's start-up broadcast is not counted
+(nor is ds_lowcomm's start-up check in the per-step totals).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import statistics
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from ..comm import ByteLedger
+from ..config import METHODS
+from .runs import LINKS, effective_shape, method_spec, peer_spec, run_cached
+
+POWERSGD_RANKS = (4, 8)
+COLUMNS = ["name", "final_val_loss", "mb_sent_per_worker", "compression_vs_adamw", "wall_s_unshaped",
+           "wall_s_100mbit", "delay_applied"]
+
+
+def count_all_reduces(ledger: ByteLedger) -> None:
+    """Route every torch.distributed.all_reduce of this process through ``ledger``."""
+    original = dist.all_reduce
+    if getattr(original, "_lowcomm_counted", False):
+        return
+
+    def counted(tensor, *args, **kwargs):
+        n = tensor.numel() * tensor.element_size()
+        ledger.record("ddp_all_reduce", n, n)
+        return original(tensor, *args, **kwargs)
+
+    counted._lowcomm_counted = True
+    dist.all_reduce = counted
+
+
+def peer_setup(model: torch.nn.Module, spec: dict):
+    """``train_worker`` setup for a peer: (module, optimizer, ledger)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+    from torch.nn.parallel import DistributedDataParallel
+
+    peer = spec["peer"]
+    if peer.get("kind") != "ddp_powersgd":
+        raise ValueError(f"peer.kind must be ddp_powersgd; got {peer.get('kind')!r}")
+    ledger = ByteLedger()
+    ddp = DistributedDataParallel(model)  # broadcasts rank 0's parameters (not counted: start-up)
+    count_all_reduces(ledger)
+    state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=peer["rank"],
+                                   start_powerSGD_iter=peer.get("start_iter", 2))
+    ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], betas=tuple(spec.get("betas", (0.9, 0.95))),
+                            weight_decay=spec.get("weight_decay", 0.0))
+    opt.register_step_post_hook(lambda *_: ledger.end_step())  # one ledger step per optimizer step
+    return ddp, opt, ledger
+
+
+def entries(steps: int, eval_every: int, model: dict) -> dict[str, dict]:
+    out = {m: method_spec(m, steps, eval_every, **model) for m in METHODS}
+    for r in POWERSGD_RANKS:
+        out[f"powersgd_r{r}"] = peer_spec(f"powersgd_r{r}", {"kind": "ddp_powersgd", "rank": r}, steps, eval_every,
+                                          **model)
+    return out
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="python -m ds_lowcomm.bench peers", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="runs/bench/peers")
+    ap.add_argument("--cache", default="runs/bench/cache", help="results of single runs, shared with 'network'")
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--eval-every", type=int, default=15)
+    ap.add_argument("--slow-link", default="100mbit-20ms", choices=[k for k in LINKS if k != "unshaped"])
+    ap.add_argument("--repeats", type=int, default=1, help="wall times are medians over repeats")
+    ap.add_argument("--names", default=None, help="subset of the entries (comma list)")
+    ap.add_argument("--n-layer", type=int, default=2)
+    ap.add_argument("--n-embd", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=128)
+    args = ap.parse_args(argv)
+    model = {"n_layer": args.n_layer, "n_embd": args.n_embd, "seq_len": args.seq_len}
+    specs = entries(args.steps, args.eval_every, model)
+    if args.names:
+        wanted = [n.strip() for n in args.names.split(",")]
+        unknown = [n for n in wanted if n not in specs]
+        if unknown:
+            raise SystemExit(f"--names: unknown {', '.join(unknown)}; allowed: {', '.join(specs)}")
+        specs = {n: specs[n] for n in wanted}
+    cache, out = Path(args.cache), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows, runs = [], {}
+    for name, spec in specs.items():
+        for link in ("unshaped", args.slow_link):
+            runs[name, link] = [run_cached(cache, 2, link, spec, r) for r in range(args.repeats)]
+            print(f"{name:<14} {link:<13} val {runs[name, link][0]['final_val_loss']:.4f}  "
+                  f"wall {statistics.median(x['wall_s'] for x in runs[name, link]):.1f} s", flush=True)
+    base = runs.get(("adamw", "unshaped"))
+    for name in specs:
+        first = runs[name, "unshaped"][0]
+        sent = first["bytes_sent_per_worker"]
+        rows.append({
+            "name": name, "final_val_loss": first["final_val_loss"], "mb_sent_per_worker": sent / 1e6,
+            "compression_vs_adamw": base[0]["bytes_sent_per_worker"] / sent if base and sent else float("nan"),
+            "wall_s_unshaped": statistics.median(x["wall_s"] for x in runs[name, "unshaped"]),
+            "wall_s_100mbit": statistics.median(x["wall_s"] for x in runs[name, args.slow_link]),
+            "delay_applied": effective_shape(LINKS[args.slow_link])[1],
+        })
+    with open(out / "peers.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    (out / "peers.json").write_text(json.dumps({"args": vars(args), "rows": rows,
+                                                "runs": {f"{k[0]}@{k[1]}": v for k, v in runs.items()}}, indent=1))
+    plot(out / "peers.png", rows, args.slow_link)
+    return rows
+
+
+def plot(path: Path, rows: list[dict], slow: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_b, ax_t) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for r in rows:
+        ax_b.scatter(r["mb_sent_per_worker"], r["final_val_loss"])
+        ax_b.annotate(r["name"], (r["mb_sent_per_worker"], r["final_val_loss"]), fontsize=8)
+    ax_b.set_xscale("log")
+    ax_b.set_xlabel("MB sent per worker (log)")
+    ax_b.set_ylabel("held-out loss")
+    names = [r["name"] for r in rows]
+    x = range(len(rows))
+    ax_t.bar([i - 0.2 for i in x], [r["wall_s_unshaped"] for r in rows], 0.4, label="unshaped")
+    ax_t.bar([i + 0.2 for i in x], [r["wall_s_100mbit"] for r in rows], 0.4, label=slow)
+    ax_t.set_xticks(list(x), names, rotation=35, ha="right", fontsize=8)
+    ax_t.set_ylabel("wall s (2 hosts)")
+    ax_t.legend()
+    for ax in (ax_b, ax_t):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

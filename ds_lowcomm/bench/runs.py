@@ -1,0 +1,106 @@
+"""Training runs of the reference task on test hosts over shaped links, shared by the network and
+peers benchmarks: specs (the compare recipes, or a peer baseline), a result cache keyed by the
+exact spec, host count and link (the same run is never trained twice), and the time-to-loss
+arithmetic."""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+from functools import lru_cache
+from pathlib import Path
+
+from ..compare import build_specs
+from .hosts import run_on_hosts
+from .netns import LinkShape, TestNetwork, netem_available
+
+# The issue's links: one-way delay on each host's egress (netem) and a token-bucket rate.
+LINKS = {
+    "unshaped": LinkShape(),
+    "1gbit-5ms": LinkShape("1gbit", 5),
+    "100mbit-20ms": LinkShape("100mbit", 20),
+}
+
+
+@lru_cache(maxsize=1)
+def _netem() -> bool:
+    return netem_available()
+
+
+def effective_shape(shape: LinkShape) -> tuple[LinkShape, bool]:
+    """The shape this kernel can apply, and whether the delay is in it (netem may be missing)."""
+    if shape.delay_ms and not _netem():
+        return LinkShape(shape.rate, 0.0), False
+    return shape, True
+
+
+def method_spec(method: str, steps: int, eval_every: int, **model) -> dict:
+    """The spec ``ds-lowcomm compare`` would run for ``method`` (its recipe), with ``steps``."""
+    args = argparse.Namespace(workers=2, steps=steps, batch=16, warmup=max(1, steps // 15), eval_every=eval_every,
+                              seed=0, data=None, n_layer=model.get("n_layer", 2), n_embd=model.get("n_embd", 128),
+                              seq_len=model.get("seq_len", 128))
+    spec = build_specs([method], args, {})[0]
+    spec["label"] = method
+    spec["verbose"] = False
+    return spec
+
+
+def peer_spec(label: str, peer: dict, steps: int, eval_every: int, **model) -> dict:
+    """A peer baseline on the adamw recipe's data, model, learning rate and schedule."""
+    spec = method_spec("adamw", steps, eval_every, **model)
+    spec["peer"] = peer
+    spec["label"] = label
+    return spec
+
+
+def run_cached(cache: Path, hosts: int, link: str, spec: dict, repeat: int = 0) -> dict:
+    """Train ``spec`` on ``hosts`` test hosts over ``link`` (or load the cached result)."""
+    shape, delay_applied = effective_shape(LINKS[link])
+    key = json.dumps({"spec": spec, "hosts": hosts, "shape": [shape.rate, shape.delay_ms], "repeat": repeat},
+                     sort_keys=True)
+    path = cache / f"{spec['label']}-{hosts}h-{link}-r{repeat}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
+    if path.exists():
+        return json.loads(path.read_text())
+    with TestNetwork(hosts, shape) as net:
+        per_rank, wall = run_on_hosts(net, spec)
+    r0 = per_rank[0]
+    result = {
+        "label": spec["label"], "hosts": hosts, "link": link, "delay_applied": delay_applied, "repeat": repeat,
+        "final_val_loss": r0["final_val_loss"], "wall_s": wall, "train_s": r0["train_s"],
+        "bytes_sent_per_worker": sum(r["bytes_sent"] for r in per_rank) / hosts,
+        "bytes_received_per_worker": sum(r["bytes_received"] for r in per_rank) / hosts,
+        "comm_s": r0["comm_s"], "codec_s": r0["codec_s"], "history": r0["history"],
+        "replicas_identical": len({r["params_digest"] for r in per_rank}) == 1,
+    }
+    cache.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result))
+    return result
+
+
+def time_to_loss(history: list[dict], target: float) -> float | None:
+    """Training seconds (evaluations left out) until held-out loss first reaches ``target``,
+    interpolated linearly between evaluations; None if it never does."""
+    prev_t, prev_loss = 0.0, float("inf")
+    for h in history:
+        if h["val_loss"] <= target:
+            if prev_loss == float("inf"):
+                return h["train_s"]
+            frac = (prev_loss - target) / (prev_loss - h["val_loss"])
+            return prev_t + frac * (h["train_s"] - prev_t)
+        prev_t, prev_loss = h["train_s"], h["val_loss"]
+    return None
+
+
+def loss_at_time(history: list[dict], budget: float) -> float:
+    """Held-out loss reached within ``budget`` training seconds (the last evaluation before it,
+    interpolated to the budget); the final loss when the run ended sooner."""
+    prev = None
+    for h in history:
+        if h["train_s"] >= budget:
+            if prev is None:
+                return float("nan")  # no evaluation inside the budget
+            frac = (budget - prev["train_s"]) / (h["train_s"] - prev["train_s"])
+            return prev["val_loss"] + frac * (h["val_loss"] - prev["val_loss"])
+        prev = h
+    return history[-1]["val_loss"]
