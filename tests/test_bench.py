@@ -1,0 +1,102 @@
+"""The benchmarks at tiny size (seconds, so that they keep working), and the test hosts' set-up and
+tear-down when running as root. The measurements themselves are in docs/benchmarks.md."""
+
+import csv
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from ds_lowcomm.bench import netns
+from ds_lowcomm.bench.runs import loss_at_time, time_to_loss
+
+ROOT = os.geteuid() == 0
+needs_root = pytest.mark.skipif(not ROOT, reason="network namespaces and tc need root")
+TINY = ["--steps", "4", "--eval-every", "2", "--n-layer", "1", "--n-embd", "32", "--seq-len", "32"]
+
+
+_SERVER = """import socket, sys
+s = socket.create_server((sys.argv[1], 29999)); c, _ = s.accept(); c.sendall(b"hello from host 0"); c.close()"""
+_CLIENT = """import socket, sys
+c = socket.create_connection((sys.argv[1], 29999), timeout=10); print(c.recv(100).decode())"""
+
+
+def _rows(path):
+    return list(csv.DictReader(open(path)))
+
+
+def test_time_to_loss_and_loss_at_time():
+    h = [{"train_s": 1.0, "val_loss": 3.0}, {"train_s": 2.0, "val_loss": 2.0}, {"train_s": 3.0, "val_loss": 1.0}]
+    assert time_to_loss(h, 2.5) == pytest.approx(1.5)
+    assert time_to_loss(h, 0.5) is None
+    assert loss_at_time(h, 2.5) == pytest.approx(1.5)
+    assert loss_at_time(h, 9.0) == 1.0
+
+
+@needs_root
+def test_test_hosts_are_created_shaped_and_removed():
+    shape = netns.LinkShape("100mbit")
+    with netns.TestNetwork(2, shape, prefix="dslct") as net:
+        assert sorted(net.existing()) == ["dslct-h0", "dslct-h1", "dslct-hub"]
+        # real TCP from host 1 to host 0 through the bridge
+        server = subprocess.Popen(net.command(0, [sys.executable, "-c", _SERVER, net.address(0)]), stdout=subprocess.PIPE)
+        time.sleep(1.0)
+        client = subprocess.run(net.command(1, [sys.executable, "-c", _CLIENT, net.address(0)]), capture_output=True,
+                                timeout=30)
+        server.wait(timeout=30)
+        assert client.stdout.strip() == b"hello from host 0", client.stderr
+        qdisc = subprocess.run(net.command(0, ["tc", "qdisc", "show", "dev", net.interface(0)]),
+                               capture_output=True, text=True).stdout
+        assert "tbf" in qdisc and "100Mbit" in qdisc
+        # nothing of it is visible in the machine's own namespace
+        links = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True).stdout
+        assert net.interface(0) not in links
+    assert net.existing() == []
+
+
+def test_network_benchmark_refuses_without_root(monkeypatch):
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    with pytest.raises(PermissionError, match="needs root"):
+        netns.check_can_create()
+
+
+@needs_root
+def test_network_and_peers_benchmarks_tiny(tmp_path):
+    from ds_lowcomm.bench import network, peers
+
+    cache = str(tmp_path / "cache")
+    rows = network.main(["--hosts", "2", "--links", "unshaped", "--methods", "adamw,demo", "--budget-factor", "1",
+                         "--cache", cache, "--out", str(tmp_path / "net"), *TINY])
+    assert [r["method"] for r in rows] == ["adamw", "demo"]
+    assert rows[0]["speedup_vs_adamw"] == 1.0 and rows[0]["time_to_target_s"] > 0
+    assert (tmp_path / "net" / "network.png").stat().st_size > 10_000
+    # peers reuses the cached adamw run and adds DDP + PowerSGD
+    rows = {r["name"]: r for r in peers.main(["--names", "adamw,powersgd_r4", "--slow-link", "100mbit-20ms",
+                                               "--cache", cache, "--out", str(tmp_path / "peers"), *TINY])}
+    assert rows["adamw"]["compression_vs_adamw"] == 1.0
+    assert 1.0 < rows["powersgd_r4"]["compression_vs_adamw"] < 20  # PowerSGD's all-reduces were counted
+    assert _rows(tmp_path / "peers" / "peers.csv")[1]["name"] == "powersgd_r4"
+
+
+@needs_root
+def test_streaming_benchmark_tiny(tmp_path):
+    from ds_lowcomm.bench import streaming
+
+    rows = streaming.main(["--links", "unshaped", "--steps", "8", "--sync-every", "4", "--fragments", "2",
+                           "--sync-delay", "1", "--n-layer", "1", "--n-embd", "32", "--seq-len", "32", "--batch", "4",
+                           "--out", str(tmp_path)])
+    assert [r["syncs"] for r in rows] == [2, 3]  # diloco lands at 4, 8; streaming at 3, 5, 7 (9 is past the end)
+    assert (tmp_path / "streaming.csv").exists()
+
+
+def test_scaling_benchmark_tiny(tmp_path):
+    from ds_lowcomm.bench import scaling
+
+    result = scaling.main(["--workers", "2", "--widths", "32", "--steps", "5", "--methods", "adamw,demo",
+                           "--replica-sizes", "1", "--out", str(tmp_path)])
+    by = {r["method"]: r for r in result["workers"]}
+    assert by["demo"]["bytes_received_per_sync"] < by["adamw"]["bytes_received_per_sync"] / 10
+    assert result["replicas"][0]["replicas_identical"]
+    assert (tmp_path / "scaling.png").exists()
