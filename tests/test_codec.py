@@ -224,3 +224,13 @@ def test_blocks_are_row_major():
     x = torch.arange(16.0).reshape(4, 4)
     blocks = to_blocks(x, ChunkPlan.for_shape((4, 4), 2))
     assert blocks[1].tolist() == [[2.0, 3.0], [6.0, 7.0]]
+
+
+@pytest.mark.parametrize("value_dtype", ["fp32", "fp16", "int8", "2bit"])
+def test_single_rank_decode_of_an_unaligned_slice(value_dtype):
+    """A world of one: the row is a slice at an odd offset of the flat payload (no copy is made
+    by slicing one row), and decoding must still work."""
+    spec = SparseSpec.build((7,), chunk=4, topk=1, value_dtype=value_dtype)
+    payload, sent = spec.compress(torch.randn(7))
+    flat = torch.cat([torch.zeros(3, dtype=torch.uint8), payload])  # offset 3 in the gathered buffer
+    assert torch.equal(spec.decompress_mean(flat[None, 3:]), sent)

@@ -159,17 +159,23 @@ class ValueFormat:
 
     def unpack(self, data: torch.Tensor, count: int) -> torch.Tensor:
         """(..., nbytes) uint8 -> (..., count) fp32, vectorised over leading dims (one row per rank)."""
-        data = data.contiguous()
         if self.name == "2bit":
             header = 4 * TWO_BIT_BINS
-            lookup = data[..., :header].contiguous().view(torch.float32)
+            lookup = _view(data[..., :header], torch.float32)
             codes = unpack_2bit(data[..., header:], count)
             return torch.gather(lookup, -1, codes)
         if self.name != "int8":
-            return data.view(_FLOAT_DTYPES[self.name]).float()
-        header = data[..., :8].contiguous().view(torch.float32)
+            return _view(data, _FLOAT_DTYPES[self.name]).float()
+        header = _view(data[..., :8], torch.float32)
         lo, step = header[..., :1], header[..., 1:2]
         return lo + data[..., 8:].float() * step
+
+
+def _view(data: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Bytes (a slice of a gathered buffer, at any offset and stride) reinterpreted as ``dtype``:
+    copied into a fresh standard-strided buffer first, since a view needs aligned strides."""
+    fresh = torch.empty(data.shape, dtype=torch.uint8, device=data.device)
+    return fresh.copy_(data).view(dtype)
 
 
 @dataclass(frozen=True)
