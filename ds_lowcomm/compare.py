@@ -72,7 +72,9 @@ def build_specs(methods: list[str], args, overrides: dict) -> list[dict]:
         recipe["lr"] = over.get("lr", recipe["lr"])
         recipe["lowcomm"].update(over.get("lowcomm", {}))
         recipe["lowcomm"]["method"] = method
-        LowcommConfig.from_dict(recipe["lowcomm"], where=f"{method}.lowcomm")
+        if LowcommConfig.from_dict(recipe["lowcomm"], where=f"{method}.lowcomm").transport != "torch":
+            raise ConfigError(f"{method}.lowcomm.transport must be torch in ds-lowcomm compare (it starts its own "
+                              "workers; the MPI transport needs processes started by mpirun: use launch/train.py)")
         check_lr(recipe["lr"], where=f"{method}.lr")
         specs.append({
             "lowcomm": recipe["lowcomm"], "lr": recipe["lr"], "steps": args.steps, "batch": args.batch,

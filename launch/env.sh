@@ -2,7 +2,8 @@
 # Idempotent set-up for a fresh machine (run as root) or an existing one: OpenMPI when mpirun is
 # missing, a virtual environment at .venv/, torch==2.13.0 there only when no torch is importable
 # (pip takes the CPU build where a CPU wheel is provided locally, as on these machines; on a GPU
-# machine it is the regular build), then this package with its test and plot extras.
+# machine it is the regular build), then this package with its test, plot and bench extras, and
+# its mpi extra (mpi4py) where an MPI library is installed.
 # Re-running skips every step that is already done.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -31,9 +32,13 @@ fi
 
 # Reinstall the package (editable) only when its declared dependencies changed.
 stamp=.venv/.ds_lowcomm-installed
-want=$(sha256sum pyproject.toml | cut -d' ' -f1)
+extras="test,plot,bench"
+if command -v mpirun >/dev/null 2>&1; then
+    extras="$extras,mpi"
+fi
+want="$(sha256sum pyproject.toml | cut -d' ' -f1) $extras"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$VPY" -c "import ds_lowcomm, deepspeed, pytest" >/dev/null 2>&1; then
-    echo "[env] installing ds_lowcomm and its dependencies into .venv"
-    "$VPY" -m pip install -q -e ".[test,plot]"
+    echo "[env] installing ds_lowcomm and its dependencies ($extras) into .venv"
+    "$VPY" -m pip install -q -e ".[$extras]"
     echo "$want" > "$stamp"
 fi

@@ -119,3 +119,28 @@ def _backend_device(backend: str) -> torch.device:
     if accel is not None and accel.current_accelerator() is not None:
         return torch.device(accel.current_accelerator().type, accel.current_device_index())
     return torch.device("cuda", torch.cuda.current_device())
+
+
+def build_transport(name: str, *, group: dist.ProcessGroup | None = None, replica_size: int = 1,
+                    ledger: ByteLedger | None = None) -> Transport:
+    """The transport ``lowcomm.transport`` names, over ``group`` (torch) or the matching MPI
+    communicator (mpi: the whole world, or the cross-replica ranks when ``replica_size`` > 1)."""
+    if name == "torch":
+        return TorchDistTransport(group, ledger)
+    if name != "mpi":
+        raise ValueError(f"lowcomm.transport must be one of torch, mpi; got {name!r}")
+    from ..config import ConfigError
+    from .mpi import MPITransport, started_by_mpirun
+
+    if not started_by_mpirun():
+        raise ConfigError("lowcomm.transport is 'mpi' but this process was not started by mpirun: launch with "
+                          "`mpirun -np N python launch/train.py ...`, or set lowcomm.transport to \"torch\"")
+    transport = MPITransport.cross_replica(replica_size, ledger) if replica_size > 1 else MPITransport(ledger=ledger)
+    if dist.is_initialized():  # MPI's ranks must be torch.distributed's, or syncs would pair the wrong peers
+        mine = dist.get_rank(group) if group is not None else dist.get_rank()
+        size = dist.get_world_size(group) if group is not None else dist.get_world_size()
+        if (transport.rank, transport.world_size) != (mine, size):
+            raise ConfigError(f"lowcomm.transport is 'mpi' but MPI has rank {transport.rank} of {transport.world_size} "
+                              f"where torch.distributed has {mine} of {size}: start one process per rank with "
+                              "mpirun and take RANK/WORLD_SIZE from OMPI_COMM_WORLD_RANK/SIZE")
+    return transport

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch.distributed as dist
 
-from ..comm import ByteLedger, ReplicaShard, ReplicaTopology, TorchDistTransport, assert_same_across_ranks
+from ..comm import ByteLedger, ReplicaShard, ReplicaTopology, TorchDistTransport, assert_same_across_ranks, build_transport
 from ..config import ConfigError
 from ..optim import LowcommOptimizer, build_optimizer
 from .comm_counter import count_deepspeed_collectives
@@ -110,8 +110,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
          **{f"optimizer.params.{k}": list(v) if isinstance(v, tuple) else v for k, v in split.optimizer_params.items()}},
     )
     params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
-    opt = build_optimizer(split.lowcomm, params, transport=TorchDistTransport(topology.cross_group),
-                          **split.optimizer_params)
+    # The method's traffic across replicas goes over lowcomm.transport (torch.distributed or MPI);
+    # DeepSpeed's own (inside a replica) and the check above stay on torch.distributed.
+    transport = build_transport(split.lowcomm.transport, group=topology.cross_group,
+                                replica_size=topology.replica_size)
+    opt = build_optimizer(split.lowcomm, params, transport=transport, **split.optimizer_params)
     opt.manage_ledger_steps = False  # engine.step marks the boundaries (ZeRO steps once per group)
     if split.zero_stage == 0 and topology.replica_size > 1:
         # Every rank of a replica holds the whole model: split the cross-replica sync by owner.

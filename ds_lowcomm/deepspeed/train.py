@@ -18,6 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
+from ..comm.mpi import finalize_if_used
 from ..task.data import ByteCorpus
 from ..task.model import GPT, GPTConfig
 from ..task.train import evaluate, lr_lambda, mean_over_ranks, params_digest
@@ -144,6 +145,7 @@ def main(argv: list[str] | None = None) -> None:
     run(parser().parse_args(argv))
     dist.barrier()
     dist.destroy_process_group()
+    finalize_if_used()  # with lowcomm.transport "mpi"
     # Everything is written and every rank has passed the barrier. Leave without running C++
     # destructors: gloo/DeepSpeed background threads now and then abort the interpreter's
     # shutdown ("terminate called without an active exception", SIGABRT) after a good run.

@@ -17,7 +17,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from ..comm import TorchDistTransport
+from ..comm import build_transport
 from ..config import LowcommConfig
 from ..optim import build_optimizer
 from .data import ByteCorpus
@@ -61,7 +61,7 @@ def mean_over_ranks(*values: float) -> list[float]:
 def lowcomm_setup(model: torch.nn.Module, spec: dict):
     """The module to run, the optimizer and its byte ledger: a ds_lowcomm method from spec["lowcomm"]."""
     cfg = LowcommConfig.from_dict(spec["lowcomm"])
-    transport = TorchDistTransport()
+    transport = build_transport(cfg.transport)
     opt = build_optimizer(
         cfg, model.parameters(), lr=spec["lr"], weight_decay=spec.get("weight_decay", 0.0),
         betas=tuple(spec.get("betas", (0.9, 0.95))), transport=transport,
