@@ -35,6 +35,16 @@ def _loss(model, rank, step):
     return torch.nn.functional.mse_loss(model(x), y)
 
 
+def _replay_sgd_step(models, step, lr):
+    """One plain SGD step of every simulated rank's model on its own batch (for replays)."""
+    for rank, model in enumerate(models):
+        _loss(model, rank, step).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+                p.grad = None
+
+
 # --- DeMo against a replay written from the algorithm's definition -------------------------
 
 DEMO = dict(lr=0.01, decay=0.9, topk=8, chunk=8, weight_decay=0.1)

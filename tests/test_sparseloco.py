@@ -10,7 +10,7 @@ from ds_lowcomm.codec.dct import from_blocks, to_blocks
 from ds_lowcomm.comm import run_local_workers
 from ds_lowcomm.optim import SparseLoCo
 
-from .test_methods import _digest, _loss, _model
+from .test_methods import _digest, _loss, _model, _replay_sgd_step
 
 SETTINGS = dict(sync_every=2, decay=0.95, topk=4, chunk=8, outer_lr=0.65)
 LR, STEPS = 0.1, 6
@@ -43,12 +43,7 @@ def _replay(world):
     anchor = [p.detach().double().numpy().copy() for p in models[0].parameters()]
     errors = [[np.zeros_like(a) for a in anchor] for _ in range(world)]
     for s in range(STEPS):
-        for r, m in enumerate(models):
-            _loss(m, r, s).backward()
-            with torch.no_grad():
-                for p in m.parameters():
-                    p -= LR * p.grad
-                    p.grad = None
+        _replay_sgd_step(models, s, LR)
         if (s + 1) % SETTINGS["sync_every"]:
             continue
         for i, a in enumerate(anchor):

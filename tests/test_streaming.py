@@ -8,7 +8,7 @@ import torch
 from ds_lowcomm.comm import run_local_workers
 from ds_lowcomm.optim import DiLoCo
 
-from .test_methods import _loss, _model
+from .test_methods import _loss, _model, _replay_sgd_step
 
 LR, H, STEPS = 0.1, 4, 11
 OUTER = dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True)
@@ -40,12 +40,7 @@ def _replay(world, delay, mix):
     pending = {}
     for s in range(STEPS):
         t = s + 1
-        for r, m in enumerate(models):
-            _loss(m, r, s).backward()
-            with torch.no_grad():
-                for p in m.parameters():
-                    p -= LR * p.grad
-                    p.grad = None
+        _replay_sgd_step(models, s, LR)
         for f, members in enumerate(FRAGMENTS):
             offset = (f + 1) * H // len(FRAGMENTS)
             if t >= offset and (t - offset) % H == 0:  # send: the mean pseudo-gradient, as of now
