@@ -42,7 +42,6 @@ def run_on_hosts(net: TestNetwork, spec: dict, timeout: float = 3600) -> tuple[l
                 raise RuntimeError(f"benchmark workers ran past {timeout:.0f} s")
         wall = time.perf_counter() - start
         failed = [(i, p.returncode, out) for i, (p, out) in enumerate(zip(procs, outputs)) if p.returncode != 0]
-        if failed:
-            i, rc, out = failed[0]
-            raise RuntimeError(f"benchmark worker {i} exited with {rc}:\n{out[-3000:]}")
+        if failed:  # every failed worker's tail: the first to fail is not always rank 0
+            raise RuntimeError("\n".join(f"benchmark worker {i} exited with {rc}:\n{out[-2500:]}" for i, rc, out in failed))
         return [json.loads((Path(f"{prefix}.rank{i}.json")).read_text()) for i in range(net.hosts)], wall

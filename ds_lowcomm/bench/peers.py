@@ -54,7 +54,11 @@ def peer_setup(model: torch.nn.Module, spec: dict):
     if peer.get("kind") != "ddp_powersgd":
         raise ValueError(f"peer.kind must be ddp_powersgd; got {peer.get('kind')!r}")
     ledger = ByteLedger()
-    ddp = DistributedDataParallel(model)  # broadcasts rank 0's parameters (not counted: start-up)
+    # One gradient bucket: with several, PowerSGD's chained all-reduces (issued from completion
+    # callbacks) got matched out of order across ranks over gloo through the test hosts' links
+    # (gloo: "Received data size doesn't match expected size"). DDP broadcasts rank 0's
+    # parameters here (start-up, not counted).
+    ddp = DistributedDataParallel(model, bucket_cap_mb=1024)
     count_all_reduces(ledger)
     state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=peer["rank"],
                                    start_powerSGD_iter=peer.get("start_iter", 2))
