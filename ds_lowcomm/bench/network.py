@@ -3,8 +3,8 @@
 Each method trains the reference task on 2 and 4 test hosts (one network namespace per worker,
 veth pairs through a bridge, tc-shaped egress) over unshaped, 1 Gbit/s 5 ms and 100 Mbit/s
 20 ms links. The target is the held-out loss adamw reaches in the step budget on that host
-count; the other methods get up to ``--budget-factor`` times the steps (their schedule spread
-over that budget) and stop at the first evaluation that reaches the target. Reported per
+count; then every entry, adamw included, gets ``--budget-factor`` times the steps (its schedule
+spread over that budget) and stops at the first evaluation that reaches the target. Reported per
 (hosts, link, method): the training time to the target (evaluations are not timed), the held-out
 loss reached within a fixed budget (adamw's training time on the unshaped link), the final loss,
 bytes and wall time. Needs root; the namespaces are removed after every run.
@@ -20,10 +20,12 @@ from pathlib import Path
 
 from ..config import METHODS
 from .netns import check_can_create
-from .runs import LINKS, loss_at_time, method_spec, run_cached, time_to_loss
+from .runs import LINKS, loss_at_time, method_spec, peer_spec, run_cached, time_to_loss
+
+PEERS = {"powersgd_r4": {"kind": "ddp_powersgd", "rank": 4}, "powersgd_r8": {"kind": "ddp_powersgd", "rank": 8}}
 
 COLUMNS = ["hosts", "link", "delay_applied", "method", "steps_run", "final_val_loss", "target_loss", "time_to_target_s",
-           "speedup_vs_adamw", "budget_s", "loss_at_budget", "train_s", "wall_s", "mb_sent_per_worker", "repeats"]
+           "speedup_vs_adamw", "speedup_vs_powersgd", "budget_s", "loss_at_budget", "train_s", "wall_s", "mb_sent_per_worker", "repeats"]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -33,6 +35,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--hosts", default="2,4")
     ap.add_argument("--links", default=",".join(LINKS), help=f"comma list of {', '.join(LINKS)}")
     ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--peers", default="", help=f"peer baselines to add: comma list of {', '.join(PEERS)}")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--eval-every", type=int, default=15)
     ap.add_argument("--budget-factor", type=float, default=3.0,
@@ -44,8 +47,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     hosts_list = [int(h) for h in args.hosts.split(",")]
     links = [x.strip() for x in args.links.split(",")]
-    methods = [m.strip() for m in args.methods.split(",")]
-    bad = [x for x in links if x not in LINKS] + [m for m in methods if m not in METHODS]
+    peers = [m.strip() for m in args.peers.split(",") if m.strip()]
+    methods = [m.strip() for m in args.methods.split(",")] + peers
+    bad = [x for x in links if x not in LINKS] + [m for m in methods if m not in METHODS and m not in PEERS]
     if bad:
         raise SystemExit(f"unknown link(s)/method(s): {', '.join(bad)}; links: {', '.join(LINKS)}; "
                          f"methods: {', '.join(METHODS)}")
@@ -57,16 +61,19 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
 
     runs: dict[tuple[int, str, str], list[dict]] = {}
+    targets: dict[int, float] = {}
     for hosts in hosts_list:
         # adamw first, unshaped first: its final loss is the target of everything on these hosts
         adamw = method_spec("adamw", args.steps, args.eval_every, **model)
-        target = run_cached(cache, hosts, "unshaped", adamw)["final_val_loss"]
+        target = targets[hosts] = run_cached(cache, hosts, "unshaped", adamw)["final_val_loss"]
         for link in links:
             for method in methods:
-                if method == "adamw":
-                    spec = adamw
+                budget_steps = int(args.steps * args.budget_factor)
+                if method in PEERS:  # on adamw's recipe, with the same longer budget and stop
+                    spec = peer_spec(method, PEERS[method], budget_steps, args.eval_every, **model)
+                    spec["stop_at_val_loss"] = target
                 else:
-                    spec = method_spec(method, int(args.steps * args.budget_factor), args.eval_every, **model)
+                    spec = method_spec(method, budget_steps, args.eval_every, **model)
                     spec["stop_at_val_loss"] = target
                 runs[hosts, link, method] = [run_cached(cache, hosts, link, spec, r) for r in range(args.repeats)]
                 first = runs[hosts, link, method][0]
@@ -75,7 +82,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
     rows = []
     for hosts in hosts_list:
-        target = runs[hosts, "unshaped", "adamw"][0]["final_val_loss"]
+        target = targets[hosts]
         budget = statistics.median(x["train_s"] for x in runs[hosts, "unshaped", "adamw"])
         for link in links:
             adamw_time = statistics.median(time_to_loss(x["history"], target) for x in runs[hosts, link, "adamw"])
@@ -88,11 +95,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     "steps_run": reps[0]["history"][-1]["step"],
                     "final_val_loss": reps[0]["final_val_loss"], "target_loss": target, "time_to_target_s": t,
                     "speedup_vs_adamw": adamw_time / t if t else None, "budget_s": budget,
+                    "speedup_vs_powersgd": None,
                     "loss_at_budget": statistics.median(loss_at_time(x["history"], budget) for x in reps),
                     "train_s": statistics.median(x["train_s"] for x in reps),
                     "wall_s": statistics.median(x["wall_s"] for x in reps),
                     "mb_sent_per_worker": reps[0]["bytes_sent_per_worker"] / 1e6, "repeats": len(reps),
                 })
+    for r in rows:  # against the fastest PowerSGD to the target on the same hosts and link
+        peer_times = [x["time_to_target_s"] for x in rows if x["method"] in PEERS and x["hosts"] == r["hosts"]
+                      and x["link"] == r["link"] and x["time_to_target_s"]]
+        if peer_times and r["time_to_target_s"]:
+            r["speedup_vs_powersgd"] = min(peer_times) / r["time_to_target_s"]
     with open(out / "network.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()

@@ -1,0 +1,167 @@
+"""``python -m ds_lowcomm.bench vision``: does it generalise to CNNs (the seed paper's claim)?
+
+A small CNN on scikit-learn's bundled digits (1797 8x8 images, 10 classes, no download), a fixed
+stratified 20% held out (seed 0), each worker training on its own shard of the rest, with every
+method from the same initialisation on real gloo worker processes. Reported: held-out accuracy
+and loss (averaged over ranks), bytes per worker from the optimizer's ledger, ratios against
+adamw and diloco, and whether the replicas ended identical.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from ..comm import TorchDistTransport, run_local_workers
+from ..config import LowcommConfig
+from ..optim import build_optimizer
+from ..task.train import lr_lambda, mean_over_ranks, params_digest
+
+# Per-method recipes for this task (chosen on 2-worker runs; see docs/benchmarks.md).
+RECIPES = {
+    "adamw": {"lr": 3e-3, "lowcomm": {"method": "adamw"}},
+    "demo": {"lr": 3e-3, "lowcomm": {"method": "demo", "topk": 2, "chunk": 8, "decay": 0.9, "value_dtype": "int8"}},
+    "diloco": {"lr": 3e-3, "lowcomm": {"method": "diloco", "sync_every": 10}},
+    "dct_diloco": {"lr": 3e-3, "lowcomm": {"method": "dct_diloco", "sync_every": 10, "topk": 8, "chunk": 8,
+                                           "value_dtype": "bf16", "average": "world"}},
+    "sparseloco": {"lr": 3e-3, "lowcomm": {"method": "sparseloco", "sync_every": 10, "topk": 8, "chunk": 8}},
+}
+COLUMNS = ["method", "workers", "steps", "held_out_accuracy", "held_out_loss", "mb_sent_per_worker",
+           "compression_vs_adamw", "compression_vs_diloco", "replicas_identical", "wall_s"]
+
+
+class DigitsCNN(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(1, 16, 3, padding=1)
+        self.conv2 = torch.nn.Conv2d(16, 32, 3, padding=1)
+        self.head = torch.nn.Linear(32 * 4 * 4, 10)
+
+    def forward(self, x):
+        x = F.relu(self.conv1(x))
+        x = F.max_pool2d(F.relu(self.conv2(x)), 2)
+        return self.head(x.flatten(1))
+
+
+def load_digits_split(seed: int = 0):
+    """(x_train, y_train, x_test, y_test): images in [0, 1] as (N, 1, 8, 8), a stratified 20% held out."""
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    digits = load_digits()
+    x = torch.tensor(digits.images, dtype=torch.float32).unsqueeze(1) / 16.0
+    y = torch.tensor(digits.target, dtype=torch.int64)
+    train_idx, test_idx = train_test_split(torch.arange(len(y)).numpy(), test_size=0.2, stratify=y.numpy(),
+                                           random_state=seed)
+    return x[train_idx], y[train_idx], x[test_idx], y[test_idx]
+
+
+@torch.no_grad()
+def evaluate(model, x, y) -> tuple[float, float]:
+    model.eval()
+    logits = model(x)
+    model.train()
+    return F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).float().mean().item()
+
+
+def vision_worker(rank: int, world: int, spec: dict) -> dict:
+    x_train, y_train, x_test, y_test = load_digits_split(spec["seed"])
+    mine = torch.arange(rank, len(y_train), world)  # this worker's shard
+    torch.manual_seed(spec["seed"])  # the same initialisation on every rank and for every method
+    model = DigitsCNN()
+    cfg = LowcommConfig.from_dict(spec["lowcomm"])
+    opt = build_optimizer(cfg, model.parameters(), lr=spec["lr"], betas=(0.9, 0.95), transport=TorchDistTransport())
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec["warmup"], spec["steps"]))
+    history = []
+    for step in range(spec["steps"]):
+        g = torch.Generator().manual_seed(spec["seed"] * 1_000_003 + rank * 10_007 + step)  # reproducible batches
+        idx = mine[torch.randint(len(mine), (spec["batch"],), generator=g)]
+        F.cross_entropy(model(x_train[idx]), y_train[idx]).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        sched.step()
+        done = step + 1
+        if done % spec["eval_every"] == 0 or done == spec["steps"]:
+            loss, acc = mean_over_ranks(*evaluate(model, x_test, y_test))
+            history.append({"step": done, "held_out_loss": loss, "held_out_accuracy": acc,
+                            "bytes_sent": opt.ledger.sent})
+    return {"method": cfg.method, "history": history, "bytes_sent": opt.ledger.sent,
+            "params_digest": params_digest(model), "num_params": sum(p.numel() for p in model.parameters())}
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="python -m ds_lowcomm.bench vision", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="runs/bench/vision")
+    ap.add_argument("--methods", default="adamw,demo,diloco,dct_diloco,sparseloco")
+    ap.add_argument("--workers", type=int, default=2)
+    ap.add_argument("--steps", type=int, default=300)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--quick", action="store_true", help="a few steps (smoke test)")
+    args = ap.parse_args(argv)
+    methods = [m.strip() for m in args.methods.split(",")]
+    unknown = [m for m in methods if m not in RECIPES]
+    if unknown:
+        raise SystemExit(f"--methods: unknown {', '.join(unknown)}; allowed: {', '.join(RECIPES)}")
+    steps = 20 if args.quick else args.steps
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for method in methods:
+        lowcomm = dict(RECIPES[method]["lowcomm"])
+        if args.quick and "sync_every" in lowcomm:
+            lowcomm["sync_every"] = 5
+        spec = {"lowcomm": lowcomm, "lr": RECIPES[method]["lr"], "steps": steps, "batch": args.batch,
+                "warmup": max(1, steps // 10), "eval_every": max(1, steps // 10), "seed": 0}
+        start = time.perf_counter()
+        per_rank = run_local_workers(vision_worker, args.workers, spec)
+        r0 = per_rank[0]
+        last = r0["history"][-1]
+        rows.append({"method": method, "workers": args.workers, "steps": steps,
+                     "held_out_accuracy": last["held_out_accuracy"], "held_out_loss": last["held_out_loss"],
+                     "mb_sent_per_worker": sum(r["bytes_sent"] for r in per_rank) / len(per_rank) / 1e6,
+                     "replicas_identical": len({r["params_digest"] for r in per_rank}) == 1,
+                     "wall_s": time.perf_counter() - start, "history": r0["history"], "num_params": r0["num_params"]})
+        print(f"{method:<11} accuracy {last['held_out_accuracy']:.4f}  loss {last['held_out_loss']:.4f}  "
+              f"{rows[-1]['mb_sent_per_worker']:.3f} MB", flush=True)
+    for base in ("adamw", "diloco"):
+        ref = next((r["mb_sent_per_worker"] for r in rows if r["method"] == base), None)
+        for r in rows:
+            r[f"compression_vs_{base}"] = ref / r["mb_sent_per_worker"] if ref and r["mb_sent_per_worker"] else float("nan")
+    with open(out / "vision.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS, extrasaction="ignore")
+        w.writeheader()
+        w.writerows(rows)
+    (out / "vision.json").write_text(json.dumps({"args": vars(args), "recipes": RECIPES, "rows": rows}, indent=1))
+    plot(out / "vision.png", rows)
+    return rows
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax_b, ax_s) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for r in rows:
+        h = r["history"]
+        acc = [x["held_out_accuracy"] for x in h]
+        ax_b.plot([max(x["bytes_sent"], 1) / 1e6 for x in h], acc, marker="o", ms=3, label=r["method"])
+        ax_s.plot([x["step"] for x in h], acc, marker="o", ms=3, label=r["method"])
+    ax_b.set_xscale("log")
+    ax_b.set_xlabel("MB sent per worker (log)")
+    ax_s.set_xlabel("step")
+    for ax in (ax_b, ax_s):
+        ax.set_ylabel("held-out accuracy")
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.suptitle(f"Digits CNN ({rows[0]['num_params']} parameters), {rows[0]['workers']} workers")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
