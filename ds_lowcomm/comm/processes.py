@@ -8,6 +8,7 @@ spawns n processes, initialises gloo (file store rendezvous, no port to pick), c
 from __future__ import annotations
 
 import os
+import sys
 import tempfile
 import traceback
 
@@ -37,6 +38,12 @@ def _worker(rank, world_size, store_dir, fn, args, backend, threads):
     # Without the barrier before destroying, gloo now and then aborts at exit.
     dist.barrier()
     dist.destroy_process_group()
+    # Subgroups and finished async works can keep gloo's threads alive into interpreter teardown,
+    # where destroying them aborts the process ("terminate called without an active exception")
+    # after the result is already saved; leave without that teardown.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 def run_local_workers(fn, world_size: int, *args, backend: str = "gloo", threads: int | None = None):
