@@ -7,7 +7,8 @@ count; then every entry, adamw included, gets ``--budget-factor`` times the step
 spread over that budget) and stops at the first evaluation that reaches the target. Reported per
 (hosts, link, method): the training time to the target (evaluations are not timed), the held-out
 loss reached within a fixed budget (adamw's training time on the unshaped link), the final loss,
-bytes and wall time. Needs root; the namespaces are removed after every run.
+bytes and wall time, to ``network-<hosts>h.csv/.json/.png``. Needs root; the namespaces are
+removed after every run.
 """
 
 from __future__ import annotations
@@ -106,13 +107,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       and x["link"] == r["link"] and x["time_to_target_s"]]
         if peer_times and r["time_to_target_s"]:
             r["speedup_vs_powersgd"] = min(peer_times) / r["time_to_target_s"]
-    with open(out / "network.csv", "w", newline="") as f:
+    # named by host counts, so 2- and 4-host runs made separately sit side by side
+    name = f"network-{'-'.join(map(str, hosts_list))}h"
+    with open(out / f"{name}.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
         w.writerows(rows)
-    (out / "network.json").write_text(json.dumps(
+    (out / f"{name}.json").write_text(json.dumps(
         {"args": vars(args), "rows": rows, "runs": {f"{h}@{l}@{m}": v for (h, l, m), v in runs.items()}}, indent=1))
-    plot(out / "network.png", runs, hosts_list, links, methods)
+    plot(out / f"{name}.png", runs, hosts_list, links, methods)
     return rows
 
 
