@@ -13,6 +13,8 @@ import json
 import time
 from pathlib import Path
 
+import torch
+
 from .comm import run_local_workers
 from .config import METHODS, ConfigError, LowcommConfig, check_lr
 from .task.train import train_worker
@@ -65,6 +67,16 @@ def build_specs(methods: list[str], args, overrides: dict) -> list[dict]:
         raise ConfigError(f"--workers must be >= 1; got {args.workers}")
     if args.steps < 1:
         raise ConfigError(f"--steps must be >= 1; got {args.steps}")
+    device, backend = getattr(args, "device", "cpu"), getattr(args, "backend", "gloo")
+    if device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device must be one of cpu, cuda; got {device!r}")
+    if backend not in ("gloo", "nccl"):
+        raise ConfigError(f"--backend must be one of gloo, nccl; got {backend!r}")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("--device cuda: no CUDA device is visible here; allowed: cpu")
+    if backend == "nccl" and (device != "cuda" or args.workers > torch.cuda.device_count()):
+        raise ConfigError(f"--backend nccl needs --device cuda and one GPU per worker ({args.workers} workers, "
+                          f"{torch.cuda.device_count()} GPUs); use --backend gloo")
     specs = []
     for method in methods:
         recipe = copy.deepcopy(RECIPES[method])
@@ -80,7 +92,7 @@ def build_specs(methods: list[str], args, overrides: dict) -> list[dict]:
             "lowcomm": recipe["lowcomm"], "lr": recipe["lr"], "steps": args.steps, "batch": args.batch,
             "warmup": args.warmup, "eval_every": args.eval_every or max(1, args.steps // 10), "seed": args.seed,
             "data": args.data, "model": {"n_layer": args.n_layer, "n_embd": args.n_embd, "seq_len": args.seq_len},
-            "weight_decay": over.get("weight_decay", 0.0),
+            "weight_decay": over.get("weight_decay", 0.0), "device": device, "backend": backend,
         })
     return specs
 
@@ -93,7 +105,7 @@ def run_compare(args) -> list[dict]:
     rows = []
     for spec in specs:
         start = time.perf_counter()
-        per_rank = run_local_workers(train_worker, args.workers, spec)
+        per_rank = run_local_workers(train_worker, args.workers, spec, backend=spec["backend"])
         wall = time.perf_counter() - start
         r0 = per_rank[0]
         rows.append({

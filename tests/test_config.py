@@ -89,6 +89,9 @@ def test_method_defaults_and_ignored_settings():
     [
         (["--methods", "adamw,foo"], "--methods: unknown method(s) foo; allowed: adamw, demo, diloco, dct_diloco, sparseloco, mtdao"),
         (["--workers", "0"], "--workers must be >= 1"),
+        (["--device", "tpu"], "--device must be one of cpu, cuda; got 'tpu'"),
+        (["--backend", "mpi"], "--backend must be one of gloo, nccl; got 'mpi'"),
+        (["--backend", "nccl"], "--backend nccl needs --device cuda and one GPU per worker"),
     ],
 )
 def test_cli_refuses_before_starting_workers(args, message, tmp_path):

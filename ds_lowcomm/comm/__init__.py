@@ -6,8 +6,8 @@ from .ledger import ByteLedger
 from .processes import run_local_workers
 from .shard import ReplicaShard
 from .topology import ReplicaTopology
-from .transport import Pending, TorchDistTransport, Transport, build_transport
+from .transport import Pending, TorchDistTransport, Transport, backend_device, build_transport
 
 __all__ = [
-    "ByteLedger", "Pending", "ReplicaShard", "ReplicaTopology", "SparseAllGather", "assert_same_across_ranks", "TorchDistTransport", "Transport", "all_reduce_mean_", "build_transport", "run_local_workers", "start_all_reduce_mean_",
+    "ByteLedger", "Pending", "ReplicaShard", "ReplicaTopology", "SparseAllGather", "assert_same_across_ranks", "TorchDistTransport", "Transport", "all_reduce_mean_", "backend_device", "build_transport", "run_local_workers", "start_all_reduce_mean_",
 ]

@@ -23,6 +23,8 @@ def _worker(rank, world_size, store_dir, fn, args, backend, threads):
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(threads)
+    if backend == "nccl":  # one GPU per rank, as torchrun's LOCAL_RANK would pick
+        torch.cuda.set_device(rank % torch.cuda.device_count())
     dist.init_process_group(
         backend, init_method=f"file://{store_dir}/store", rank=rank, world_size=world_size
     )

@@ -80,40 +80,64 @@ class TorchDistTransport(Transport):
         self.rank = dist.get_rank(group)
         self.world_size = dist.get_world_size(group)
         self.ledger = ledger if ledger is not None else ByteLedger()
-        self.device = _backend_device(dist.get_backend(group))
+        self.device = backend_device(group)
 
     def _timed(self, start: float) -> None:
         self.ledger.add_time("comm", time.perf_counter() - start)
 
+    def _staged(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` where the backend can use it: itself, or a copy on ``self.device`` (GPU
+        parameters over gloo, e.g. a cross-datacenter gloo group; CPU-offloaded masters over NCCL)."""
+        t = t.contiguous()
+        return t if t.device == self.device else t.to(self.device)
+
     def start_all_gather_bytes(self, payload, op="all_gather"):
         start = time.perf_counter()
-        payload = payload.contiguous()
-        out = torch.empty(self.world_size, payload.numel(), dtype=torch.uint8, device=payload.device)
-        work = _all_gather_single(out.view(-1), payload, group=self.group, async_op=True)
-        n = payload.numel()
+        send = self._staged(payload)
+        out = torch.empty(self.world_size, send.numel(), dtype=torch.uint8, device=send.device)
+        work = _all_gather_single(out.view(-1), send, group=self.group, async_op=True)
+        n = send.numel()
         self.ledger.record(op, n, (self.world_size - 1) * n)
         self._timed(start)
-        return Pending(lambda: (work.wait(), out)[1], self.ledger)
+
+        def finish():
+            work.wait()
+            return out if out.device == payload.device else out.to(payload.device)
+
+        return Pending(finish, self.ledger)
 
     def start_all_reduce_sum_(self, tensor, op="all_reduce"):
         start = time.perf_counter()
-        work = dist.all_reduce(tensor, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        n = tensor.numel() * tensor.element_size()
+        staged = self._staged(tensor)
+        work = dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
+        n = staged.numel() * staged.element_size()
         self.ledger.record(op, n, n)
         self._timed(start)
-        return Pending(lambda: (work.wait(), tensor)[1], self.ledger)
+
+        def finish():
+            work.wait()
+            if staged.data_ptr() != tensor.data_ptr():
+                tensor.copy_(staged)
+            return tensor
+
+        return Pending(finish, self.ledger)
 
     def broadcast_(self, tensor, src=0, op="broadcast"):
         start = time.perf_counter()
-        dist.broadcast(tensor, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
+        staged = self._staged(tensor)
+        dist.broadcast(staged, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
+        if staged.data_ptr() != tensor.data_ptr():
+            tensor.copy_(staged)
         n = tensor.numel() * tensor.element_size()
         self.ledger.record(op, n if self.rank == src else 0, 0 if self.rank == src else n)
         self._timed(start)
         return tensor
 
 
-def _backend_device(backend: str) -> torch.device:
-    if backend in ("gloo", "mpi"):
+def backend_device(group: dist.ProcessGroup | None = None) -> torch.device:
+    """Where ``group``'s collectives take their tensors: the CPU for gloo and MPI, else the
+    current accelerator (NCCL)."""
+    if dist.get_backend(group) in ("gloo", "mpi"):
         return torch.device("cpu")
     accel = getattr(torch, "accelerator", None)
     if accel is not None and accel.current_accelerator() is not None:

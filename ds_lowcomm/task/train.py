@@ -17,7 +17,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
-from ..comm import build_transport
+from ..comm import backend_device, build_transport
 from ..config import LowcommConfig
 from ..optim import build_optimizer
 from .data import ByteCorpus
@@ -53,9 +53,23 @@ def evaluate(model, batches) -> float:
 
 def mean_over_ranks(*values: float) -> list[float]:
     """Evaluation metrics averaged over ranks (a plain all-reduce: not method traffic)."""
-    t = torch.tensor(values, dtype=torch.float64)
+    t = torch.tensor(values, dtype=torch.float64, device=backend_device())
     dist.all_reduce(t)
     return (t / dist.get_world_size()).tolist()
+
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def worker_device(name: str, rank: int) -> torch.device:
+    """``spec["device"]``: "cpu", or "cuda" for this rank's GPU (LOCAL_RANK modulo the GPUs
+    present, as torchrun would place it), or an explicit "cuda:N"."""
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("device is 'cuda' but no CUDA device is visible; allowed: cpu, cuda, cuda:N")
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        return torch.device("cuda", local % torch.cuda.device_count())
+    return torch.device(name)
 
 
 def lowcomm_setup(model: torch.nn.Module, spec: dict):
@@ -79,13 +93,18 @@ def train_worker(rank: int, world_size: int, spec: dict, setup=lowcomm_setup) ->
     corpus = ByteCorpus(spec.get("data"), **spec.get("data_limits", {}))
     val = corpus.val_batches(spec.get("val_batches", 8), batch, seq)
 
-    torch.manual_seed(spec.get("seed", 0))  # same init on every rank and for every method
-    model = GPT(model_cfg)
+    device = worker_device(spec.get("device", "cpu"), rank)
+    if spec.get("dtype", "fp32") not in DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {spec.get('dtype')!r}")
+    val = [(x.to(device), y.to(device)) for x, y in val]
+
+    torch.manual_seed(spec.get("seed", 0))  # same init on every rank and for every method (and device)
+    model = GPT(model_cfg).to(device=device, dtype=DTYPES[spec.get("dtype", "fp32")])
     net, opt, ledger = setup(model, spec)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec.get("warmup", 0) or 1, steps))
     start_step = 0
     if spec.get("resume_from"):
-        ckpt = torch.load(os.path.join(spec["resume_from"], f"rank{rank}.pt"), weights_only=False)
+        ckpt = torch.load(os.path.join(spec["resume_from"], f"rank{rank}.pt"), weights_only=False, map_location=device)
         model.load_state_dict(ckpt["model"])
         opt.load_state_dict(ckpt["optimizer"])
         sched.load_state_dict(ckpt["scheduler"])
@@ -96,7 +115,7 @@ def train_worker(rank: int, world_size: int, spec: dict, setup=lowcomm_setup) ->
     for step in range(start_step, steps):
         t0 = time.perf_counter()
         x, y = corpus.train_batch(rank, world_size, step, batch, seq, spec.get("seed", 0))
-        loss = net(x, y)
+        loss = net(x.to(device), y.to(device))
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
