@@ -1,5 +1,7 @@
 """Run under mpirun by tests/test_mpi.py: the same collectives and trainings over the MPI transport
-and over torch.distributed (gloo) in one job, for the same inputs. Writes OUT/rank<r>.json."""
+and over torch.distributed (gloo) in one job, for the same inputs. Writes OUT/rank<r>.json.
+``mpi_worker.py OUT cuda`` puts the tensors on the GPU (tests/test_gpu.py): both transports then
+stage them through host memory, or MPI reads them in place where it is CUDA-aware."""
 
 import hashlib
 import json
@@ -10,7 +12,7 @@ import torch
 import torch.distributed as dist
 
 from ds_lowcomm.comm import ByteLedger, SparseAllGather, TorchDistTransport, all_reduce_mean_
-from ds_lowcomm.comm.mpi import MPITransport, finalize_if_used
+from ds_lowcomm.comm.mpi import MPITransport, cuda_aware, finalize_if_used
 from ds_lowcomm.config import LowcommConfig
 from ds_lowcomm.deepspeed.train import mpi_environment
 from ds_lowcomm.optim import build_optimizer
@@ -32,12 +34,12 @@ def _ops(ledger):
     return {op: [row[1], row[2]] for op, row in ledger.by_op.items()}
 
 
-def sparse_equal(rank):
+def sparse_equal(rank, device):
     out = {}
     for value_dtype in ("fp32", "bf16", "int8", "2bit"):
         for average in ("senders", "world"):
             torch.manual_seed(100 * rank + 7)
-            buffers = [torch.randn(s) for s in SHAPES]
+            buffers = [torch.randn(s).to(device) for s in SHAPES]
             results = []
             for transport in (TorchDistTransport(ledger=ByteLedger()), MPITransport(ledger=ByteLedger())):
                 mine = [b.clone() for b in buffers]
@@ -82,36 +84,37 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
 
 
-def train(rank, lowcomm, transport):
-    model = _model()
+def train(rank, lowcomm, transport, device):
+    model = _model().to(device)
     opt = build_optimizer(LowcommConfig.from_dict(lowcomm), model.parameters(), lr=0.01, transport=transport)
     for step in range(8):
         g = torch.Generator().manual_seed(1000 * rank + step)
         x, y = torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        torch.nn.functional.mse_loss(model(x.to(device)), y.to(device)).backward()
         opt.step()
         opt.zero_grad()
-    params = [p.detach() for p in model.parameters()]
+    params = [p.detach().cpu() for p in model.parameters()]
     digest = hashlib.sha256(b"".join(p.numpy().tobytes() for p in params)).hexdigest()
     return digest, params, opt.ledger.sent
 
 
-def trainings(rank):
+def trainings(rank, device):
     out = {}
     for name, lowcomm in METHODS.items():
-        d1, p1, s1 = train(rank, lowcomm, TorchDistTransport())
-        d2, p2, s2 = train(rank, {**lowcomm, "transport": "mpi"}, MPITransport())
+        d1, p1, s1 = train(rank, lowcomm, TorchDistTransport(), device)
+        d2, p2, s2 = train(rank, {**lowcomm, "transport": "mpi"}, MPITransport(), device)
         out[name] = {"bit_identical": d1 == d2, "bytes_equal": s1 == s2,
                      "max_abs_diff": max((a - b).abs().max().item() for a, b in zip(p1, p2))}
     return out
 
 
-def main(out_dir):
+def main(out_dir, device="cpu"):
     mpi_environment()
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    result = {"rank": rank, "world": world, "mpi_rank": MPITransport().rank, "sparse": sparse_equal(rank),
-              "dense": dense_equal(rank), "non_blocking": non_blocking(rank, world), "train": trainings(rank)}
+    result = {"rank": rank, "world": world, "mpi_rank": MPITransport().rank, "sparse": sparse_equal(rank, device),
+              "dense": dense_equal(rank), "non_blocking": non_blocking(rank, world), "train": trainings(rank, device),
+              "cuda_aware": cuda_aware()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
     dist.barrier()
@@ -122,4 +125,4 @@ def main(out_dir):
 
 
 if __name__ == "__main__":
-    main(sys.argv[1])
+    main(*sys.argv[1:])

@@ -32,7 +32,11 @@ def _mpirun(n, port, *argv, cwd=None):
 
 @pytest.mark.parametrize("ranks", [2, 4])
 def test_mpi_transport_equals_torch_transport(ranks, tmp_path):
-    _mpirun(ranks, 29540 + ranks, str(ROOT / "tests" / "mpi_worker.py"), str(tmp_path))
+    check_mpi_equals_torch(ranks, tmp_path, "cpu")
+
+
+def check_mpi_equals_torch(ranks, tmp_path, device):
+    _mpirun(ranks, 29540 + ranks, str(ROOT / "tests" / "mpi_worker.py"), str(tmp_path), device)
     results = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(ranks)]
     for r in results:
         assert r["world"] == ranks and r["mpi_rank"] == r["rank"]

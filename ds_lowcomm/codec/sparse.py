@@ -151,8 +151,11 @@ class ValueFormat:
         safe_width = torch.where(width > 0, width, torch.ones_like(width))
         lo = mean - TWO_BIT_SIGMAS * sigma
         codes = torch.floor((flat - lo) / safe_width).clamp_(0, TWO_BIT_BINS - 1).to(torch.int64)
-        sums = torch.zeros(TWO_BIT_BINS, dtype=torch.float32, device=flat.device).scatter_add_(0, codes, flat)
-        counts = torch.zeros_like(sums).scatter_add_(0, codes, torch.ones_like(flat))
+        # One plain reduction per bin, not a scatter_add_: on GPUs a float scatter_add_ into 4 bins
+        # adds in the order atomics land, so the lookup (and the training) would change run to run.
+        in_bin = [codes == b for b in range(TWO_BIT_BINS)]
+        sums = torch.stack([torch.where(m, flat, 0.0).sum() for m in in_bin])
+        counts = torch.stack([m.sum() for m in in_bin]).float()
         centres = lo + (torch.arange(TWO_BIT_BINS, device=flat.device, dtype=torch.float32) + 0.5) * width
         lookup = torch.where(counts > 0, sums / counts.clamp(min=1), centres)  # empty bins are never decoded
         return torch.cat([lookup.view(torch.uint8), pack_2bit(codes)]), lookup[codes].view(shape)
