@@ -350,7 +350,7 @@ def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
         w.writerows(rows)
 
 
-def plot(path: Path, rows: list[dict]) -> None:
+def plot(path: Path, rows: list[dict], device: str = "cpu") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -373,7 +373,8 @@ def plot(path: Path, rows: list[dict]) -> None:
     ax.set_xlabel("tensor size (elements, log)")
     ax.set_ylabel("encode + decode throughput (GB/s of fp32 input, log)")
     world = rows[0]["world"] if rows else 0
-    ax.set_title(f"Codec per sync of one rank (mean of {world} ranks' payloads), 1 thread;\n"
+    where = "1 CPU thread" if device == "cpu" else device
+    ax.set_title(f"Codec per sync of one rank (mean of {world} ranks' payloads), {where};\n"
                  "x / +: 1-D vectors (ds_lowcomm / reference)", fontsize=9)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=8)
@@ -448,5 +449,5 @@ def main(argv: list[str] | None = None) -> dict:
     write_csv(out / "codec_share.csv", share, SHARE_COLUMNS)
     summary = {"args": vars(args), "threads": 1, "rows": rows, "share": share}
     (out / "codec.json").write_text(json.dumps(summary, indent=1))
-    plot(out / "codec.png", rows)
+    plot(out / "codec.png", rows, args.device)
     return {"rows": rows, "share": share}
