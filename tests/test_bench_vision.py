@@ -19,3 +19,14 @@ def test_vision_benchmark_quick(tmp_path):
     assert rows["demo"]["mb_sent_per_worker"] < rows["adamw"]["mb_sent_per_worker"] / 5
     assert rows["dct_diloco"]["mb_sent_per_worker"] < rows["diloco"]["mb_sent_per_worker"]
     assert (tmp_path / "vision.png").exists() and (tmp_path / "vision.csv").exists()
+
+
+def test_vision_ablation_quick(tmp_path):
+    from ds_lowcomm.bench import vision
+
+    rows = vision.main(["--ablate", "--quick", "--jobs", "2", "--out", str(tmp_path)])
+    assert [r["variant"] for r in rows] == list(vision.ABLATIONS)[:2]
+    recipe, fp32 = rows
+    # fp32 values: the same components at 4 bytes instead of 2 (indices unchanged)
+    assert fp32["mb_sent_per_worker"] > recipe["mb_sent_per_worker"]
+    assert (tmp_path / "vision_ablation.csv").read_text().startswith("variant,settings,")

@@ -32,6 +32,22 @@ RECIPES = {
                                            "value_dtype": "bf16", "average": "world"}},
     "sparseloco": {"lr": 3e-3, "lowcomm": {"method": "sparseloco", "sync_every": 10, "topk": 8, "chunk": 8}},
 }
+# ``--ablate``: dct_diloco's recipe with one setting changed at a time, to find what costs it
+# accuracy on the CNN (diloco is the control: what dct_diloco would reach sending everything).
+ABLATIONS = {
+    "dct_diloco recipe": {},
+    "fp32 values": {"value_dtype": "fp32"},
+    "senders average": {"average": "senders"},
+    "no outer momentum, outer lr 1": {"outer_momentum": 0.0, "outer_lr": 1.0},
+    "no transform (raw top-k)": {"transform": "none"},
+    "decay 0.95": {"decay": 0.95},
+    "decay 0.5": {"decay": 0.5},
+    "topk 16 of 8x8": {"topk": 16},
+    "topk 32 of 8x8": {"topk": 32},
+    "everything sent (topk 64)": {"topk": 64},
+    "4x4 blocks, topk 2": {"chunk": 4, "topk": 2},
+    "diloco (control)": None,
+}
 COLUMNS = ["method", "workers", "steps", "held_out_accuracy", "held_out_loss", "mb_sent_per_worker",
            "compression_vs_adamw", "compression_vs_diloco", "replicas_identical", "wall_s"]
 
@@ -103,7 +119,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--batch", type=int, default=32)
     ap.add_argument("--quick", action="store_true", help="a few steps (smoke test)")
+    ap.add_argument("--ablate", action="store_true",
+                    help="instead: dct_diloco with one setting changed at a time (vision_ablation.csv)")
+    ap.add_argument("--jobs", type=int, default=1, help="--ablate: variants trained at once (each has --workers processes)")
     args = ap.parse_args(argv)
+    if args.ablate:
+        return ablate(args)
     methods = [m.strip() for m in args.methods.split(",")]
     unknown = [m for m in methods if m not in RECIPES]
     if unknown:
@@ -116,8 +137,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         lowcomm = dict(RECIPES[method]["lowcomm"])
         if args.quick and "sync_every" in lowcomm:
             lowcomm["sync_every"] = 5
-        spec = {"lowcomm": lowcomm, "lr": RECIPES[method]["lr"], "steps": steps, "batch": args.batch,
-                "warmup": max(1, steps // 10), "eval_every": max(1, steps // 10), "seed": 0}
+        spec = _spec(lowcomm, RECIPES[method]["lr"], steps, args.batch)
         start = time.perf_counter()
         per_rank = run_local_workers(vision_worker, args.workers, spec)
         r0 = per_rank[0]
@@ -139,6 +159,47 @@ def main(argv: list[str] | None = None) -> list[dict]:
         w.writerows(rows)
     (out / "vision.json").write_text(json.dumps({"args": vars(args), "recipes": RECIPES, "rows": rows}, indent=1))
     plot(out / "vision.png", rows)
+    return rows
+
+
+def _spec(lowcomm: dict, lr: float, steps: int, batch: int) -> dict:
+    return {"lowcomm": lowcomm, "lr": lr, "steps": steps, "batch": batch, "warmup": max(1, steps // 10),
+            "eval_every": max(1, steps // 10), "seed": 0}
+
+
+def ablate(args) -> list[dict]:
+    """dct_diloco's recipe with one setting changed at a time (ABLATIONS), to vision_ablation.csv."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    steps = 20 if args.quick else args.steps
+    base = RECIPES["dct_diloco"]
+    variants = {name: ({**base["lowcomm"], **change} if change is not None else dict(RECIPES["diloco"]["lowcomm"]))
+                for name, change in ABLATIONS.items()}
+    if args.quick:
+        variants = dict(list(variants.items())[:2])
+        for lowcomm in variants.values():
+            lowcomm["sync_every"] = 5
+
+    def one(item):
+        name, lowcomm = item
+        per_rank = run_local_workers(vision_worker, args.workers, _spec(lowcomm, base["lr"], steps, args.batch),
+                                     threads=1)
+        last = per_rank[0]["history"][-1]
+        row = {"variant": name, "settings": json.dumps(lowcomm, sort_keys=True), "steps": steps,
+               "held_out_accuracy": last["held_out_accuracy"], "held_out_loss": last["held_out_loss"],
+               "mb_sent_per_worker": sum(r["bytes_sent"] for r in per_rank) / len(per_rank) / 1e6}
+        print(f"{name:<32} accuracy {row['held_out_accuracy']:.4f}  loss {row['held_out_loss']:.4f}  "
+              f"{row['mb_sent_per_worker']:.3f} MB", flush=True)
+        return row
+
+    with ThreadPoolExecutor(max(1, args.jobs)) as pool:
+        rows = list(pool.map(one, variants.items()))
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    with open(out / "vision_ablation.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
     return rows
 
 
