@@ -62,6 +62,13 @@ def test_network_benchmark_refuses_without_root(monkeypatch):
         netns.check_can_create()
 
 
+def test_network_benchmark_refuses_repeat_links_outside_links():
+    from ds_lowcomm.bench import network
+
+    with pytest.raises(SystemExit, match=r"--repeat-links must name links of --links \(unshaped\); got 1gbit-5ms"):
+        network.main(["--links", "unshaped", "--repeat-links", "1gbit-5ms"])
+
+
 @needs_root
 def test_network_and_peers_benchmarks_tiny(tmp_path):
     from ds_lowcomm.bench import network, peers

@@ -42,6 +42,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--budget-factor", type=float, default=3.0,
                     help="steps for the other methods, as a multiple of --steps (they stop at the target)")
     ap.add_argument("--repeats", type=int, default=1, help="times are medians over repeats")
+    ap.add_argument("--repeat-links", default=None,
+                    help="comma list: repeat only these links (default: every link); the others run once")
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--n-embd", type=int, default=128)
     ap.add_argument("--seq-len", type=int, default=128)
@@ -54,6 +56,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if bad:
         raise SystemExit(f"unknown link(s)/method(s): {', '.join(bad)}; links: {', '.join(LINKS)}; "
                          f"methods: {', '.join(METHODS)}")
+    repeat_links = links if args.repeat_links is None else [x.strip() for x in args.repeat_links.split(",")]
+    if any(x not in links for x in repeat_links):
+        raise SystemExit(f"--repeat-links must name links of --links ({', '.join(links)}); got {args.repeat_links}")
     if "adamw" not in methods or "unshaped" not in links:
         raise SystemExit("the target loss and time budget come from adamw on the unshaped link: keep both")
     check_can_create()
@@ -76,7 +81,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 else:
                     spec = method_spec(method, budget_steps, args.eval_every, **model)
                     spec["stop_at_val_loss"] = target
-                runs[hosts, link, method] = [run_cached(cache, hosts, link, spec, r) for r in range(args.repeats)]
+                repeats = args.repeats if link in repeat_links else 1
+                runs[hosts, link, method] = [run_cached(cache, hosts, link, spec, r) for r in range(repeats)]
                 first = runs[hosts, link, method][0]
                 print(f"{hosts} hosts {link:<13} {method:<11} val {first['final_val_loss']:.4f}  "
                       f"train {statistics.median(x['train_s'] for x in runs[hosts, link, method]):7.1f} s", flush=True)
