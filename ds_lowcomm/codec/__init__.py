@@ -3,6 +3,7 @@
 from .dct import ChunkPlan, dct_basis, dct_decode, dct_encode, largest_divisor_at_most
 from .sparse import (
     AVERAGES,
+    FLOAT_DTYPES,
     TRANSFORMS,
     VALUE_DTYPES,
     SparseSpec,
@@ -19,7 +20,7 @@ from .sparse import (
 )
 
 __all__ = [
-    "AVERAGES", "TRANSFORMS", "VALUE_DTYPES", "ChunkPlan", "SparseSpec", "ValueFormat",
+    "AVERAGES", "FLOAT_DTYPES", "TRANSFORMS", "VALUE_DTYPES", "ChunkPlan", "SparseSpec", "ValueFormat",
     "dct_basis", "dct_decode", "dct_encode", "index_bits", "largest_divisor_at_most",
     "pack_2bit", "pack_indices", "pack_uint", "packed_nbytes", "topk_count", "unpack_2bit", "unpack_indices",
     "unpack_uint",

@@ -25,7 +25,8 @@ VALUE_DTYPES = ("fp32", "bf16", "fp16", "int8", "2bit")
 TRANSFORMS = ("dct", "none")
 AVERAGES = ("senders", "world")
 
-_FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+# The float formats by their config names (value_dtype, state_dtype, the reference task's dtype).
+FLOAT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def topk_count(plan: ChunkPlan, topk: int, chunk: int) -> int:
@@ -125,7 +126,7 @@ class ValueFormat:
             return count + 8
         if self.name == "2bit":
             return 4 * TWO_BIT_BINS + packed_nbytes(count, 2)
-        return count * torch.finfo(_FLOAT_DTYPES[self.name]).bits // 8
+        return count * torch.finfo(FLOAT_DTYPES[self.name]).bits // 8
 
     def pack(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """fp32 values -> (flat uint8 bytes, the fp32 values the receivers will decode)."""
@@ -133,7 +134,7 @@ class ValueFormat:
         if self.name == "2bit":
             return self._pack_2bit(flat, values.shape)
         if self.name != "int8":
-            sent = flat.to(_FLOAT_DTYPES[self.name])
+            sent = flat.to(FLOAT_DTYPES[self.name])
             return sent.view(torch.uint8), sent.float().view_as(values)
         lo, hi = flat.min(), flat.max()
         step = (hi - lo) / 255.0
@@ -168,7 +169,7 @@ class ValueFormat:
             codes = unpack_2bit(data[..., header:], count)
             return torch.gather(lookup, -1, codes)
         if self.name != "int8":
-            return _view(data, _FLOAT_DTYPES[self.name]).float()
+            return _view(data, FLOAT_DTYPES[self.name]).float()
         header = _view(data[..., :8], torch.float32)
         lo, step = header[..., :1], header[..., 1:2]
         return lo + data[..., 8:].float() * step

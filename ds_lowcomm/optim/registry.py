@@ -6,6 +6,7 @@ from typing import Callable, Iterable
 
 import torch
 
+from ..codec import FLOAT_DTYPES
 from ..comm import Transport
 from ..config import ConfigError, LowcommConfig, check_lr
 from .adamw import AllReduceAdamW
@@ -14,7 +15,6 @@ from .mtdao import MTDAO
 from .outer import DCTDiLoCo, DiLoCo, SparseLoCo
 
 
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _apex_fused_adamw(params, lr, betas, eps, weight_decay):
@@ -34,7 +34,7 @@ def _compression_kwargs(cfg: LowcommConfig) -> dict:
 def _outer_kwargs(cfg: LowcommConfig) -> dict:
     return dict(sync_every=cfg.sync_every, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
                 nesterov=cfg.nesterov, fragments=cfg.fragments, sync_delay=cfg.sync_delay,
-                fragment_mix=cfg.fragment_mix, state_dtype=_TORCH_DTYPES[cfg.state_dtype])
+                fragment_mix=cfg.fragment_mix, state_dtype=FLOAT_DTYPES[cfg.state_dtype])
 
 
 def build_optimizer(
@@ -60,13 +60,13 @@ def build_optimizer(
         return AllReduceAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, transport=transport)
     if cfg.method == "demo":
         return DeMo(params, lr=lr, weight_decay=weight_decay, transport=transport,
-                    state_dtype=_TORCH_DTYPES[cfg.state_dtype], **_compression_kwargs(cfg))
+                    state_dtype=FLOAT_DTYPES[cfg.state_dtype], **_compression_kwargs(cfg))
     if cfg.method == "mtdao":
         return MTDAO(params, lr=lr, momentum_betas=cfg.momentum_betas, momentum_weights=cfg.momentum_weights,
                      beta2=betas[1], eps=eps, weight_decay=weight_decay, sync_every=cfg.sync_every,
                      momentum_sync_every=cfg.momentum_sync_every, second_moment_sync_every=cfg.second_moment_sync_every,
                      sync_codec=cfg.sync_codec, topk=cfg.topk, chunk=cfg.chunk, value_dtype=cfg.value_dtype,
-                     transform=cfg.transform, average=cfg.average, state_dtype=_TORCH_DTYPES[cfg.state_dtype],
+                     transform=cfg.transform, average=cfg.average, state_dtype=FLOAT_DTYPES[cfg.state_dtype],
                      transport=transport)
     if inner_factory is not None:
         inner = inner_factory(params)

@@ -17,6 +17,7 @@ from dataclasses import asdict
 import torch
 import torch.distributed as dist
 
+from ..codec import FLOAT_DTYPES
 from ..comm import backend_device, build_transport
 from ..config import LowcommConfig
 from ..optim import build_optimizer
@@ -58,9 +59,6 @@ def mean_over_ranks(*values: float) -> list[float]:
     return (t / dist.get_world_size()).tolist()
 
 
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-
-
 def worker_device(name: str, rank: int) -> torch.device:
     """``spec["device"]``: "cpu", or "cuda" for this rank's GPU (LOCAL_RANK modulo the GPUs
     present, as torchrun would place it), or an explicit "cuda:N"."""
@@ -93,13 +91,13 @@ def train_worker(rank: int, world_size: int, spec: dict, setup=lowcomm_setup) ->
     corpus = ByteCorpus(spec.get("data"), **spec.get("data_limits", {}))
     val = corpus.val_batches(spec.get("val_batches", 8), batch, seq)
 
-    device = worker_device(spec.get("device", "cpu"), rank)
-    if spec.get("dtype", "fp32") not in DTYPES:
-        raise ValueError(f"dtype must be one of {', '.join(DTYPES)}; got {spec.get('dtype')!r}")
+    device, dtype = worker_device(spec.get("device", "cpu"), rank), spec.get("dtype", "fp32")
+    if dtype not in FLOAT_DTYPES:
+        raise ValueError(f"dtype must be one of {', '.join(FLOAT_DTYPES)}; got {dtype!r}")
     val = [(x.to(device), y.to(device)) for x, y in val]
 
     torch.manual_seed(spec.get("seed", 0))  # same init on every rank and for every method (and device)
-    model = GPT(model_cfg).to(device=device, dtype=DTYPES[spec.get("dtype", "fp32")])
+    model = GPT(model_cfg).to(device=device, dtype=FLOAT_DTYPES[dtype])
     net, opt, ledger = setup(model, spec)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec.get("warmup", 0) or 1, steps))
     start_step = 0
