@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from .comm import run_local_workers
+from .workers import run_local_workers
 from .config import METHODS, ConfigError, LowcommConfig, check_lr
 from .task.train import train_worker
 

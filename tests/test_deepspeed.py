@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_lowcomm.comm import run_local_workers
+from ds_lowcomm.workers import run_local_workers
 from ds_lowcomm.config import ConfigError
 from ds_lowcomm.deepspeed.config import split_config
 from ds_lowcomm.task.train import train_worker

@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from ds_lowcomm.codec import SparseSpec
-from ds_lowcomm.comm import run_local_workers
+from ds_lowcomm.workers import run_local_workers
 from ds_lowcomm.task.train import train_worker
 
 from .test_mpi import check_mpi_equals_torch

@@ -10,7 +10,8 @@ import torch.distributed as dist
 
 from ds_lowcomm.codec import ChunkPlan, topk_count
 from ds_lowcomm.codec.dct import from_blocks, to_blocks
-from ds_lowcomm.comm import TorchDistTransport, run_local_workers
+from ds_lowcomm.comm import TorchDistTransport
+from ds_lowcomm.workers import run_local_workers
 from ds_lowcomm.optim import DCTDiLoCo, DeMo, DiLoCo
 
 from .test_codec import dct_by_definition

@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from ds_lowcomm.comm import run_local_workers
+from ds_lowcomm.workers import run_local_workers
 from ds_lowcomm.optim import MTDAO
 
 from .test_methods import _digest, _loss, _model

@@ -2,7 +2,7 @@
 
 import pytest
 
-from ds_lowcomm.comm import run_local_workers
+from ds_lowcomm.workers import run_local_workers
 from ds_lowcomm.task.train import train_worker
 
 TINY = {

@@ -7,7 +7,7 @@ import torch
 
 from ds_lowcomm.codec import ChunkPlan, SparseSpec, topk_count
 from ds_lowcomm.codec.dct import from_blocks, to_blocks
-from ds_lowcomm.comm import run_local_workers
+from ds_lowcomm.workers import run_local_workers
 from ds_lowcomm.optim import SparseLoCo
 
 from .test_methods import _digest, _loss, _model, _replay_sgd_step

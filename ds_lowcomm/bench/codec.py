@@ -30,7 +30,8 @@ from types import SimpleNamespace
 import torch
 
 from ..codec import ChunkPlan, SparseSpec
-from ..comm import ByteLedger, Pending, SparseAllGather, Transport, run_local_workers
+from ..comm import ByteLedger, Pending, SparseAllGather, Transport
+from ..workers import run_local_workers
 from ..compare import build_specs
 from ..task.model import GPT, GPTConfig
 from ..task.train import train_worker

@@ -19,7 +19,7 @@ import json
 import os
 from pathlib import Path
 
-from ..comm import run_local_workers
+from ..workers import run_local_workers
 from ..compare import RECIPES
 from ..task.model import GPT, GPTConfig
 from ..task.train import train_worker

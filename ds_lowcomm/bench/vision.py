@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..comm import TorchDistTransport, run_local_workers
+from ..comm import TorchDistTransport
+from ..workers import run_local_workers
 from ..config import LowcommConfig
 from ..optim import build_optimizer
 from ..task.train import lr_lambda, mean_over_ranks, params_digest

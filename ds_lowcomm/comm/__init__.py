@@ -3,11 +3,10 @@
 from .collectives import SparseAllGather, all_reduce_mean_, start_all_reduce_mean_
 from .consistency import assert_same_across_ranks
 from .ledger import ByteLedger
-from .processes import run_local_workers
 from .shard import ReplicaShard
 from .topology import ReplicaTopology
 from .transport import Pending, TorchDistTransport, Transport, backend_device, build_transport
 
 __all__ = [
-    "ByteLedger", "Pending", "ReplicaShard", "ReplicaTopology", "SparseAllGather", "assert_same_across_ranks", "TorchDistTransport", "Transport", "all_reduce_mean_", "backend_device", "build_transport", "run_local_workers", "start_all_reduce_mean_",
+    "ByteLedger", "Pending", "ReplicaShard", "ReplicaTopology", "SparseAllGather", "assert_same_across_ranks", "TorchDistTransport", "Transport", "all_reduce_mean_", "backend_device", "build_transport", "start_all_reduce_mean_",
 ]

@@ -18,7 +18,7 @@ from functools import lru_cache
 
 import torch
 
-from ..config import ConfigError
+from ..settings import ConfigError
 from .ledger import ByteLedger
 from .transport import Pending, Transport
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch.distributed as dist
 
-from ..config import ConfigError
+from ..settings import ConfigError
 
 
 @dataclass

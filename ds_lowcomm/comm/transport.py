@@ -153,7 +153,7 @@ def build_transport(name: str, *, group: dist.ProcessGroup | None = None, replic
         return TorchDistTransport(group, ledger)
     if name != "mpi":
         raise ValueError(f"lowcomm.transport must be one of torch, mpi; got {name!r}")
-    from ..config import ConfigError
+    from ..settings import ConfigError
     from .mpi import MPITransport, started_by_mpirun
 
     if not started_by_mpirun():
