@@ -1,26 +1,24 @@
-"""The MPI transport: the same collectives over mpi4py, for clusters launched with mpirun.
+"""The MPI transport: the same collectives over mpi4py (``Iallgather``, ``Iallreduce`` SUM,
+``Bcast``), for clusters launched with mpirun.
 
-Payloads travel as packed byte buffers (``Iallgather``), dense tensors with ``Iallreduce`` (SUM)
-and ``Bcast``; the non-blocking forms return a :class:`Pending` like the torch.distributed
-transport's, and the ledger records the same bytes. CPU tensors are handed to MPI as numpy views
-of their memory (no copy). GPU tensors go to MPI directly when the MPI library is CUDA-aware
-(:func:`cuda_aware`), otherwise they are staged through host memory. MPI has no bf16/fp16 SUM:
-half-precision all-reduces are summed in fp32 and rounded back (and the fp32 bytes are what the
-ledger records, since that is what travels).
+CPU tensors are handed to MPI as numpy views of their memory (no copy). GPU tensors go to MPI
+directly when the MPI library is CUDA-aware (:func:`cuda_aware`), otherwise they are staged
+through host memory. MPI has no bf16/fp16 SUM: half-precision all-reduces are summed in fp32
+(the fp32 bytes are what the ledger records, since that is what travels).
 """
 
 from __future__ import annotations
 
 import os
 import subprocess
-import time
+import sys
 from functools import lru_cache
 
 import torch
 
 from ..settings import ConfigError
 from .ledger import ByteLedger
-from .transport import Pending, Transport
+from .transport import Transport
 
 # Requests in flight with the buffers MPI reads and writes until they complete. Held here, not
 # only by their Pending: a sync nobody waits for (a streaming fragment still in flight when
@@ -28,7 +26,7 @@ from .transport import Pending, Transport
 # new collectives start; finalize_if_used() waits for the rest.
 _OUTSTANDING: list[tuple[object, list]] = []
 
-_LAUNCH_HINT = "launch with `mpirun -np N python launch/train.py ...`, or set lowcomm.transport to \"torch\""
+LAUNCH_HINT = "launch with `mpirun -np N python launch/train.py ...`, or set lowcomm.transport to \"torch\""
 
 
 def _mpi():
@@ -36,7 +34,7 @@ def _mpi():
         from mpi4py import MPI
     except ImportError as err:
         raise ConfigError(f"lowcomm.transport is 'mpi' but mpi4py is not importable ({err}): pip install "
-                          f"'ds_lowcomm[mpi]' (needs an MPI library such as OpenMPI), or {_LAUNCH_HINT}") from None
+                          f"'ds_lowcomm[mpi]' (needs an MPI library such as OpenMPI), or {LAUNCH_HINT}") from None
     return MPI
 
 
@@ -68,7 +66,7 @@ class MPITransport(Transport):
         self.world_size = self.comm.Get_size()
         self.ledger = ledger if ledger is not None else ByteLedger()
         self.device = torch.device(device)
-        self._sum = MPI.SUM
+        self._sum, self._in_place = MPI.SUM, MPI.IN_PLACE
 
     @classmethod
     def cross_replica(cls, replica_size: int, ledger: ByteLedger | None = None) -> "MPITransport":
@@ -77,78 +75,41 @@ class MPITransport(Transport):
         rank = world.Get_rank()
         return cls(world.Split(color=rank % replica_size, key=rank // replica_size), ledger)
 
-    # -- buffers ------------------------------------------------------------------------------
-    def _staged(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` where MPI can read it: itself on the CPU or with CUDA-aware MPI, else a host copy."""
-        t = t.contiguous()
-        if t.device.type == "cpu" or cuda_aware():
-            return t
-        return t.cpu()
+    def _home(self, t):
+        # the CPU, or the GPU itself with CUDA-aware MPI
+        return t.device if t.device.type == "cpu" or cuda_aware() else torch.device("cpu")
 
-    @staticmethod
-    def _buffer(t: torch.Tensor):
-        # numpy views share the tensor's memory; GPU tensors (CUDA-aware MPI only) go as they
-        # are, through __cuda_array_interface__
-        return t.numpy() if t.device.type == "cpu" else t
+    def _stage_for_sum(self, t):
+        # MPI has no bf16/fp16 SUM: summed in fp32, rounded back by the copy into ``t``
+        buf = self._stage(t)
+        return buf.float() if buf.dtype in (torch.bfloat16, torch.float16) else buf
 
-    # -- collectives --------------------------------------------------------------------------
-    def start_all_gather_bytes(self, payload, op="all_gather"):
-        start = time.perf_counter()
-        send = self._staged(payload)
-        out = torch.empty(self.world_size, send.numel(), dtype=torch.uint8, device=send.device)
-        buffers = [send, out, self._buffer(send), self._buffer(out)]
-        request = _track(self.comm.Iallgather(buffers[2], buffers[3]), buffers)
-        n = send.numel()
-        self.ledger.record(op, n, (self.world_size - 1) * n)
-        self.ledger.add_time("comm", time.perf_counter() - start)
+    def _all_gather(self, send, out):
+        views = _buffer(send), _buffer(out)
+        return _track(self.comm.Iallgather(*views), [send, out, *views])
 
-        def finish():
-            request.Wait()
-            return out if out.device == payload.device else out.to(payload.device)
+    def _all_reduce_sum(self, buf):
+        view = _buffer(buf)
+        return _track(self.comm.Iallreduce(self._in_place, view, op=self._sum), [buf, view])
 
-        return Pending(finish, self.ledger)
+    def _broadcast(self, buf, src):
+        self.comm.Bcast(_buffer(buf), root=src)
 
-    def start_all_reduce_sum_(self, tensor, op="all_reduce"):
-        start = time.perf_counter()
-        work = self._staged(tensor)
-        if work.dtype in (torch.bfloat16, torch.float16):
-            work = work.float()
-        elif work.data_ptr() == tensor.data_ptr() and not tensor.is_contiguous():
-            work = work.clone()
-        buffers = [work, self._buffer(work)]
-        request = _track(self.comm.Iallreduce(_in_place(), buffers[1], op=self._sum), buffers)
-        n = work.numel() * work.element_size()
-        self.ledger.record(op, n, n)
-        self.ledger.add_time("comm", time.perf_counter() - start)
 
-        def finish():
-            request.Wait()
-            if work.data_ptr() != tensor.data_ptr():
-                tensor.copy_(work)
-            return tensor
-
-        return Pending(finish, self.ledger)
-
-    def broadcast_(self, tensor, src=0, op="broadcast"):
-        start = time.perf_counter()
-        work = self._staged(tensor)
-        self.comm.Bcast(self._buffer(work.view(torch.uint8) if work.dtype == torch.bfloat16 else work), root=src)
-        if work.data_ptr() != tensor.data_ptr():
-            tensor.copy_(work)
-        n = tensor.numel() * tensor.element_size()
-        self.ledger.record(op, n if self.rank == src else 0, 0 if self.rank == src else n)
-        self.ledger.add_time("comm", time.perf_counter() - start)
-        return tensor
+def _buffer(t: torch.Tensor):
+    """What MPI reads ``t`` through: a numpy view of its memory on the CPU, the tensor itself (its
+    ``__cuda_array_interface__``) on a GPU. numpy has no bfloat16: a bf16 tensor goes as its bytes
+    (only broadcasts see one; sums are in fp32)."""
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.uint8)
+    return t.numpy() if t.device.type == "cpu" else t
 
 
 def _track(request, buffers: list):
+    """Hold ``request`` and its buffers until it completes; return what waits for it."""
     _OUTSTANDING[:] = [(r, b) for r, b in _OUTSTANDING if not r.Test()]
     _OUTSTANDING.append((request, buffers))
-    return request
-
-
-def _in_place():
-    return _mpi().IN_PLACE
+    return request.Wait
 
 
 def started_by_mpirun() -> bool:
@@ -159,8 +120,6 @@ def started_by_mpirun() -> bool:
 def finalize_if_used() -> None:
     """MPI_Finalize where this process used MPI: mpirun counts a rank that leaves without it as
     failed (call it before any ``os._exit``)."""
-    import sys
-
     if "mpi4py.MPI" in sys.modules:
         MPI = sys.modules["mpi4py.MPI"]
         if MPI.Is_initialized() and not MPI.Is_finalized():

@@ -1,11 +1,14 @@
 """Transports: the few collectives the methods need, each recording its bytes in the ledger.
 
 Only byte buffers and float tensors cross a transport; what they mean is decided above it.
+:class:`Transport` does what every backend shares (staging, timing, the ledger, copying results
+back); a backend says where its buffers live and issues the raw collectives.
 """
 
 from __future__ import annotations
 
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
@@ -41,9 +44,11 @@ class Pending:
 class Transport:
     """Interface: rank, world_size, ledger, device, and three collectives.
 
-    A transport implements the ``start_*`` forms (non-blocking: issue, record the bytes, return
-    a :class:`Pending`) and ``broadcast_``; the blocking forms are ``start_*(...).wait()``.
-    Collectives must be started in the same order on every rank.
+    The ``start_*`` forms are non-blocking (issue, record the bytes, return a :class:`Pending`);
+    the blocking forms are ``start_*(...).wait()``. Collectives must be started in the same order
+    on every rank. A backend implements ``_all_gather``, ``_all_reduce_sum`` and ``_broadcast``
+    on buffers staged by ``_home`` (and ``_stage_for_sum``); the rest happens here. A transport
+    may instead override the public forms it needs (a test double, say).
     """
 
     rank: int
@@ -51,17 +56,64 @@ class Transport:
     ledger: ByteLedger
     device: torch.device  # where this transport's buffers must live
 
+    # -- what a backend provides --------------------------------------------------------------
+    def _home(self, t: torch.Tensor) -> torch.device:
+        """The device the backend reads ``t`` from."""
+        return self.device
+
+    def _stage_for_sum(self, t: torch.Tensor) -> torch.Tensor:
+        """The buffer an all-reduce of ``t`` sums (its bytes are what the ledger records)."""
+        return self._stage(t)
+
+    def _all_gather(self, send: torch.Tensor, out: torch.Tensor) -> Callable[[], object]:
+        """Start gathering every rank's ``send`` into the rows of ``out``; return what waits for it."""
+        raise NotImplementedError
+
+    def _all_reduce_sum(self, buf: torch.Tensor) -> Callable[[], object]:
+        """Start summing ``buf`` over ranks in place; return what waits for it."""
+        raise NotImplementedError
+
+    def _broadcast(self, buf: torch.Tensor, src: int) -> None:
+        raise NotImplementedError
+
+    # -- the collectives ----------------------------------------------------------------------
     def start_all_gather_bytes(self, payload: torch.Tensor, op: str = "all_gather") -> Pending:
         """Flat uint8 payload of equal length on every rank -> Pending of (world_size, length) uint8."""
-        raise NotImplementedError
+        start = time.perf_counter()
+        send = self._stage(payload)
+        out = torch.empty(self.world_size, send.numel(), dtype=torch.uint8, device=send.device)
+        landed = self._all_gather(send, out)
+        self._book(op, send.numel(), (self.world_size - 1) * send.numel(), start)
+
+        def finish():
+            landed()
+            return out if out.device == payload.device else out.to(payload.device)
+
+        return Pending(finish, self.ledger)
 
     def start_all_reduce_sum_(self, tensor: torch.Tensor, op: str = "all_reduce") -> Pending:
         """Sum ``tensor`` over ranks in place -> Pending of ``tensor``. Do not touch ``tensor``
         before ``wait()``."""
-        raise NotImplementedError
+        start = time.perf_counter()
+        buf = self._stage_for_sum(tensor)
+        landed = self._all_reduce_sum(buf)
+        n = buf.numel() * buf.element_size()
+        self._book(op, n, n, start)
+
+        def finish():
+            landed()
+            return _copy_back(buf, tensor)
+
+        return Pending(finish, self.ledger)
 
     def broadcast_(self, tensor: torch.Tensor, src: int = 0, op: str = "broadcast") -> torch.Tensor:
-        raise NotImplementedError
+        start = time.perf_counter()
+        buf = self._stage(tensor)
+        self._broadcast(buf, src)
+        _copy_back(buf, tensor)
+        n = tensor.numel() * tensor.element_size()
+        self._book(op, n if self.rank == src else 0, 0 if self.rank == src else n, start)
+        return tensor
 
     def all_gather_bytes(self, payload: torch.Tensor, op: str = "all_gather") -> torch.Tensor:
         return self.start_all_gather_bytes(payload, op).wait()
@@ -69,9 +121,29 @@ class Transport:
     def all_reduce_sum_(self, tensor: torch.Tensor, op: str = "all_reduce") -> torch.Tensor:
         return self.start_all_reduce_sum_(tensor, op).wait()
 
+    # -- shared steps -------------------------------------------------------------------------
+    def _stage(self, t: torch.Tensor) -> torch.Tensor:
+        """``t`` contiguous where the backend reads it: itself, or a copy there."""
+        t = t.contiguous()
+        home = self._home(t)
+        return t if t.device == home else t.to(home)
+
+    def _book(self, op: str, sent: int, received: int, start: float) -> None:
+        """Record the bytes and the time spent issuing (the wait is timed by :class:`Pending`)."""
+        self.ledger.record(op, sent, received)
+        self.ledger.add_time("comm", time.perf_counter() - start)
+
+
+def _copy_back(buf: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    if buf.data_ptr() != tensor.data_ptr():
+        tensor.copy_(buf)
+    return tensor
+
 
 class TorchDistTransport(Transport):
-    """torch.distributed over a process group (gloo on CPU, NCCL on GPUs)."""
+    """torch.distributed over a process group (gloo on CPU, NCCL on GPUs). Tensors elsewhere are
+    staged on the backend's device: GPU parameters over gloo (a cross-datacenter gloo group, say),
+    CPU-offloaded masters over NCCL."""
 
     def __init__(self, group: dist.ProcessGroup | None = None, ledger: ByteLedger | None = None):
         if not dist.is_initialized():
@@ -82,56 +154,14 @@ class TorchDistTransport(Transport):
         self.ledger = ledger if ledger is not None else ByteLedger()
         self.device = backend_device(group)
 
-    def _timed(self, start: float) -> None:
-        self.ledger.add_time("comm", time.perf_counter() - start)
+    def _all_gather(self, send, out):
+        return _all_gather_single(out.view(-1), send, group=self.group, async_op=True).wait
 
-    def _staged(self, t: torch.Tensor) -> torch.Tensor:
-        """``t`` where the backend can use it: itself, or a copy on ``self.device`` (GPU
-        parameters over gloo, e.g. a cross-datacenter gloo group; CPU-offloaded masters over NCCL)."""
-        t = t.contiguous()
-        return t if t.device == self.device else t.to(self.device)
+    def _all_reduce_sum(self, buf):
+        return dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True).wait
 
-    def start_all_gather_bytes(self, payload, op="all_gather"):
-        start = time.perf_counter()
-        send = self._staged(payload)
-        out = torch.empty(self.world_size, send.numel(), dtype=torch.uint8, device=send.device)
-        work = _all_gather_single(out.view(-1), send, group=self.group, async_op=True)
-        n = send.numel()
-        self.ledger.record(op, n, (self.world_size - 1) * n)
-        self._timed(start)
-
-        def finish():
-            work.wait()
-            return out if out.device == payload.device else out.to(payload.device)
-
-        return Pending(finish, self.ledger)
-
-    def start_all_reduce_sum_(self, tensor, op="all_reduce"):
-        start = time.perf_counter()
-        staged = self._staged(tensor)
-        work = dist.all_reduce(staged, op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-        n = staged.numel() * staged.element_size()
-        self.ledger.record(op, n, n)
-        self._timed(start)
-
-        def finish():
-            work.wait()
-            if staged.data_ptr() != tensor.data_ptr():
-                tensor.copy_(staged)
-            return tensor
-
-        return Pending(finish, self.ledger)
-
-    def broadcast_(self, tensor, src=0, op="broadcast"):
-        start = time.perf_counter()
-        staged = self._staged(tensor)
-        dist.broadcast(staged, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
-        if staged.data_ptr() != tensor.data_ptr():
-            tensor.copy_(staged)
-        n = tensor.numel() * tensor.element_size()
-        self.ledger.record(op, n if self.rank == src else 0, 0 if self.rank == src else n)
-        self._timed(start)
-        return tensor
+    def _broadcast(self, buf, src):
+        dist.broadcast(buf, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
 
 
 def backend_device(group: dist.ProcessGroup | None = None) -> torch.device:
@@ -143,28 +173,3 @@ def backend_device(group: dist.ProcessGroup | None = None) -> torch.device:
     if accel is not None and accel.current_accelerator() is not None:
         return torch.device(accel.current_accelerator().type, accel.current_device_index())
     return torch.device("cuda", torch.cuda.current_device())
-
-
-def build_transport(name: str, *, group: dist.ProcessGroup | None = None, replica_size: int = 1,
-                    ledger: ByteLedger | None = None) -> Transport:
-    """The transport ``lowcomm.transport`` names, over ``group`` (torch) or the matching MPI
-    communicator (mpi: the whole world, or the cross-replica ranks when ``replica_size`` > 1)."""
-    if name == "torch":
-        return TorchDistTransport(group, ledger)
-    if name != "mpi":
-        raise ValueError(f"lowcomm.transport must be one of torch, mpi; got {name!r}")
-    from ..settings import ConfigError
-    from .mpi import MPITransport, started_by_mpirun
-
-    if not started_by_mpirun():
-        raise ConfigError("lowcomm.transport is 'mpi' but this process was not started by mpirun: launch with "
-                          "`mpirun -np N python launch/train.py ...`, or set lowcomm.transport to \"torch\"")
-    transport = MPITransport.cross_replica(replica_size, ledger) if replica_size > 1 else MPITransport(ledger=ledger)
-    if dist.is_initialized():  # MPI's ranks must be torch.distributed's, or syncs would pair the wrong peers
-        mine = dist.get_rank(group) if group is not None else dist.get_rank()
-        size = dist.get_world_size(group) if group is not None else dist.get_world_size()
-        if (transport.rank, transport.world_size) != (mine, size):
-            raise ConfigError(f"lowcomm.transport is 'mpi' but MPI has rank {transport.rank} of {transport.world_size} "
-                              f"where torch.distributed has {mine} of {size}: start one process per rank with "
-                              "mpirun and take RANK/WORLD_SIZE from OMPI_COMM_WORLD_RANK/SIZE")
-    return transport

@@ -1,0 +1,31 @@
+"""``build_transport``: the transport ``lowcomm.transport`` names. It lives apart from both
+transports' modules so that neither needs to import the other."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from ..settings import ConfigError
+from .ledger import ByteLedger
+from .mpi import LAUNCH_HINT, MPITransport, started_by_mpirun
+from .transport import TorchDistTransport, Transport
+
+
+def build_transport(name: str, *, group: dist.ProcessGroup | None = None, replica_size: int = 1,
+                    ledger: ByteLedger | None = None) -> Transport:
+    """The transport ``lowcomm.transport`` names, over ``group`` (torch) or the matching MPI
+    communicator (mpi: the whole world, or the cross-replica ranks when ``replica_size`` > 1)."""
+    if name == "torch":
+        return TorchDistTransport(group, ledger)
+    if name != "mpi":
+        raise ValueError(f"lowcomm.transport must be one of torch, mpi; got {name!r}")
+    if not started_by_mpirun():
+        raise ConfigError(f"lowcomm.transport is 'mpi' but this process was not started by mpirun: {LAUNCH_HINT}")
+    transport = MPITransport.cross_replica(replica_size, ledger) if replica_size > 1 else MPITransport(ledger=ledger)
+    if dist.is_initialized():  # MPI's ranks must be torch.distributed's, or syncs would pair the wrong peers
+        mine, size = dist.get_rank(group), dist.get_world_size(group)
+        if (transport.rank, transport.world_size) != (mine, size):
+            raise ConfigError(f"lowcomm.transport is 'mpi' but MPI has rank {transport.rank} of {transport.world_size} "
+                              f"where torch.distributed has {mine} of {size}: start one process per rank with "
+                              "mpirun and take RANK/WORLD_SIZE from OMPI_COMM_WORLD_RANK/SIZE")
+    return transport
