@@ -59,6 +59,13 @@ def check_positive(where: str, name: str, value: Any) -> float:
     return float(value)
 
 
+def check_nonnegative(where: str, name: str, value: Any) -> float:
+    """A finite number >= 0: weight decays, epsilons."""
+    if not (_is_number(value) and value >= 0 and math.isfinite(value)):
+        raise ConfigError(f"{where}.{name} must be a number >= 0; got {value!r}")
+    return float(value)
+
+
 def check_bool(where: str, name: str, value: Any) -> None:
     if not isinstance(value, bool):
         raise ConfigError(f"{where}.{name} must be true or false; got {value!r}")
@@ -115,9 +122,16 @@ class Settings:
         return tuple(keys)
 
     @classmethod
-    def from_flat(cls, raw: Mapping[str, Any], *, where: str = "lowcomm", base: "Settings | None" = None):
-        """Build from a flat mapping: keys this class reads are taken, others ignored (the caller
-        reports unknown keys). Lists become tuples (frozen, hashable). Validated."""
+    def from_flat(cls, raw: Mapping[str, Any], *, where: str = "lowcomm", base: "Settings | None" = None,
+                  strict: bool = False):
+        """Build from a flat mapping: the keys this class reads are taken; any other key is an
+        error with ``strict``, else ignored (the caller sorts them out). Lists become tuples
+        (frozen, hashable). Validated."""
+        if strict:
+            unknown = sorted(set(raw) - set(cls.flat_keys()))
+            if unknown:
+                raise ConfigError(f"{where}: unknown setting(s) {', '.join(unknown)}; "
+                                  f"allowed: {', '.join(cls.flat_keys())}")
         base = base if base is not None else cls()
         values = {}
         for f in dataclasses.fields(cls):

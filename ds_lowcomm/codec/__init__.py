@@ -1,5 +1,6 @@
 """Pure tensor math: chunked orthonormal DCT, per-block top-k, index/value packing, quantisers."""
 
+from .settings import CodecSettings
 from .dct import ChunkPlan, dct_basis, dct_decode, dct_encode, largest_divisor_at_most
 from .sparse import (
     AVERAGES,
@@ -20,7 +21,7 @@ from .sparse import (
 )
 
 __all__ = [
-    "AVERAGES", "FLOAT_DTYPES", "TRANSFORMS", "VALUE_DTYPES", "ChunkPlan", "SparseSpec", "ValueFormat",
+    "AVERAGES", "CodecSettings", "FLOAT_DTYPES", "TRANSFORMS", "VALUE_DTYPES", "ChunkPlan", "SparseSpec", "ValueFormat",
     "dct_basis", "dct_decode", "dct_encode", "index_bits", "largest_divisor_at_most",
     "pack_2bit", "pack_indices", "pack_uint", "packed_nbytes", "topk_count", "unpack_2bit", "unpack_indices",
     "unpack_uint",

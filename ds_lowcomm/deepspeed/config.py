@@ -8,7 +8,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from ..config import ConfigError, LowcommConfig, check_lr
+from ..optim import AdamSettings, LowcommConfig
+from ..settings import ConfigError
 
 INNER_OPTIMIZERS = ("adam", "adamw")
 
@@ -17,7 +18,7 @@ INNER_OPTIMIZERS = ("adam", "adamw")
 class SplitConfig:
     lowcomm: LowcommConfig
     deepspeed: dict[str, Any]  # what deepspeed.initialize receives
-    optimizer_params: dict[str, Any]  # lr, betas, eps, weight_decay of the config's "optimizer"
+    optimizer: AdamSettings  # lr, betas, eps, weight_decay of the config's "optimizer"
     zero_stage: int
 
 
@@ -36,16 +37,17 @@ def load_config(config: str | Path | dict) -> dict[str, Any]:
 def split_config(raw: dict[str, Any]) -> SplitConfig:
     """Validate the ``lowcomm`` and ``optimizer`` sections and prepare DeepSpeed's config."""
     ds = copy.deepcopy(raw)
-    lowcomm = LowcommConfig.from_dict(ds.pop("lowcomm", None) or {"method": "adamw"}, where="lowcomm")
+    lowcomm = LowcommConfig.from_dict(ds.pop("lowcomm", None), where="lowcomm")
     stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
     if stage not in (0, 1, 2):
         raise ConfigError(f"zero_optimization.stage must be 0, 1 or 2 with lowcomm; got {stage}")
     if (ds.get("zero_optimization") or {}).get("elastic_checkpoint"):
         raise ConfigError("zero_optimization.elastic_checkpoint must be false with lowcomm: elastic checkpoints "
                           "keep only per-group optimizer state and would drop the method's state")
-    if stage >= 1 and lowcomm.fragments > 1:
+    fragments = lowcomm.effective().get("fragments", 1)
+    if stage >= 1 and fragments > 1:
         raise ConfigError(f"lowcomm.fragments must be 1 with zero_optimization.stage {stage} (ZeRO 1/2 hand the "
-                          f"optimizer one flat partition, which has no parameter fragments); got {lowcomm.fragments}. "
+                          f"optimizer one flat partition, which has no parameter fragments); got {fragments}. "
                           "Use stage 0 for streaming syncs, or fragments 1 (sync_delay still overlaps the sync)")
     opt = ds.get("optimizer")
     if not isinstance(opt, dict) or "params" not in opt:
@@ -55,18 +57,14 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
     if kind not in INNER_OPTIMIZERS:
         raise ConfigError(f"optimizer.type must be one of Adam, AdamW with lowcomm; got {opt.get('type')!r}")
     params = dict(opt["params"])
-    check_lr(params.get("lr"), where="optimizer.params.lr")
-    optimizer_params = {
-        "lr": float(params["lr"]),
-        "betas": tuple(params.get("betas", (0.9, 0.999))),
-        "eps": float(params.get("eps", 1e-8)),
-        "weight_decay": float(params.get("weight_decay", 0.01 if kind == "adamw" else 0.0)),
-    }
-    if optimizer_params["weight_decay"] < 0:
-        raise ConfigError(f"optimizer.params.weight_decay must be >= 0; got {optimizer_params['weight_decay']}")
+    if "lr" not in params:
+        raise ConfigError("optimizer.params.lr must be a number > 0; got None")
+    # DeepSpeed's AdamW, like torch's, decays weights by 0.01 unless told otherwise.
+    params.setdefault("weight_decay", 0.01 if kind == "adamw" else 0.0)
+    optimizer = AdamSettings.from_flat(params, where="optimizer.params")
     # ds_lowcomm builds the optimizer (every method, the adamw baseline included, so that its
     # bytes are counted the same way) and hands it to DeepSpeed as a client optimizer.
     ds.pop("optimizer")
     if stage >= 1:
         ds["zero_allow_untested_optimizer"] = True
-    return SplitConfig(lowcomm, ds, optimizer_params, stage)
+    return SplitConfig(lowcomm, ds, optimizer, stage)

@@ -27,8 +27,8 @@ from typing import Any
 import torch.distributed as dist
 
 from ..comm import ByteLedger, ReplicaShard, ReplicaTopology, TorchDistTransport, assert_same_across_ranks, build_transport
-from ..config import ConfigError
 from ..optim import LowcommOptimizer, build_optimizer
+from ..settings import ConfigError
 from .comm_counter import count_deepspeed_collectives
 from .config import SplitConfig, load_config, split_config
 from .mpu import ReplicaMPU
@@ -102,24 +102,26 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine_ledger = ByteLedger()
     count_deepspeed_collectives(engine_ledger)
 
-    topology = ReplicaTopology.build(split.lowcomm.replica_size)
+    topology = ReplicaTopology.build(split.lowcomm.comm.replica_size)
     assert_same_across_ranks(  # flat keys, so that a difference names its field
         TorchDistTransport(ledger=engine_ledger),
         {**{f"lowcomm.{k}": v for k, v in split.lowcomm.effective().items()},
          "zero_optimization.stage": split.zero_stage,
-         **{f"optimizer.params.{k}": list(v) if isinstance(v, tuple) else v for k, v in split.optimizer_params.items()}},
+         **{f"optimizer.params.{k}": v for k, v in split.optimizer.flat().items()}},
     )
     params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     # The method's traffic across replicas goes over lowcomm.transport (torch.distributed or MPI);
     # DeepSpeed's own (inside a replica) and the check above stay on torch.distributed.
-    transport = build_transport(split.lowcomm.transport, group=topology.cross_group,
+    transport = build_transport(split.lowcomm.comm.transport, group=topology.cross_group,
                                 replica_size=topology.replica_size)
-    opt = build_optimizer(split.lowcomm, params, transport=transport, **split.optimizer_params)
-    opt.manage_ledger_steps = False  # engine.step marks the boundaries (ZeRO steps once per group)
+    shard = None
     if split.zero_stage == 0 and topology.replica_size > 1:
         # Every rank of a replica holds the whole model: split the cross-replica sync by owner.
-        opt.shard = ReplicaShard(topology.local_rank, topology.replica_size,
-                                 TorchDistTransport(topology.replica_group, ledger=engine_ledger))
+        shard = ReplicaShard(topology.local_rank, topology.replica_size,
+                             TorchDistTransport(topology.replica_group, ledger=engine_ledger))
+    # engine.step closes the ledger's steps (ZeRO steps the optimizer once per parameter group)
+    opt = build_optimizer(split.lowcomm, params, transport=transport, shard=shard, ledger_steps=False,
+                          **split.optimizer.torch_kwargs())
     engine, ds_opt, loader, sched = deepspeed.initialize(
         args=args, model=model, optimizer=opt, model_parameters=params, training_data=training_data,
         lr_scheduler=lr_scheduler, mpu=ReplicaMPU(topology), dist_init_required=dist_init_required,

@@ -1,11 +1,14 @@
 """The methods, usable with plain torch.distributed; each has a complete state_dict()."""
 
-from .adamw import AllReduceAdamW
+from .adamw import AdamSettings, AllReduceAdamW, AllReduceSettings
 from .base import LowcommOptimizer
-from .demo import DeMo
-from .mtdao import MTDAO
-from .outer import DCTDiLoCo, DiLoCo, OuterLoop, SparseLoCo
-from .registry import build_optimizer
+from .config import LowcommConfig
+from .demo import DeMo, DeMoSettings
+from .mtdao import MTDAO, MTDAOSettings
+from .outer import (DCTDiLoCo, DCTDiLoCoSettings, DiLoCo, DiLoCoSettings, OuterLoop, SparseLoCo, SparseLoCoSettings,
+                    StreamingSettings)
+from .registry import METHODS, build_optimizer
 
-__all__ = ["AllReduceAdamW", "DCTDiLoCo", "DeMo", "DiLoCo", "LowcommOptimizer", "MTDAO", "OuterLoop", "SparseLoCo",
-           "build_optimizer"]
+__all__ = ["AdamSettings", "AllReduceAdamW", "AllReduceSettings", "DCTDiLoCo", "DCTDiLoCoSettings", "DeMo",
+           "DeMoSettings", "DiLoCo", "DiLoCoSettings", "LowcommConfig", "LowcommOptimizer", "METHODS", "MTDAO",
+           "MTDAOSettings", "OuterLoop", "SparseLoCo", "SparseLoCoSettings", "StreamingSettings", "build_optimizer"]

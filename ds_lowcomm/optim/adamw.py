@@ -1,26 +1,62 @@
-"""The baseline: AdamW after a dense all-reduce of the gradients every step (what DDP does)."""
+"""The baseline: AdamW after a dense all-reduce of the gradients every step (what DDP does),
+and the Adam hyperparameters every method's per-step or inner optimizer takes."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-from ..comm import Transport, all_reduce_mean_
+from ..comm import ReplicaShard, Transport, all_reduce_mean_
+from ..settings import ConfigError, Settings, check_fraction, check_nonnegative, check_positive
 from .base import LowcommOptimizer
+
+
+@dataclass(frozen=True)
+class AdamSettings(Settings):
+    """lr, betas, eps, weight_decay of the per-step optimizer (adamw, demo: lr and weight decay;
+    mtdao: beta2 is ``betas[1]``) or of the inner AdamW of the outer-loop methods: the
+    ``"optimizer"`` section of a DeepSpeed config. Defaults are torch's AdamW's, but for the
+    weight decay (0: set it where you want it)."""
+
+    lr: float = 1e-3
+    betas: tuple = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+
+    def check(self, where: str) -> None:
+        check_positive(where, "lr", self.lr)
+        if not isinstance(self.betas, tuple) or len(self.betas) != 2:
+            raise ConfigError(f"{where}.betas must be a list of two numbers in [0, 1); got {self.betas!r}")
+        for beta in self.betas:
+            check_fraction(where, "betas[]", beta)
+        check_nonnegative(where, "eps", self.eps)
+        check_nonnegative(where, "weight_decay", self.weight_decay)
+
+    def torch_kwargs(self) -> dict:
+        return {"lr": float(self.lr), "betas": tuple(self.betas), "eps": float(self.eps),
+                "weight_decay": float(self.weight_decay)}
+
+
+@dataclass(frozen=True)
+class AllReduceSettings(Settings):
+    """The baseline has no settings of its own (its hyperparameters are :class:`AdamSettings`)."""
+
+    def check(self, where: str) -> None:
+        pass
 
 
 class AllReduceAdamW(LowcommOptimizer, torch.optim.AdamW):
     method = "adamw"
+    settings_class = AllReduceSettings
 
-    def __init__(self, params, lr: float = 1e-3, *, transport: Transport | None = None, **adamw_kwargs):
-        torch.optim.AdamW.__init__(self, params, lr=lr, **adamw_kwargs)
-        self._init_comm(transport, {})
+    def __init__(self, params, lr: float = AdamSettings.lr, *, transport: Transport | None = None,
+                 shard: ReplicaShard | None = None, ledger_steps: bool = True, **adamw_kwargs):
+        adam = AdamSettings.from_flat({"lr": lr, **adamw_kwargs}, where="optimizer", strict=True)
+        torch.optim.AdamW.__init__(self, params, **adam.torch_kwargs())
+        self._init_comm(AllReduceSettings(), transport, shard, ledger_steps)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._evaluate_closure(closure)
-        params = self._current_params()
-        if self._is_placeholder_step(params):
-            return loss
+    def _update(self, params):
         owned = self._owned(params)
         for p in params:
             if p.grad is None:  # keep the flat buffer's layout the same on every rank
@@ -33,5 +69,3 @@ class AllReduceAdamW(LowcommOptimizer, torch.optim.AdamW):
                     p.grad = None
         torch.optim.AdamW.step(self)
         self._share(params)
-        self._finish_step()
-        return loss

@@ -1,5 +1,5 @@
-"""What every ds_lowcomm optimizer shares: a transport with its ledger, the start-up
-consistency check, lazily built per-parameter state and sync layouts, and a state_dict that
+"""What every ds_lowcomm optimizer shares: its settings object, a transport with its ledger, the
+start-up consistency check, the step skeleton, lazily built sync layouts, and a state_dict that
 keeps state dtypes and the communication state.
 
 State and layouts are built at the first real step, for whatever parameters the param_groups
@@ -9,11 +9,26 @@ partitions for ZeRO 1/2, which also steps one group at a time).
 
 from __future__ import annotations
 
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, ClassVar
 
 import torch
 
+from ..codec import FLOAT_DTYPES
 from ..comm import ReplicaShard, SparseAllGather, TorchDistTransport, Transport, assert_same_across_ranks
+from ..settings import Settings, check_choice
+
+STATE_DTYPES = tuple(FLOAT_DTYPES)
+
+
+@dataclass(frozen=True)
+class StatefulSettings(Settings):
+    """Settings of a method that keeps per-parameter state (momenta, residuals, anchors)."""
+
+    state_dtype: str = "fp32"  # whatever the parameters' dtype
+
+    def check(self, where: str) -> None:
+        check_choice(where, "state_dtype", self.state_dtype, STATE_DTYPES)
 
 
 def ordered_params(param_groups) -> list[torch.Tensor]:
@@ -21,35 +36,60 @@ def ordered_params(param_groups) -> list[torch.Tensor]:
 
 
 class LowcommOptimizer(torch.optim.Optimizer):
-    """Base class. Subclasses set ``method`` and may add counters via ``_extra_state``."""
+    """Base class. A method sets ``method`` and ``settings_class`` and writes ``_update(params)``
+    (called under no_grad by :meth:`step`); it may add checkpointed counters via ``_extra_state``.
 
-    method = ""
-    # The optimizer closes a ledger step at the end of step(); the DeepSpeed glue turns this off
-    # and closes it at the engine's step boundary instead.
-    manage_ledger_steps = True
-    # Set by the DeepSpeed glue at ZeRO 0 with replicas of several ranks: this rank syncs only the
-    # parameters it owns and shares them inside its replica (see comm/shard.py).
-    shard: ReplicaShard | None = None
+    Construction arguments every method takes:
+    - ``transport``: the method's collectives (default: torch.distributed's default group);
+    - ``shard``: at ZeRO 0 with replicas of several ranks, this rank syncs only the parameters it
+      owns and shares them inside its replica (see comm/shard.py);
+    - ``ledger_steps``: whether ``step()`` closes a ledger step (the DeepSpeed glue closes it at
+      the engine's step boundary instead, since ZeRO steps once per parameter group).
+    """
 
-    def _init_comm(self, transport: Transport | None, settings: dict[str, Any], codec: dict[str, Any] | None = None) -> None:
+    method: ClassVar[str] = ""
+    settings_class: ClassVar[type[Settings]] = Settings
+
+    @classmethod
+    def resolve_settings(cls, settings: Settings | None, flat: dict[str, Any]) -> Settings:
+        """The method's settings: an object, or flat keyword arguments (``topk=8, chunk=8``)."""
+        if settings is not None:
+            if flat:
+                raise TypeError(f"{cls.__name__}: pass settings= or keyword settings ({', '.join(flat)}), not both")
+            if not isinstance(settings, cls.settings_class):
+                raise TypeError(f"{cls.__name__}: settings must be a {cls.settings_class.__name__}; "
+                                f"got {type(settings).__name__}")
+            settings.validate()
+            return settings
+        return cls.settings_class.from_flat(flat, where=f"{cls.__name__}", strict=True)
+
+    def _init_comm(self, settings: Settings, transport: Transport | None, shard: ReplicaShard | None,
+                   ledger_steps: bool, **record: Any) -> None:
+        """Attach the settings and the transport and check, on every rank, that all ranks agree
+        on the settings (and ``record``'s extras) and start from the same parameters."""
+        self.settings = settings
         self.transport = transport if transport is not None else TorchDistTransport()
-        self._codec = codec
+        self.shard = shard
+        self.ledger_steps = ledger_steps
         self._syncs: dict[tuple[int, ...], SparseAllGather] = {}
-        params = ordered_params(self.param_groups)
-        settings = {
+        params = self._current_params()
+        self._record = {
             "method": self.method,
             "world_size": self.transport.world_size,
-            **settings,
-            **(codec or {}),
+            **settings.flat(),
+            **record,
             "param_shapes": [list(p.shape) for p in params],
             "param_dtypes": [str(p.dtype) for p in params],
         }
-        self.settings = settings
-        assert_same_across_ranks(self.transport, settings, params)
+        assert_same_across_ranks(self.transport, self._record, params)
 
     @property
     def ledger(self):
         return self.transport.ledger
+
+    @property
+    def state_dtype(self) -> torch.dtype:
+        return FLOAT_DTYPES[self.settings.state_dtype]
 
     def _current_params(self) -> list[torch.Tensor]:
         return ordered_params(self.param_groups)
@@ -59,16 +99,29 @@ class LowcommOptimizer(torch.optim.Optimizer):
         key = tuple(id(p) for p in params)
         sync = self._syncs.get(key)
         if sync is None:
-            sync = SparseAllGather([p.shape for p in params], transport=self.transport, op=op, **self._codec)
+            sync = SparseAllGather([p.shape for p in params], transport=self.transport, op=op,
+                                   **self.settings.codec.flat())
             self._syncs[key] = sync
         return sync
 
-    @staticmethod
-    def _evaluate_closure(closure):
-        if closure is None:
-            return None
-        with torch.enable_grad():
-            return closure()
+    # -- the step -------------------------------------------------------------------------
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        params = self._current_params()
+        if self._is_placeholder_step(params):
+            return loss
+        with torch.no_grad():
+            self._update(params)
+        if self.ledger_steps:
+            self.ledger.end_step()
+        return loss
+
+    def _update(self, params: list[torch.Tensor]) -> None:
+        """One step of the method on ``params`` (gradients in ``p.grad``), its syncs included."""
+        raise NotImplementedError
 
     def _is_placeholder_step(self, params: list[torch.Tensor]) -> bool:
         """DeepSpeed's fp16/bf16 wrapper calls step() once at construction with zero gradients.
@@ -85,10 +138,6 @@ class LowcommOptimizer(torch.optim.Optimizer):
         if self.shard is not None:
             self.shard.share(params)
 
-    def _finish_step(self) -> None:
-        if self.manage_ledger_steps:
-            self.ledger.end_step()
-
     # -- checkpointing ------------------------------------------------------------------
     def _extra_state(self) -> dict[str, Any]:
         return {}
@@ -98,7 +147,7 @@ class LowcommOptimizer(torch.optim.Optimizer):
 
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
-        sd["lowcomm"] = {"settings": self.settings, "ledger": self.ledger.state_dict(), **self._extra_state()}
+        sd["lowcomm"] = {"settings": self._record, "ledger": self.ledger.state_dict(), **self._extra_state()}
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -106,7 +155,7 @@ class LowcommOptimizer(torch.optim.Optimizer):
         lowcomm = state_dict.pop("lowcomm", None)
         if lowcomm is None:
             raise ValueError(f"not a ds_lowcomm {self.method} optimizer state (no 'lowcomm' entry)")
-        mine, saved = self.settings, lowcomm["settings"]
+        mine, saved = self._record, lowcomm["settings"]
         if mine != saved:
             diffs = [k for k in sorted(set(mine) | set(saved)) if mine.get(k) != saved.get(k)]
             raise ValueError(

@@ -7,51 +7,42 @@ components, so replicas stay identical.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from ..comm import Transport
-from .base import LowcommOptimizer
+from ..codec import CodecSettings
+from ..comm import ReplicaShard, Transport
+from ..settings import check_fraction
+from .adamw import AdamSettings
+from .base import LowcommOptimizer, StatefulSettings
+
+
+@dataclass(frozen=True)
+class DeMoSettings(StatefulSettings):
+    decay: float = 0.999  # the momentum's decay (DeMo's compression_decay)
+    codec: CodecSettings = field(default_factory=CodecSettings)
+
+    def check(self, where: str) -> None:
+        super().check(where)
+        check_fraction(where, "decay", self.decay)
 
 
 class DeMo(LowcommOptimizer):
     method = "demo"
+    settings_class = DeMoSettings
 
-    def __init__(
-        self,
-        params,
-        lr: float = 4e-4,
-        *,
-        decay: float = 0.999,
-        topk: int = 32,
-        chunk: int = 64,
-        weight_decay: float = 0.0,
-        value_dtype: str = "fp32",
-        transform: str = "dct",
-        average: str = "senders",
-        state_dtype: torch.dtype = torch.float32,
-        transport: Transport | None = None,
-    ):
-        if not lr > 0:
-            raise ValueError(f"lr must be > 0; got {lr!r}")
-        if not 0.0 <= decay < 1.0:
-            raise ValueError(f"decay must be in [0, 1); got {decay!r}")
-        if weight_decay < 0:
-            raise ValueError(f"weight_decay must be >= 0; got {weight_decay!r}")
-        super().__init__(params, dict(lr=lr, weight_decay=weight_decay))
-        self.decay = decay
-        self.state_dtype = state_dtype
-        self._init_comm(
-            transport,
-            dict(decay=decay, state_dtype=str(state_dtype)),
-            codec=dict(topk=topk, chunk=chunk, value_dtype=value_dtype, transform=transform, average=average),
-        )
+    def __init__(self, params, lr: float = 4e-4, *, weight_decay: float = 0.0, settings: DeMoSettings | None = None,
+                 transport: Transport | None = None, shard: ReplicaShard | None = None, ledger_steps: bool = True,
+                 **flat_settings):
+        """``flat_settings``: decay, topk, chunk, value_dtype, transform, average, state_dtype
+        (or one ``settings=DeMoSettings(...)``)."""
+        settings = self.resolve_settings(settings, flat_settings)
+        hyper = AdamSettings.from_flat({"lr": lr, "weight_decay": weight_decay}, where="DeMo")
+        super().__init__(params, dict(lr=hyper.lr, weight_decay=hyper.weight_decay))
+        self._init_comm(settings, transport, shard, ledger_steps)
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._evaluate_closure(closure)
-        params = self._current_params()
-        if self._is_placeholder_step(params):
-            return loss
+    def _update(self, params):
         owned = {id(p) for p in self._owned(params)}
         synced, momenta, lrs = [], [], []
         for group in self.param_groups:
@@ -65,7 +56,7 @@ class DeMo(LowcommOptimizer):
                 m = state["momentum"]
                 if wd:
                     p.mul_(1.0 - lr * wd)
-                m.mul_(self.decay)
+                m.mul_(self.settings.decay)
                 if p.grad is not None:  # a parameter without a gradient still takes part in the exchange
                     m.add_(p.grad.to(m.dtype), alpha=lr)
                 synced.append(p)
@@ -77,5 +68,3 @@ class DeMo(LowcommOptimizer):
             for p, lr, q in zip(synced, lrs, means):
                 p.add_(q.sign().to(p.dtype), alpha=-lr)
         self._share(params)
-        self._finish_step()
-        return loss

@@ -21,97 +21,104 @@ measured divergence on the reference task).
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from ..comm import Transport, start_all_reduce_mean_
-from .base import LowcommOptimizer
+from ..codec import CodecSettings
+from ..comm import ReplicaShard, Transport, start_all_reduce_mean_
+from ..settings import ConfigError, check_choice, check_fraction, check_int
+from .adamw import AdamSettings
+from .base import LowcommOptimizer, StatefulSettings
+
+SYNC_CODECS = ("dense", "topk")
+
+
+@dataclass(frozen=True)
+class MTDAOSettings(StatefulSettings):
+    sync_every: int = 32  # the parameters' sync period
+    momentum_betas: tuple = (0.999,)  # one first moment per beta (QHAdam's recommended single one)
+    momentum_weights: tuple = (0.7,)  # each moment's weight in the update; the raw gradient gets the rest
+    momentum_sync_every: tuple | None = None  # one period per momentum (default: sync_every)
+    second_moment_sync_every: int | None = None  # default: sync_every
+    sync_codec: str = "dense"  # or "topk": parameters and momenta through the codec (second moment dense)
+    codec: CodecSettings = field(default_factory=lambda: CodecSettings(average="world"))
+
+    def check(self, where: str) -> None:
+        super().check(where)
+        check_int(where, "sync_every", self.sync_every, 1)
+        check_choice(where, "sync_codec", self.sync_codec, SYNC_CODECS)
+        betas, weights = self.momentum_betas, self.momentum_weights
+        if not isinstance(betas, tuple) or not betas:
+            raise ConfigError(f"{where}.momentum_betas must be a non-empty list of numbers in [0, 1); got {betas!r}")
+        for b in betas:
+            check_fraction(where, "momentum_betas[]", b)
+        if not isinstance(weights, tuple) or len(weights) != len(betas):
+            raise ConfigError(f"{where}.momentum_weights must be a list with one weight per momentum_betas entry "
+                              f"({len(betas)}); got {weights!r}")
+        for w in weights:
+            if isinstance(w, bool) or not isinstance(w, (int, float)) or not 0.0 <= w <= 1.0:
+                raise ConfigError(f"{where}.momentum_weights entries must be numbers in [0, 1]; got {weights!r}")
+        if sum(weights) > 1.0 + 1e-12:
+            raise ConfigError(f"{where}.momentum_weights must sum to at most 1 (the rest weighs the raw gradient); "
+                              f"got {weights!r} (sum {sum(weights)})")
+        periods = self.momentum_sync_every
+        if periods is not None:
+            if not isinstance(periods, tuple) or len(periods) != len(betas):
+                raise ConfigError(f"{where}.momentum_sync_every must be a list with one period per momentum_betas "
+                                  f"entry ({len(betas)}), or null for sync_every; got {periods!r}")
+            for k in periods:
+                check_int(where, "momentum_sync_every[]", k, 1)
+        if self.second_moment_sync_every is not None:
+            check_int(where, "second_moment_sync_every", self.second_moment_sync_every, 1)
+
+    def periods(self) -> dict[str, int]:
+        """Sync period of the parameters ("param"), each first moment ("u0", ...) and the second ("v")."""
+        moments = self.momentum_sync_every or (self.sync_every,) * len(self.momentum_betas)
+        return {"param": self.sync_every, "v": self.second_moment_sync_every or self.sync_every,
+                **{f"u{j}": k for j, k in enumerate(moments)}}
 
 
 class MTDAO(LowcommOptimizer):
     method = "mtdao"
+    settings_class = MTDAOSettings
     # With replicas of several ranks at ZeRO 0 every rank of a replica holds the whole (identical)
     # state and averages all of it with its cross-replica peers: ``shard`` is not used, so the
     # sync is not split by owner inside a replica as the other methods' are.
 
-    def __init__(
-        self,
-        params,
-        lr: float = 1e-3,
-        *,
-        momentum_betas: tuple[float, ...] = (0.999,),
-        momentum_weights: tuple[float, ...] = (0.7,),
-        beta2: float = 0.999,
-        eps: float = 1e-8,
-        weight_decay: float = 0.0,
-        sync_every: int = 32,
-        momentum_sync_every: tuple[int, ...] | None = None,
-        second_moment_sync_every: int | None = None,
-        sync_codec: str = "dense",
-        topk: int = 32,
-        chunk: int = 64,
-        value_dtype: str = "fp32",
-        transform: str = "dct",
-        average: str = "world",
-        state_dtype: torch.dtype = torch.float32,
-        transport: Transport | None = None,
-    ):
-        momentum_betas, momentum_weights = tuple(momentum_betas), tuple(momentum_weights)
-        if not lr > 0:
-            raise ValueError(f"lr must be > 0; got {lr!r}")
-        if not momentum_betas or any(not 0.0 <= b < 1.0 for b in momentum_betas):
-            raise ValueError(f"momentum_betas must be a non-empty list of numbers in [0, 1); got {momentum_betas!r}")
-        if len(momentum_weights) != len(momentum_betas) or any(not 0.0 <= w <= 1.0 for w in momentum_weights) \
-                or sum(momentum_weights) > 1.0 + 1e-12:
-            raise ValueError(f"momentum_weights must hold one weight in [0, 1] per beta, summing to at most 1; "
-                             f"got {momentum_weights!r}")
-        if not 0.0 <= beta2 < 1.0:
-            raise ValueError(f"beta2 must be in [0, 1); got {beta2!r}")
-        momentum_sync_every = tuple(momentum_sync_every) if momentum_sync_every is not None else (sync_every,) * len(momentum_betas)
-        second_moment_sync_every = second_moment_sync_every or sync_every
-        if len(momentum_sync_every) != len(momentum_betas):
-            raise ValueError(f"momentum_sync_every must hold one period per beta; got {momentum_sync_every!r}")
-        if min(sync_every, second_moment_sync_every, *momentum_sync_every) < 1:
-            raise ValueError("sync periods must be >= 1")
-        if sync_codec not in ("dense", "topk"):
-            raise ValueError(f"sync_codec must be one of dense, topk; got {sync_codec!r}")
-        super().__init__(params, dict(lr=lr, eps=eps, weight_decay=weight_decay, beta2=beta2))
-        self.momentum_betas = momentum_betas
-        self.momentum_weights = momentum_weights
-        self.periods = {"param": sync_every, "v": second_moment_sync_every,
-                        **{f"u{j}": k for j, k in enumerate(momentum_sync_every)}}
-        self.sync_codec = sync_codec
-        self.state_dtype = state_dtype
-        codec = dict(topk=topk, chunk=chunk, value_dtype=value_dtype, transform=transform, average=average)
-        self._init_comm(
-            transport,
-            dict(momentum_betas=list(momentum_betas), momentum_weights=list(momentum_weights), beta2=beta2,
-                 sync_every=sync_every, momentum_sync_every=list(momentum_sync_every),
-                 second_moment_sync_every=second_moment_sync_every, sync_codec=sync_codec, state_dtype=str(state_dtype)),
-            codec=codec if sync_codec == "topk" else None,
-        )
+    def __init__(self, params, lr: float = AdamSettings.lr, *, beta2: float = AdamSettings.betas[1],
+                 eps: float = AdamSettings.eps, weight_decay: float = AdamSettings.weight_decay,
+                 settings: MTDAOSettings | None = None, transport: Transport | None = None,
+                 shard: ReplicaShard | None = None, ledger_steps: bool = True, **flat_settings):
+        """``lr``, ``beta2``, ``eps``, ``weight_decay``: the Adam hyperparameters (beta2 is an
+        AdamW's ``betas[1]``); ``flat_settings``: momentum_betas, momentum_weights, sync_every,
+        momentum_sync_every, second_moment_sync_every, sync_codec, the codec's keys, state_dtype
+        (or one ``settings=MTDAOSettings(...)``)."""
+        settings = self.resolve_settings(settings, flat_settings)
+        hyper = AdamSettings.from_flat({"lr": lr, "betas": (0.9, beta2), "eps": eps, "weight_decay": weight_decay},
+                                       where="MTDAO")
+        super().__init__(params, dict(lr=hyper.lr, eps=hyper.eps, weight_decay=hyper.weight_decay, beta2=beta2))
+        self.periods = settings.periods()
+        self._init_comm(settings, transport, shard, ledger_steps, beta2=beta2)
 
     @property
     def steps_taken(self) -> int:
         params = self._current_params()
         return self.state[params[0]].get("step", 0) if params else 0
 
-    @torch.no_grad()
-    def step(self, closure=None):
-        loss = self._evaluate_closure(closure)
-        params = self._current_params()
-        if self._is_placeholder_step(params):
-            return loss
-        grad_weight = 1.0 - sum(self.momentum_weights)
+    def _update(self, params):
+        betas, weights = self.settings.momentum_betas, self.settings.momentum_weights
+        grad_weight = 1.0 - sum(weights)
         for group in self.param_groups:
             lr, wd, eps, beta2 = group["lr"], group["weight_decay"], group["eps"], group["beta2"]
             for p in group["params"]:
                 state = self.state[p]
                 if "step" not in state:
                     state["step"] = 0
-                    for j in range(len(self.momentum_betas)):
+                    for j in range(len(betas)):
                         state[f"u{j}"] = torch.zeros_like(p, dtype=self.state_dtype)
                     state["v"] = torch.zeros_like(p, dtype=self.state_dtype)
-                    if self.sync_codec == "topk":
+                    if self.settings.sync_codec == "topk":
                         # The value at the last sync (equal on every rank: the common start, zero
                         # states) and this rank's change not sent yet, kept in fp32.
                         for name in [n for n in self.periods if n != "v"]:
@@ -126,7 +133,7 @@ class MTDAO(LowcommOptimizer):
                 v = state["v"]
                 v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
                 direction = g * grad_weight
-                for j, (beta, weight) in enumerate(zip(self.momentum_betas, self.momentum_weights)):
+                for j, (beta, weight) in enumerate(zip(betas, weights)):
                     u = state[f"u{j}"]
                     u.mul_(beta).add_(g, alpha=1.0 - beta)
                     if weight:
@@ -136,8 +143,6 @@ class MTDAO(LowcommOptimizer):
                     p.mul_(1.0 - lr * wd)
                 p.addcdiv_(direction.to(p.dtype), denom.to(p.dtype), value=-lr)
         self._sync_due(params, self.state[params[0]]["step"])
-        self._finish_step()
-        return loss
 
     def _sync_due(self, params: list[torch.Tensor], t: int) -> None:
         """Average everything whose period divides step t, in one collective."""
@@ -149,9 +154,10 @@ class MTDAO(LowcommOptimizer):
             for p in params:
                 tensors.append(p if name == "param" else self.state[p][name])
                 names.append((p, name))
-        dense = [x for (p, name), x in zip(names, tensors) if self.sync_codec == "dense" or name == "v"]
+        compress = self.settings.sync_codec == "topk"
+        dense = [x for (p, name), x in zip(names, tensors) if not compress or name == "v"]
         pending = start_all_reduce_mean_(dense, self.transport, op="mtdao_all_reduce") if dense else None
-        compressed = [(p, name, x) for (p, name), x in zip(names, tensors) if self.sync_codec == "topk" and name != "v"]
+        compressed = [(p, name, x) for (p, name), x in zip(names, tensors) if compress and name != "v"]
         if compressed:
             self._sync_compressed(compressed)
         if pending is not None:

@@ -25,65 +25,115 @@ a * local + (1 - a) * global. P = 1 with no delay is plain DiLoCo.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
 import torch
 
-from ..comm import Pending, Transport, start_all_reduce_mean_
-from .base import LowcommOptimizer, ordered_params
+from ..codec import CodecSettings
+from ..comm import Pending, ReplicaShard, Transport, start_all_reduce_mean_
+from ..settings import Settings, check_bool, check_choice, check_fraction, check_int, check_positive, check_unit
+from .base import LowcommOptimizer, StatefulSettings, ordered_params
+
+INNER_IMPLS = ("torch", "apex")
+
+
+@dataclass(frozen=True)
+class StreamingSettings(Settings):
+    """Streaming DiLoCo: the parameters in ``fragments`` groups synced on a staggered schedule;
+    each sync lands ``sync_delay`` inner steps after it is sent, and the landed global fragment
+    replaces (``fragment_mix`` 0) or is mixed with the local one. Bounds that depend on H are
+    checked by the outer loop's settings."""
+
+    fragments: int = 1
+    sync_delay: int = 0
+    fragment_mix: float = 0.0
+
+    def check(self, where: str) -> None:
+        check_unit(where, "fragment_mix", self.fragment_mix)
+
+    def check_against(self, where: str, sync_every: int) -> None:
+        check_int(where, "fragments", self.fragments, 1, sync_every, hint="sync_every: one fragment sync per step at most")
+        check_int(where, "sync_delay", self.sync_delay, 0, sync_every - 1,
+                  hint="a fragment's sync must land before its next one starts")
+
+
+@dataclass(frozen=True)
+class OuterSettings(StatefulSettings):
+    """What the whole DiLoCo family shares: H, the outer learning rate, the inner optimizer's
+    implementation, streaming."""
+
+    sync_every: int = 128  # H: inner steps per outer step
+    outer_lr: float = 0.7
+    inner_impl: str = "torch"  # the inner AdamW: torch's, or NVIDIA apex's FusedAdam where installed
+    streaming: StreamingSettings = field(default_factory=StreamingSettings)
+    # Class attributes, not settings: overridden by fields where a method has outer momentum.
+    outer_momentum = 0.0
+    nesterov = False
+
+    def check(self, where: str) -> None:
+        super().check(where)
+        check_int(where, "sync_every", self.sync_every, 1)
+        check_positive(where, "outer_lr", self.outer_lr)
+        check_choice(where, "inner_impl", self.inner_impl, INNER_IMPLS)
+        self.streaming.check_against(where, self.sync_every)
+
+
+@dataclass(frozen=True)
+class DiLoCoSettings(OuterSettings):
+    outer_momentum: float = 0.9
+    nesterov: bool = True
+
+    def check(self, where: str) -> None:
+        super().check(where)
+        check_fraction(where, "outer_momentum", self.outer_momentum)
+        check_bool(where, "nesterov", self.nesterov)
+
+
+@dataclass(frozen=True)
+class DCTDiLoCoSettings(DiLoCoSettings):
+    decay: float = 0.9  # of the error-feedback buffer the top-k components are taken from
+    codec: CodecSettings = field(default_factory=CodecSettings)
+
+    def check(self, where: str) -> None:
+        super().check(where)
+        check_fraction(where, "decay", self.decay)
+
+
+@dataclass(frozen=True)
+class SparseLoCoSettings(OuterSettings):
+    """SparseLoCo's published recipe: H 30, outer lr 1, error feedback 0.95, 64 of 4096 per
+    64x64 chunk without a transform, 2-bit values; no outer momentum."""
+
+    sync_every: int = 30
+    outer_lr: float = 1.0
+    decay: float = 0.95
+    codec: CodecSettings = field(default_factory=lambda: CodecSettings(
+        topk=64, chunk=64, value_dtype="2bit", transform="none", average="world"))
+
+    def check(self, where: str) -> None:
+        super().check(where)
+        check_fraction(where, "decay", self.decay)
 
 
 class OuterLoop(LowcommOptimizer):
     """Base of the DiLoCo family. It wraps ``inner`` and *is* its param_groups: LR schedulers
     and DeepSpeed see (and may swap, as ZeRO does per step) the inner optimizer's groups."""
 
-    def __init__(
-        self,
-        inner: torch.optim.Optimizer,
-        *,
-        sync_every: int,
-        outer_lr: float = 0.7,
-        outer_momentum: float = 0.9,
-        nesterov: bool = True,
-        fragments: int = 1,
-        sync_delay: int = 0,
-        fragment_mix: float = 0.0,
-        state_dtype: torch.dtype = torch.float32,
-        transport: Transport | None = None,
-        settings: dict | None = None,
-        codec: dict | None = None,
-    ):
-        if sync_every < 1:
-            raise ValueError(f"sync_every must be >= 1; got {sync_every!r}")
-        if not outer_lr > 0:
-            raise ValueError(f"outer_lr must be > 0; got {outer_lr!r}")
-        if not 0.0 <= outer_momentum < 1.0:
-            raise ValueError(f"outer_momentum must be in [0, 1); got {outer_momentum!r}")
-        if not 1 <= fragments <= sync_every:
-            raise ValueError(f"fragments must be in [1, sync_every={sync_every}]; got {fragments!r}")
-        if not 0 <= sync_delay < sync_every:
-            raise ValueError(f"sync_delay must be in [0, sync_every={sync_every}); got {sync_delay!r}")
-        if not 0.0 <= fragment_mix <= 1.0:
-            raise ValueError(f"fragment_mix must be in [0, 1]; got {fragment_mix!r}")
+    settings_class = OuterSettings
+
+    def __init__(self, inner: torch.optim.Optimizer, *, settings: OuterSettings | None = None,
+                 transport: Transport | None = None, shard: ReplicaShard | None = None, ledger_steps: bool = True,
+                 **flat_settings):
+        """``flat_settings``: the method's settings as keywords (``sync_every=500``, ...), or one
+        ``settings=`` object of the method's settings class."""
+        settings = self.resolve_settings(settings, flat_settings)
         super().__init__(ordered_params(inner.param_groups), {})
         self.inner = inner  # from here on, param_groups are the inner optimizer's
         self.__dict__.pop("_own_groups", None)
-        self.sync_every = sync_every
-        self.outer_lr = outer_lr
-        self.outer_momentum = outer_momentum
-        self.nesterov = nesterov
-        self.fragments = fragments
-        self.sync_delay = sync_delay
-        self.fragment_mix = fragment_mix
-        self.state_dtype = state_dtype
         # fragment (its param ids) -> (the params this rank syncs, their sync in flight)
         self._in_flight: dict[tuple[int, ...], tuple[list[torch.Tensor], Pending]] = {}
         self._fragment_cache: dict[tuple[int, ...], list[list[torch.Tensor]]] = {}
-        self._init_comm(
-            transport,
-            dict(sync_every=sync_every, outer_lr=outer_lr, outer_momentum=outer_momentum, nesterov=nesterov,
-                 fragments=fragments, sync_delay=sync_delay, fragment_mix=fragment_mix,
-                 inner=type(inner).__name__, state_dtype=str(state_dtype), **(settings or {})),
-            codec=codec,
-        )
+        self._init_comm(settings, transport, shard, ledger_steps, inner=type(inner).__name__)
 
     @property
     def param_groups(self):
@@ -120,7 +170,7 @@ class OuterLoop(LowcommOptimizer):
         cached = self._fragment_cache.get(key)
         if cached is not None:
             return cached
-        n = self.fragments
+        n = self.settings.streaming.fragments
         if len(params) < n:
             raise ValueError(f"lowcomm.fragments is {n} but this optimizer steps {len(params)} tensor(s) at a time "
                              "(ZeRO 1/2 hand it one flat partition): use fragments <= the number of tensors")
@@ -138,38 +188,32 @@ class OuterLoop(LowcommOptimizer):
         return out
 
     def _sends_at(self, fragment: int, step: int) -> bool:
-        offset = (fragment + 1) * self.sync_every // self.fragments
-        return step >= offset and (step - offset) % self.sync_every == 0
+        h = self.settings.sync_every
+        offset = (fragment + 1) * h // self.settings.streaming.fragments
+        return step >= offset and (step - offset) % h == 0
 
     # -- the step ----------------------------------------------------------------------------
-    def step(self, closure=None):
-        params = self._current_params()
-        if self._is_placeholder_step(params):
-            return None
+    def _update(self, params):
         owned_ids = {id(p) for p in self._owned(params)}
-        with torch.no_grad():
-            for p in params:
-                state = self.state[p]
-                if "local_step" not in state:
-                    state["local_step"] = 0
-                    state["outer_steps"] = 0
-                if id(p) in owned_ids and "anchor" not in state:  # the global parameters every replica starts from
-                    state["anchor"] = p.detach().to(self.state_dtype, copy=True)
-                    if self.outer_momentum > 0:
-                        state["outer_momentum"] = torch.zeros_like(state["anchor"])
-        loss = self.inner.step(closure)
+        for p in params:
+            state = self.state[p]
+            if "local_step" not in state:
+                state["local_step"] = 0
+                state["outer_steps"] = 0
+            if id(p) in owned_ids and "anchor" not in state:  # the global parameters every replica starts from
+                state["anchor"] = p.detach().to(self.state_dtype, copy=True)
+                if self.settings.outer_momentum > 0:
+                    state["outer_momentum"] = torch.zeros_like(state["anchor"])
+        self.inner.step()
         for p in params:
             self.state[p]["local_step"] += 1
         t = self.state[params[0]]["local_step"]
-        with torch.no_grad():
-            for f, fragment in enumerate(self.fragments_of(params)):
-                owned = [p for p in fragment if id(p) in owned_ids]
-                if self._sends_at(f, t):
-                    self._send(fragment, owned, t)
-                if self.state[fragment[0]].get("sync_sent_at") == t - self.sync_delay:
-                    self._land(fragment, owned)
-        self._finish_step()
-        return loss
+        for f, fragment in enumerate(self.fragments_of(params)):
+            owned = [p for p in fragment if id(p) in owned_ids]
+            if self._sends_at(f, t):
+                self._send(fragment, owned, t)
+            if self.state[fragment[0]].get("sync_sent_at") == t - self.settings.streaming.sync_delay:
+                self._land(fragment, owned)
 
     def _send(self, fragment: list[torch.Tensor], owned: list[torch.Tensor], step: int) -> None:
         for p in fragment:
@@ -191,14 +235,14 @@ class OuterLoop(LowcommOptimizer):
             state["outer_steps"] += 1
 
     def _apply_outer(self, params: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
-        mu, mix = self.outer_momentum, self.fragment_mix
+        mu, mix = self.settings.outer_momentum, self.settings.streaming.fragment_mix
         for p, g in zip(params, updates):
             state = self.state[p]
             if mu > 0:
                 buf = state["outer_momentum"]
                 buf.mul_(mu).add_(g)
-                g = g.add(buf, alpha=mu) if self.nesterov else buf
-            state["anchor"].sub_(g, alpha=self.outer_lr)
+                g = g.add(buf, alpha=mu) if self.settings.nesterov else buf
+            state["anchor"].sub_(g, alpha=self.settings.outer_lr)
             if mix:
                 p.mul_(mix).add_(state["anchor"].to(p.dtype), alpha=1.0 - mix)
             else:
@@ -234,6 +278,7 @@ class OuterLoop(LowcommOptimizer):
 
 class DiLoCo(OuterLoop):
     method = "diloco"
+    settings_class = DiLoCoSettings
 
     def _start_combine(self, params, deltas):
         pending = start_all_reduce_mean_(deltas, self.transport, op="outer_all_reduce")
@@ -242,25 +287,7 @@ class DiLoCo(OuterLoop):
 
 class DCTDiLoCo(OuterLoop):
     method = "dct_diloco"
-
-    def __init__(
-        self,
-        inner: torch.optim.Optimizer,
-        *,
-        sync_every: int,
-        decay: float = 0.9,
-        topk: int = 32,
-        chunk: int = 64,
-        value_dtype: str = "fp32",
-        transform: str = "dct",
-        average: str = "senders",
-        **outer_kwargs,
-    ):
-        if not 0.0 <= decay < 1.0:
-            raise ValueError(f"decay must be in [0, 1); got {decay!r}")
-        codec = dict(topk=topk, chunk=chunk, value_dtype=value_dtype, transform=transform, average=average)
-        super().__init__(inner, sync_every=sync_every, settings=dict(decay=decay), codec=codec, **outer_kwargs)
-        self.decay = decay
+    settings_class = DCTDiLoCoSettings
 
     def _start_combine(self, params, deltas):
         residuals = []
@@ -268,7 +295,7 @@ class DCTDiLoCo(OuterLoop):
             state = self.state[p]
             if "residual" not in state:
                 state["residual"] = torch.zeros_like(delta)
-            state["residual"].mul_(self.decay).add_(delta)
+            state["residual"].mul_(self.settings.decay).add_(delta)
             residuals.append(state["residual"])
         # sent components leave the residuals now; the means arrive on wait()
         return self._sync_for(params, "outer_sparse_all_gather").start(residuals)
@@ -278,12 +305,4 @@ class SparseLoCo(DCTDiLoCo):
     """DCT-DiLoCo's error-feedback sync with SparseLoCo's defaults and no outer momentum."""
 
     method = "sparseloco"
-
-    def __init__(self, inner: torch.optim.Optimizer, *, sync_every: int = 30, decay: float = 0.95, topk: int = 64,
-                 chunk: int = 64, value_dtype: str = "2bit", transform: str = "none", average: str = "world",
-                 outer_lr: float = 1.0, **outer_kwargs):
-        outer_kwargs.pop("outer_momentum", None)
-        outer_kwargs.pop("nesterov", None)
-        super().__init__(inner, sync_every=sync_every, decay=decay, topk=topk, chunk=chunk, value_dtype=value_dtype,
-                         transform=transform, average=average, outer_lr=outer_lr, outer_momentum=0.0, nesterov=False,
-                         **outer_kwargs)
+    settings_class = SparseLoCoSettings

@@ -1,83 +1,70 @@
-"""Build a method by name from a :class:`LowcommConfig`."""
+"""The methods by name, and ``build_optimizer``: the optimizer a :class:`LowcommConfig` names."""
 
 from __future__ import annotations
 
-from typing import Callable, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 import torch
 
-from ..codec import FLOAT_DTYPES
-from ..comm import Transport
-from ..config import ConfigError, LowcommConfig, check_lr
-from .adamw import AllReduceAdamW
+from ..comm import ReplicaShard, Transport
+from ..settings import ConfigError
+from .adamw import AdamSettings, AllReduceAdamW
+from .base import LowcommOptimizer
 from .demo import DeMo
 from .mtdao import MTDAO
-from .outer import DCTDiLoCo, DiLoCo, SparseLoCo
+from .outer import DCTDiLoCo, DiLoCo, OuterLoop, SparseLoCo
+
+if TYPE_CHECKING:
+    from .config import LowcommConfig
+
+# name -> class; each class names its settings class (``settings_class``).
+METHOD_CLASSES: dict[str, type[LowcommOptimizer]] = {
+    cls.method: cls for cls in (AllReduceAdamW, DeMo, DiLoCo, DCTDiLoCo, SparseLoCo, MTDAO)
+}
+METHODS = tuple(METHOD_CLASSES)
 
 
-
-
-def _apex_fused_adamw(params, lr, betas, eps, weight_decay):
+def _apex_fused_adamw(params, adam: AdamSettings):
     try:
         from apex.optimizers import FusedAdam  # NVIDIA apex, built from source on GPU machines
     except ImportError:
         raise ConfigError("lowcomm.inner_impl is 'apex' but NVIDIA apex is not importable here; "
                           "allowed: torch, apex (apex only where it is installed)") from None
-    return FusedAdam(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, adam_w_mode=True)
-
-
-def _compression_kwargs(cfg: LowcommConfig) -> dict:
-    return dict(decay=cfg.decay, topk=cfg.topk, chunk=cfg.chunk, value_dtype=cfg.value_dtype,
-                transform=cfg.transform, average=cfg.average)
-
-
-def _outer_kwargs(cfg: LowcommConfig) -> dict:
-    return dict(sync_every=cfg.sync_every, outer_lr=cfg.outer_lr, outer_momentum=cfg.outer_momentum,
-                nesterov=cfg.nesterov, fragments=cfg.fragments, sync_delay=cfg.sync_delay,
-                fragment_mix=cfg.fragment_mix, state_dtype=FLOAT_DTYPES[cfg.state_dtype])
+    return FusedAdam(params, adam_w_mode=True, **adam.torch_kwargs())
 
 
 def build_optimizer(
-    cfg: LowcommConfig,
+    cfg: "LowcommConfig",
     params: Iterable,
     *,
     lr: float,
-    weight_decay: float = 0.0,
-    betas: tuple[float, float] = (0.9, 0.999),
-    eps: float = 1e-8,
     transport: Transport | None = None,
+    shard: ReplicaShard | None = None,
+    ledger_steps: bool = True,
     inner_factory: Callable[[Iterable], torch.optim.Optimizer] | None = None,
-) -> torch.optim.Optimizer:
-    """The optimizer for ``cfg.method``. ``lr``/``weight_decay``/``betas`` are the per-step
-    optimizer's (AdamW's, DeMo's; MT-DAO takes its beta2 from ``betas[1]``, its first moments
-    from ``cfg.momentum_betas``) or, for outer-loop methods, the inner AdamW's, unless
-    ``inner_factory(params)`` builds another inner optimizer."""
+    **adam,
+) -> LowcommOptimizer:
+    """The optimizer for ``cfg.method``. ``lr`` and ``adam`` (betas, eps, weight_decay; see
+    :class:`AdamSettings` for their defaults) are the per-step optimizer's (AdamW's, DeMo's;
+    MT-DAO takes its beta2 from ``betas[1]``, its first moments from its own settings) or, for
+    outer-loop methods, the inner AdamW's, unless ``inner_factory(params)`` builds another inner
+    optimizer. ``transport``, ``shard`` and ``ledger_steps``: see :class:`LowcommOptimizer`."""
     cfg.validate()
-    check_lr(lr)
-    if weight_decay < 0:
-        raise ValueError(f"weight_decay must be >= 0; got {weight_decay!r}")
-    if cfg.method == "adamw":
-        return AllReduceAdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, transport=transport)
-    if cfg.method == "demo":
-        return DeMo(params, lr=lr, weight_decay=weight_decay, transport=transport,
-                    state_dtype=FLOAT_DTYPES[cfg.state_dtype], **_compression_kwargs(cfg))
-    if cfg.method == "mtdao":
-        return MTDAO(params, lr=lr, momentum_betas=cfg.momentum_betas, momentum_weights=cfg.momentum_weights,
-                     beta2=betas[1], eps=eps, weight_decay=weight_decay, sync_every=cfg.sync_every,
-                     momentum_sync_every=cfg.momentum_sync_every, second_moment_sync_every=cfg.second_moment_sync_every,
-                     sync_codec=cfg.sync_codec, topk=cfg.topk, chunk=cfg.chunk, value_dtype=cfg.value_dtype,
-                     transform=cfg.transform, average=cfg.average, state_dtype=FLOAT_DTYPES[cfg.state_dtype],
-                     transport=transport)
+    hyper = AdamSettings.from_flat({"lr": lr, **adam}, where="optimizer", strict=True)
+    cls = METHOD_CLASSES[cfg.method]
+    comm = dict(settings=cfg.settings, transport=transport, shard=shard, ledger_steps=ledger_steps)
+    if cls is AllReduceAdamW:
+        return AllReduceAdamW(params, transport=transport, shard=shard, ledger_steps=ledger_steps,
+                              **hyper.torch_kwargs())
+    if cls is DeMo:
+        return DeMo(params, lr=hyper.lr, weight_decay=hyper.weight_decay, **comm)
+    if cls is MTDAO:
+        return MTDAO(params, lr=hyper.lr, beta2=hyper.betas[1], eps=hyper.eps, weight_decay=hyper.weight_decay, **comm)
+    assert issubclass(cls, OuterLoop), cls
     if inner_factory is not None:
         inner = inner_factory(params)
-    elif cfg.inner_impl == "apex":
-        inner = _apex_fused_adamw(params, lr, betas, eps, weight_decay)
+    elif cfg.settings.inner_impl == "apex":
+        inner = _apex_fused_adamw(params, hyper)
     else:
-        inner = torch.optim.AdamW(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
-    if cfg.method == "diloco":
-        return DiLoCo(inner, transport=transport, **_outer_kwargs(cfg))
-    if cfg.method == "dct_diloco":
-        return DCTDiLoCo(inner, transport=transport, **_outer_kwargs(cfg), **_compression_kwargs(cfg))
-    if cfg.method == "sparseloco":  # no outer momentum: SparseLoCo drops those two settings
-        return SparseLoCo(inner, transport=transport, **_outer_kwargs(cfg), **_compression_kwargs(cfg))
-    raise AssertionError(cfg.method)  # validate() admits only the methods above
+        inner = torch.optim.AdamW(params, **hyper.torch_kwargs())
+    return cls(inner, **comm)
