@@ -2,12 +2,11 @@
 
 from .adamw import AdamSettings, AllReduceAdamW, AllReduceSettings
 from .base import LowcommOptimizer
-from .config import LowcommConfig
 from .demo import DeMo, DeMoSettings
 from .mtdao import MTDAO, MTDAOSettings
 from .outer import (DCTDiLoCo, DCTDiLoCoSettings, DiLoCo, DiLoCoSettings, OuterLoop, SparseLoCo, SparseLoCoSettings,
                     StreamingSettings)
-from .registry import METHODS, build_optimizer
+from .registry import METHODS, LowcommConfig, build_optimizer
 
 __all__ = ["AdamSettings", "AllReduceAdamW", "AllReduceSettings", "DCTDiLoCo", "DCTDiLoCoSettings", "DeMo",
            "DeMoSettings", "DiLoCo", "DiLoCoSettings", "LowcommConfig", "LowcommOptimizer", "METHODS", "MTDAO",

@@ -1,27 +1,90 @@
-"""The methods by name, and ``build_optimizer``: the optimizer a :class:`LowcommConfig` names."""
+"""The methods by name; the ``"lowcomm"`` section that picks one (:class:`LowcommConfig`); and
+``build_optimizer``, the optimizer it names.
+
+The section is flat (``{"method": "sparseloco", "topk": 256, "sync_every": 20}``), as users write
+it in a DeepSpeed JSON, a YAML file or on the command line; :meth:`LowcommConfig.from_dict` sorts
+its keys into the method's settings object (``settings``, e.g. :class:`~.outer.SparseLoCoSettings`,
+whose defaults are the method's own) and the backend's (``comm``: transport, replica_size).
+Every error names the field and what it accepts, and is raised before any rank starts work.
+"""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Callable, Iterable
+import warnings
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
 
 import torch
 
 from ..comm import ReplicaShard, Transport
-from ..settings import ConfigError
+from ..comm.settings import CommSettings
+from ..settings import ConfigError, Settings, check_choice
 from .adamw import AdamSettings, AllReduceAdamW
 from .base import LowcommOptimizer
-from .demo import DeMo
+from .demo import DeMo, DeMoSettings
 from .mtdao import MTDAO
 from .outer import DCTDiLoCo, DiLoCo, OuterLoop, SparseLoCo
-
-if TYPE_CHECKING:
-    from .config import LowcommConfig
 
 # name -> class; each class names its settings class (``settings_class``).
 METHOD_CLASSES: dict[str, type[LowcommOptimizer]] = {
     cls.method: cls for cls in (AllReduceAdamW, DeMo, DiLoCo, DCTDiLoCo, SparseLoCo, MTDAO)
 }
 METHODS = tuple(METHOD_CLASSES)
+DEFAULT_METHOD = "demo"
+
+
+def _all_keys() -> tuple[str, ...]:
+    keys = ["method", *CommSettings.flat_keys()]
+    for cls in METHOD_CLASSES.values():
+        keys += [k for k in cls.settings_class.flat_keys() if k not in keys]
+    return tuple(keys)
+
+
+@dataclass(frozen=True)
+class LowcommConfig:
+    method: str = DEFAULT_METHOD
+    settings: Settings = field(default_factory=DeMoSettings)  # the method's own (its class's settings_class)
+    comm: CommSettings = field(default_factory=CommSettings)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any] | None, *, where: str = "lowcomm") -> "LowcommConfig":
+        if raw is not None and not isinstance(raw, dict):
+            raise ConfigError(f"{where} must be a mapping of settings such as {{\"method\": \"demo\"}}; got {raw!r}")
+        raw = dict(raw or {})
+        known = _all_keys()
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise ConfigError(f"{where}: unknown setting(s) {', '.join(unknown)}; allowed: {', '.join(sorted(known))}")
+        method = raw.get("method", DEFAULT_METHOD)
+        check_choice(where, "method", method, METHODS)
+        settings_class = METHOD_CLASSES[method].settings_class
+        applies = {"method", *CommSettings.flat_keys(), *settings_class.flat_keys()}
+        ignored = [k for k in raw if k not in applies]
+        if ignored:
+            warnings.warn(f"{where}: setting(s) {', '.join(ignored)} do not apply to method {method!r} and are ignored")
+        return cls(method, settings_class.from_flat(raw, where=where), CommSettings.from_flat(raw, where=where))
+
+    def validate(self, where: str = "lowcomm") -> None:
+        check_choice(where, "method", self.method, METHODS)
+        expected = METHOD_CLASSES[self.method].settings_class
+        if type(self.settings) is not expected:
+            raise ConfigError(f"{where}: method {self.method!r} takes {expected.__name__}; got "
+                              f"{type(self.settings).__name__}")
+        self.settings.validate(where)
+        self.comm.validate(where)
+
+    def effective(self) -> dict[str, Any]:
+        """The flat settings the chosen method uses (compared across ranks, written to results)."""
+        return {"method": self.method, **self.comm.flat(), **self.settings.flat()}
+
+    def __getattr__(self, name: str) -> Any:
+        # The section's flat keys read as attributes (cfg.topk, cfg.sync_every) where they apply.
+        if name.startswith("_") or name in ("method", "settings", "comm"):
+            raise AttributeError(name)
+        flat = self.effective()
+        if name in flat:
+            return flat[name]
+        raise AttributeError(f"{name!r} is not a setting of method {self.method!r}")
 
 
 def _apex_fused_adamw(params, adam: AdamSettings):
@@ -34,7 +97,7 @@ def _apex_fused_adamw(params, adam: AdamSettings):
 
 
 def build_optimizer(
-    cfg: "LowcommConfig",
+    cfg: LowcommConfig,
     params: Iterable,
     *,
     lr: float,
