@@ -79,6 +79,17 @@ def non_blocking(rank, world):
             and g2.tolist() == [[10 * r, 10 * r + 1, 10 * r + 2] for r in range(world)])
 
 
+def broadcasts(rank):
+    """A broadcast of every float format from rank 1 lands bit for bit (half precision goes as bytes)."""
+    mpi = MPITransport()
+    ok = True
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        x = torch.linspace(-1, 1, 7).to(dtype) * (rank + 1)
+        mpi.broadcast_(x, src=1)
+        ok &= torch.equal(x, torch.linspace(-1, 1, 7).to(dtype) * 2)
+    return bool(ok)
+
+
 def _model():
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
@@ -113,7 +124,7 @@ def main(out_dir, device="cpu"):
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
     result = {"rank": rank, "world": world, "mpi_rank": MPITransport().rank, "sparse": sparse_equal(rank, device),
-              "dense": dense_equal(rank), "non_blocking": non_blocking(rank, world), "train": trainings(rank, device),
+              "dense": dense_equal(rank), "non_blocking": non_blocking(rank, world), "broadcasts": broadcasts(rank), "train": trainings(rank, device),
               "cuda_aware": cuda_aware()}
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)

@@ -44,6 +44,7 @@ def check_mpi_equals_torch(ranks, tmp_path, device):
         for case, checks in r["sparse"].items():
             assert all(checks.values()), (case, checks)
         assert r["non_blocking"]
+        assert r["broadcasts"]
         # dense all-reduce: each library sums in its own order; with 2 ranks a + b is a + b
         if ranks == 2:
             assert r["dense"]["bit_identical"], r["dense"]

@@ -98,9 +98,9 @@ class MPITransport(Transport):
 
 def _buffer(t: torch.Tensor):
     """What MPI reads ``t`` through: a numpy view of its memory on the CPU, the tensor itself (its
-    ``__cuda_array_interface__``) on a GPU. numpy has no bfloat16: a bf16 tensor goes as its bytes
-    (only broadcasts see one; sums are in fp32)."""
-    if t.dtype == torch.bfloat16:
+    ``__cuda_array_interface__``) on a GPU. Half-precision tensors go as their bytes (numpy has no
+    bfloat16 and mpi4py maps no MPI type to float16; only broadcasts see them, sums are in fp32)."""
+    if t.dtype in (torch.bfloat16, torch.float16):
         t = t.view(torch.uint8)
     return t.numpy() if t.device.type == "cpu" else t
 
