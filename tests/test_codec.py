@@ -27,15 +27,7 @@ from ds_lowcomm.codec import (
 )
 from ds_lowcomm.codec.dct import to_blocks
 
-
-def dct_by_definition(n):
-    """DCT-II, orthonormal, written from the formula with plain loops."""
-    c = np.zeros((n, n))
-    for k in range(n):
-        scale = math.sqrt(1.0 / n) if k == 0 else math.sqrt(2.0 / n)
-        for i in range(n):
-            c[k, i] = scale * math.cos(math.pi * (2 * i + 1) * k / (2 * n))
-    return c
+from .conftest import dct_by_definition
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 7, 8, 64])

@@ -1,7 +1,6 @@
 """The methods in 2 and 4 real gloo processes: against single-process replays, plain
 all-reduce references, and each other."""
 
-import hashlib
 
 import numpy as np
 import pytest
@@ -14,36 +13,7 @@ from ds_lowcomm.comm import TorchDistTransport
 from ds_lowcomm.workers import run_local_workers
 from ds_lowcomm.optim import DCTDiLoCo, DeMo, DiLoCo
 
-from .test_codec import dct_by_definition
-
-
-def _model():
-    torch.manual_seed(0)  # the same start on every rank
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
-
-
-def _batch(rank, step):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-
-
-def _digest(model):
-    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
-
-
-def _loss(model, rank, step):
-    x, y = _batch(rank, step)
-    return torch.nn.functional.mse_loss(model(x), y)
-
-
-def _replay_sgd_step(models, step, lr):
-    """One plain SGD step of every simulated rank's model on its own batch (for replays)."""
-    for rank, model in enumerate(models):
-        _loss(model, rank, step).backward()
-        with torch.no_grad():
-            for p in model.parameters():
-                p -= lr * p.grad
-                p.grad = None
+from .conftest import dct_by_definition, params_digest, tiny_batch, tiny_loss, tiny_model
 
 
 # --- DeMo against a replay written from the algorithm's definition -------------------------
@@ -52,17 +22,17 @@ DEMO = dict(lr=0.01, decay=0.9, topk=8, chunk=8, weight_decay=0.1)
 
 
 def _demo_worker(rank, world, steps):
-    model = _model()
+    model = tiny_model()
     initial = [p.detach().clone() for p in model.parameters()]
     opt = DeMo(model.parameters(), **DEMO)
     grads = []
     for s in range(steps):
-        _loss(model, rank, s).backward()
+        tiny_loss(model, rank, s).backward()
         grads.append([p.grad.clone() for p in model.parameters()])
         opt.step()
         opt.zero_grad()
     return {"initial": initial, "grads": grads, "final": [p.detach().clone() for p in model.parameters()],
-            "digest": _digest(model), "by_op": opt.ledger.summary()["by_op"], "steps": opt.ledger.steps,
+            "digest": params_digest(model), "by_op": opt.ledger.summary()["by_op"], "steps": opt.ledger.steps,
             "payload": opt._sync_for(list(model.parameters()), "sparse_all_gather").payload_bytes}
 
 
@@ -123,13 +93,13 @@ def test_demo_matches_single_process_replay_and_replicas_agree(world):
 
 def _diloco_averaging_worker(rank, world):
     """DiLoCo with H=1, outer lr 1, no momentum == average the parameters after every inner step."""
-    model, ref = _model(), _model()
+    model, ref = tiny_model(), tiny_model()
     opt = DiLoCo(torch.optim.SGD(model.parameters(), lr=0.1), sync_every=1, outer_lr=1.0, outer_momentum=0.0)
     ref_opt = torch.optim.SGD(ref.parameters(), lr=0.1)
     worst = 0.0
     for s in range(4):
         for m, o in ((model, opt), (ref, ref_opt)):
-            _loss(m, rank, s).backward()
+            tiny_loss(m, rank, s).backward()
             o.step()
             o.zero_grad()
         with torch.no_grad():
@@ -137,7 +107,7 @@ def _diloco_averaging_worker(rank, world):
                 dist.all_reduce(p)
                 p /= world
         worst = max(worst, max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())))
-    return worst, _digest(model)
+    return worst, params_digest(model)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -148,7 +118,7 @@ def test_diloco_h1_is_parameter_averaging(world):
 
 
 def _sync_schedule_worker(rank, world, method):
-    model = _model()
+    model = tiny_model()
     inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if method == "diloco":
         opt = DiLoCo(inner, sync_every=3)
@@ -156,10 +126,10 @@ def _sync_schedule_worker(rank, world, method):
         opt = DCTDiLoCo(inner, sync_every=3, topk=8, chunk=8)
     digests, sent = [], []
     for s in range(6):
-        _loss(model, rank, s).backward()
+        tiny_loss(model, rank, s).backward()
         opt.step()
         opt.zero_grad()
-        digests.append(_digest(model))
+        digests.append(params_digest(model))
         sent.append(opt.ledger.step_bytes()[0])
     return digests, sent, opt.outer_steps
 
@@ -177,13 +147,13 @@ def test_outer_methods_sync_every_h_steps_and_replicas_agree_after(method):
 
 def _dct_lossless_worker(rank, world):
     """topk = chunk**2, decay 0, world average: DCT-DiLoCo sends everything and equals DiLoCo."""
-    a, b = _model(), _model()
+    a, b = tiny_model(), tiny_model()
     opt_a = DiLoCo(torch.optim.SGD(a.parameters(), lr=0.1), sync_every=2)
     opt_b = DCTDiLoCo(torch.optim.SGD(b.parameters(), lr=0.1), sync_every=2, topk=64, chunk=8, decay=0.0,
                       average="world")
     for s in range(6):
         for m, o in ((a, opt_a), (b, opt_b)):
-            _loss(m, rank, s).backward()
+            tiny_loss(m, rank, s).backward()
             o.step()
             o.zero_grad()
     return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
@@ -196,7 +166,7 @@ def test_dct_diloco_with_everything_sent_equals_diloco():
 # --- start-up checks ---------------------------------------------------------------------------
 
 def _mismatch_worker(rank, world, what):
-    model = _model()
+    model = tiny_model()
     if what == "init" and rank == 1:
         with torch.no_grad():
             model[0].weight.add_(1.0)
@@ -213,10 +183,10 @@ def test_mismatch_across_ranks_is_detected(what, message):
 # --- state -------------------------------------------------------------------------------------
 
 def _bf16_state_worker(rank, world):
-    model = _model().to(torch.bfloat16)
+    model = tiny_model().to(torch.bfloat16)
     opt = DeMo(model.parameters(), lr=0.01)
     for s in range(2):
-        x, y = _batch(rank, s)
+        x, y = tiny_batch(rank, s)
         torch.nn.functional.mse_loss(model(x.bfloat16()), y.bfloat16()).backward()
         opt.step()
         opt.zero_grad()

@@ -8,20 +8,20 @@ import torch
 from ds_lowcomm.workers import run_local_workers
 from ds_lowcomm.optim import MTDAO
 
-from .test_methods import _digest, _loss, _model
+from .conftest import params_digest, tiny_loss, tiny_model
 
 LR = 0.01
 
 
 def _adam_special_case_worker(rank, world):
     """One momentum with weight 1 is Adam (bias corrections, eps outside the root, decoupled decay)."""
-    a, b = _model(), _model()
+    a, b = tiny_model(), tiny_model()
     opt_a = MTDAO(a.parameters(), lr=LR, momentum_betas=(0.9,), momentum_weights=(1.0,), beta2=0.99,
                   weight_decay=0.1, sync_every=10**6)
     opt_b = torch.optim.AdamW(b.parameters(), lr=LR, betas=(0.9, 0.99), weight_decay=0.1)
     for s in range(5):
         for m, o in ((a, opt_a), (b, opt_b)):
-            _loss(m, rank, s).backward()
+            tiny_loss(m, rank, s).backward()
             o.step()
             o.zero_grad()
     return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
@@ -37,14 +37,14 @@ STEPS = 7
 
 
 def _worker(rank, world, codec):
-    model = _model()
+    model = tiny_model()
     opt = MTDAO(model.parameters(), lr=LR, **CASE, **codec)
     digests, sent = [], []
     for s in range(STEPS):
-        _loss(model, rank, s).backward()
+        tiny_loss(model, rank, s).backward()
         opt.step()
         opt.zero_grad()
-        digests.append(_digest(model))
+        digests.append(params_digest(model))
         sent.append(opt.ledger.step_bytes()[0])
     return {"final": [p.detach().clone() for p in model.parameters()], "digests": digests, "sent": sent,
             "by_op": opt.ledger.summary()["by_op"]}
@@ -52,7 +52,7 @@ def _worker(rank, world, codec):
 
 def _replay(world):
     """The algorithm from its definition, in float64, every rank simulated in one process."""
-    models = [_model() for _ in range(world)]
+    models = [tiny_model() for _ in range(world)]
     betas, weights, beta2, eps = CASE["momentum_betas"], CASE["momentum_weights"], CASE["beta2"], CASE["eps"]
     params = [[p.detach().double().numpy().copy() for p in m.parameters()] for m in models]
     us = [[[np.zeros_like(p) for p in params[0]] for _ in betas] for _ in range(world)]
@@ -63,7 +63,7 @@ def _replay(world):
             with torch.no_grad():
                 for p, value in zip(m.parameters(), params[r]):
                     p.copy_(torch.as_tensor(value))
-            _loss(m, r, s).backward()
+            tiny_loss(m, r, s).backward()
             for i, p in enumerate(m.parameters()):
                 g = p.grad.double().numpy()
                 p.grad = None

@@ -10,21 +10,21 @@ from ds_lowcomm.codec.dct import from_blocks, to_blocks
 from ds_lowcomm.workers import run_local_workers
 from ds_lowcomm.optim import SparseLoCo
 
-from .test_methods import _digest, _loss, _model, _replay_sgd_step
+from .conftest import params_digest, replay_sgd_step, tiny_loss, tiny_model
 
 SETTINGS = dict(sync_every=2, decay=0.95, topk=4, chunk=8, outer_lr=0.65)
 LR, STEPS = 0.1, 6
 
 
 def _worker(rank, world):
-    model = _model()
+    model = tiny_model()
     opt = SparseLoCo(torch.optim.SGD(model.parameters(), lr=LR), **SETTINGS)
     digests, sent = [], []
     for s in range(STEPS):
-        _loss(model, rank, s).backward()
+        tiny_loss(model, rank, s).backward()
         opt.step()
         opt.zero_grad()
-        digests.append(_digest(model))
+        digests.append(params_digest(model))
         sent.append(opt.ledger.step_bytes()[0])
     return {"final": [p.detach().clone() for p in model.parameters()], "digests": digests, "sent": sent,
             "payload": opt._sync_for(list(model.parameters()), "outer_sparse_all_gather").payload_bytes,
@@ -39,11 +39,11 @@ def _two_bit(values):
 
 
 def _replay(world):
-    models = [_model() for _ in range(world)]
+    models = [tiny_model() for _ in range(world)]
     anchor = [p.detach().double().numpy().copy() for p in models[0].parameters()]
     errors = [[np.zeros_like(a) for a in anchor] for _ in range(world)]
     for s in range(STEPS):
-        _replay_sgd_step(models, s, LR)
+        replay_sgd_step(models, s, LR)
         if (s + 1) % SETTINGS["sync_every"]:
             continue
         for i, a in enumerate(anchor):
@@ -76,7 +76,7 @@ def test_sparseloco_matches_single_process_replay(world):
     replay = _replay(world)
     for got, want in zip(results[0]["final"], replay):
         np.testing.assert_allclose(got.double().numpy(), want, atol=2e-6)
-    initial = [p.detach().double().numpy() for p in _model().parameters()]
+    initial = [p.detach().double().numpy() for p in tiny_model().parameters()]
     assert max(np.abs(w - i).max() for w, i in zip(replay, initial)) > 0.01  # it really moved
     for s in range(STEPS):
         synced = (s + 1) % SETTINGS["sync_every"] == 0

@@ -8,15 +8,15 @@ import torch
 from ds_lowcomm.workers import run_local_workers
 from ds_lowcomm.optim import DiLoCo
 
-from .test_methods import _loss, _model, _replay_sgd_step
+from .conftest import replay_sgd_step, tiny_loss, tiny_model
 
 LR, H, STEPS = 0.1, 4, 11
 OUTER = dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True)
-FRAGMENTS = [[0], [1, 2, 3]]  # _model(): 512-element weight | its bias, 128-element weight, bias
+FRAGMENTS = [[0], [1, 2, 3]]  # tiny_model(): 512-element weight | its bias, 128-element weight, bias
 
 
 def _worker(rank, world, delay, mix):
-    model = _model()
+    model = tiny_model()
     params = list(model.parameters())
     opt = DiLoCo(torch.optim.SGD(params, lr=LR), sync_every=H, fragments=2, sync_delay=delay, fragment_mix=mix,
                  **OUTER)
@@ -24,7 +24,7 @@ def _worker(rank, world, delay, mix):
     fragments = [[position[id(p)] for p in f] for f in opt.fragments_of(params)]
     in_flight, sent = [], []
     for s in range(STEPS):
-        _loss(model, rank, s).backward()
+        tiny_loss(model, rank, s).backward()
         opt.step()
         opt.zero_grad()
         in_flight.append(len(opt._in_flight))
@@ -34,13 +34,13 @@ def _worker(rank, world, delay, mix):
 
 
 def _replay(world, delay, mix):
-    models = [_model() for _ in range(world)]
+    models = [tiny_model() for _ in range(world)]
     anchor = [p.detach().double().numpy().copy() for p in models[0].parameters()]
     momentum = [np.zeros_like(a) for a in anchor]
     pending = {}
     for s in range(STEPS):
         t = s + 1
-        _replay_sgd_step(models, s, LR)
+        replay_sgd_step(models, s, LR)
         for f, members in enumerate(FRAGMENTS):
             offset = (f + 1) * H // len(FRAGMENTS)
             if t >= offset and (t - offset) % H == 0:  # send: the mean pseudo-gradient, as of now

@@ -1,0 +1,47 @@
+"""Helpers shared by the tests: a tiny model and its per-rank batches, a digest of parameters,
+one plain SGD step for single-process replays, and the DCT written from its definition."""
+
+import hashlib
+import math
+
+import numpy as np
+import torch
+
+
+def tiny_model():
+    torch.manual_seed(0)  # the same start on every rank
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def tiny_batch(rank, step):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
+
+
+def params_digest(model):
+    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
+
+
+def tiny_loss(model, rank, step):
+    x, y = tiny_batch(rank, step)
+    return torch.nn.functional.mse_loss(model(x), y)
+
+
+def replay_sgd_step(models, step, lr):
+    """One plain SGD step of every simulated rank's model on its own batch (for replays)."""
+    for rank, model in enumerate(models):
+        tiny_loss(model, rank, step).backward()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= lr * p.grad
+                p.grad = None
+
+
+def dct_by_definition(n):
+    """DCT-II, orthonormal, written from the formula with plain loops."""
+    c = np.zeros((n, n))
+    for k in range(n):
+        scale = math.sqrt(1.0 / n) if k == 0 else math.sqrt(2.0 / n)
+        for i in range(n):
+            c[k, i] = scale * math.cos(math.pi * (2 * i + 1) * k / (2 * n))
+    return c
