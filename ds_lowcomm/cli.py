@@ -6,6 +6,7 @@ import argparse
 import sys
 
 from .config import METHODS, ConfigError
+from .task.spec import DEFAULTS
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -14,18 +15,18 @@ def _parser() -> argparse.ArgumentParser:
     c = sub.add_parser("compare", help="train the reference task with several methods and compare loss vs bytes")
     c.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated method names (default: all, {', '.join(METHODS)})")
     c.add_argument("--workers", type=int, default=2, help="worker processes per method (gloo on this machine)")
-    c.add_argument("--steps", type=int, default=300)
+    c.add_argument("--steps", type=int, default=DEFAULTS.steps)
     c.add_argument("--out", default="runs/compare", help="output directory")
-    c.add_argument("--batch", type=int, default=16, help="sequences per worker per step")
-    c.add_argument("--seq-len", type=int, default=128)
-    c.add_argument("--n-layer", type=int, default=2)
-    c.add_argument("--n-embd", type=int, default=128)
-    c.add_argument("--warmup", type=int, default=20)
+    c.add_argument("--batch", type=int, default=DEFAULTS.batch, help="sequences per worker per step")
+    c.add_argument("--seq-len", type=int, default=DEFAULTS.model.seq_len)
+    c.add_argument("--n-layer", type=int, default=DEFAULTS.model.n_layer)
+    c.add_argument("--n-embd", type=int, default=DEFAULTS.model.n_embd)
+    c.add_argument("--warmup", type=int, default=DEFAULTS.warmup)
     c.add_argument("--eval-every", type=int, default=0, help="default: steps/10")
-    c.add_argument("--seed", type=int, default=0)
-    c.add_argument("--device", default="cpu", help="cpu, or cuda (each worker on GPU LOCAL_RANK modulo the GPUs present)")
-    c.add_argument("--backend", default="gloo", help="torch.distributed backend of the workers: gloo, or nccl (one GPU per worker)")
-    c.add_argument("--data", default=None, help="text file or directory (default: the Python standard library sources)")
+    c.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    c.add_argument("--device", default=DEFAULTS.device, help="cpu, or cuda (each worker on GPU LOCAL_RANK modulo the GPUs present)")
+    c.add_argument("--backend", default=DEFAULTS.backend, help="torch.distributed backend of the workers: gloo, or nccl (one GPU per worker)")
+    c.add_argument("--data", default=DEFAULTS.data, help="text file or directory (default: the Python standard library sources)")
     c.add_argument("--config", default=None, help="JSON/YAML overrides: {method: {lr: .., lowcomm: {...}}}")
     return parser
 

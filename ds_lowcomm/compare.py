@@ -9,15 +9,17 @@ from __future__ import annotations
 
 import copy
 import csv
+import dataclasses
 import json
 import time
 from pathlib import Path
 
 import torch
 
-from .workers import run_local_workers
-from .config import METHODS, ConfigError, LowcommConfig, check_lr
+from .config import METHODS, ConfigError
+from .task.spec import TrainSpec
 from .task.train import train_worker
+from .workers import run_local_workers
 
 # The reference task's recipe per method: learning rate of the per-step (or inner) optimizer
 # and the lowcomm settings. Chosen on this task with 2 workers; see README "Reference results".
@@ -58,54 +60,41 @@ def load_overrides(path: str | None) -> dict:
     return data
 
 
-def build_specs(methods: list[str], args, overrides: dict) -> list[dict]:
-    """Validate everything before any worker starts; return one worker spec per method."""
+def build_specs(methods: list[str], base: TrainSpec, overrides: dict, workers: int) -> list[TrainSpec]:
+    """Validate everything before any worker starts; return ``base`` with each method's recipe
+    (learning rate, weight decay, lowcomm settings; ``overrides`` merged over them)."""
     unknown = [m for m in methods if m not in METHODS]
     if unknown:
         raise ConfigError(f"--methods: unknown method(s) {', '.join(unknown)}; allowed: {', '.join(METHODS)}")
-    if args.workers < 1:
-        raise ConfigError(f"--workers must be >= 1; got {args.workers}")
-    if args.steps < 1:
-        raise ConfigError(f"--steps must be >= 1; got {args.steps}")
-    device, backend = getattr(args, "device", "cpu"), getattr(args, "backend", "gloo")
-    if device not in ("cpu", "cuda"):
-        raise ConfigError(f"--device must be one of cpu, cuda; got {device!r}")
-    if backend not in ("gloo", "nccl"):
-        raise ConfigError(f"--backend must be one of gloo, nccl; got {backend!r}")
-    if device == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("--device cuda: no CUDA device is visible here; allowed: cpu")
-    if backend == "nccl" and (device != "cuda" or args.workers > torch.cuda.device_count()):
-        raise ConfigError(f"--backend nccl needs --device cuda and one GPU per worker ({args.workers} workers, "
+    if workers < 1:
+        raise ConfigError(f"--workers must be >= 1; got {workers}")
+    if base.backend == "nccl" and (base.device != "cuda" or workers > torch.cuda.device_count()):
+        raise ConfigError(f"--backend nccl needs --device cuda and one GPU per worker ({workers} workers, "
                           f"{torch.cuda.device_count()} GPUs); use --backend gloo")
     specs = []
     for method in methods:
-        recipe = copy.deepcopy(RECIPES[method])
-        over = overrides.get(method, {})
-        recipe["lr"] = over.get("lr", recipe["lr"])
-        recipe["lowcomm"].update(over.get("lowcomm", {}))
-        recipe["lowcomm"]["method"] = method
-        if LowcommConfig.from_dict(recipe["lowcomm"], where=f"{method}.lowcomm").transport != "torch":
+        recipe, over = RECIPES[method], overrides.get(method, {})
+        spec = dataclasses.replace(
+            base, lowcomm={**copy.deepcopy(recipe["lowcomm"]), **over.get("lowcomm", {}), "method": method},
+            lr=over.get("lr", recipe["lr"]), weight_decay=over.get("weight_decay", base.weight_decay),
+            names={"lowcomm": f"{method}.lowcomm", "lr": f"{method}.lr"},
+        )
+        if spec.lowcomm_config.transport != "torch":
             raise ConfigError(f"{method}.lowcomm.transport must be torch in ds-lowcomm compare (it starts its own "
                               "workers; the MPI transport needs processes started by mpirun: use launch/train.py)")
-        check_lr(recipe["lr"], where=f"{method}.lr")
-        specs.append({
-            "lowcomm": recipe["lowcomm"], "lr": recipe["lr"], "steps": args.steps, "batch": args.batch,
-            "warmup": args.warmup, "eval_every": args.eval_every or max(1, args.steps // 10), "seed": args.seed,
-            "data": args.data, "model": {"n_layer": args.n_layer, "n_embd": args.n_embd, "seq_len": args.seq_len},
-            "weight_decay": over.get("weight_decay", 0.0), "device": device, "backend": backend,
-        })
+        specs.append(spec)
     return specs
 
 
 def run_compare(args) -> list[dict]:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
-    specs = build_specs(methods, args, load_overrides(args.config))
+    specs = build_specs(methods, TrainSpec.from_args(args), load_overrides(args.config), args.workers)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
     for spec in specs:
         start = time.perf_counter()
-        per_rank = run_local_workers(train_worker, args.workers, spec, backend=spec["backend"])
+        per_rank = run_local_workers(train_worker, args.workers, spec, backend=spec.backend)
         wall = time.perf_counter() - start
         r0 = per_rank[0]
         rows.append({
@@ -120,7 +109,7 @@ def run_compare(args) -> list[dict]:
             "codec_share": r0["codec_s"] / r0["train_s"] if r0["train_s"] else 0.0,
             "replicas_identical": len({r["params_digest"] for r in per_rank}) == 1,
             "settings": r0["settings"],
-            "lr": spec["lr"],
+            "lr": spec.lr,
             "num_params": r0["num_params"],
             "history": r0["history"],
             "ledger": r0["ledger"],

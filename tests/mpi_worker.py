@@ -14,7 +14,7 @@ import torch.distributed as dist
 from ds_lowcomm.comm import ByteLedger, SparseAllGather, TorchDistTransport, all_reduce_mean_
 from ds_lowcomm.comm.mpi import MPITransport, cuda_aware, finalize_if_used
 from ds_lowcomm.config import LowcommConfig
-from ds_lowcomm.deepspeed.train import mpi_environment
+from ds_lowcomm.deepspeed.launcher import mpi_environment
 from ds_lowcomm.optim import build_optimizer
 
 SHAPES = [(64, 128), (128,), (16, 3, 5, 5), (100, 30)]

@@ -11,10 +11,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from ds_lowcomm.workers import run_local_workers
 from ds_lowcomm.config import ConfigError
 from ds_lowcomm.deepspeed.config import split_config
+from ds_lowcomm.task.spec import TrainSpec
 from ds_lowcomm.task.train import train_worker
+from ds_lowcomm.workers import run_local_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -45,13 +46,13 @@ def ds_config(method, stage=0, replica_size=1, **extra):
 
 
 def _run(cfg, workdir, name, *more):
-    from ds_lowcomm.deepspeed.train import parser, run
+    from ds_lowcomm.task.deepspeed_main import parser, run, spec_from_args
 
     path = Path(workdir) / f"{name}.json"
     if torch.distributed.get_rank() == 0:
         path.write_text(json.dumps(cfg))
     torch.distributed.barrier()
-    return run(parser().parse_args(["--deepspeed_config", str(path), *TINY_ARGS, *more]))
+    return run(spec_from_args(parser().parse_args(["--deepspeed_config", str(path), *TINY_ARGS, *more])))
 
 
 def _stage_worker(rank, world, stage, workdir):
@@ -105,9 +106,9 @@ def _foundation_match_worker(rank, world, workdir):
     out = {}
     for method, lowcomm in {**LOWCOMM, **ZERO0_ONLY}.items():
         ds = _run(ds_config(method, 0), workdir, method)
-        spec = {"lowcomm": lowcomm, "lr": 3e-3, "betas": (0.9, 0.95), "steps": 6, "batch": 4, "warmup": 2,
-                "eval_every": 3, "seed": 0, "model": {"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 32},
-                "data_limits": {"max_train_bytes": 200000}, "verbose": False}
+        spec = TrainSpec(lowcomm=lowcomm, lr=3e-3, betas=(0.9, 0.95), steps=6, batch=4, warmup=2, eval_every=3, seed=0,
+                         model={"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 32}, max_train_bytes=200000,
+                         verbose=False)
         plain = train_worker(rank, world, spec)
         out[method] = (ds["params_digests"][rank], plain["params_digest"],
                        _training_bytes(ds["ledgers"][rank]["method"]), _training_bytes(plain["ledger"]))

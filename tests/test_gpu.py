@@ -11,6 +11,7 @@ GPU machine with ``pytest tests/test_gpu.py``).
 """
 
 import shutil
+from dataclasses import replace
 from importlib.util import find_spec
 
 import pytest
@@ -55,7 +56,7 @@ def test_payload_made_on_gpu_decodes_on_cpu(value_dtype, transform):
 
 
 def _run(lowcomm: dict, device: str, dtype: str = "fp32", world: int = 2, backend: str = "gloo", **extra):
-    spec = {**TINY, "lowcomm": lowcomm, "device": device, "dtype": dtype, **extra}
+    spec = replace(TINY, lowcomm=lowcomm, device=device, dtype=dtype, **extra)
     return run_local_workers(train_worker, world, spec, backend=backend)
 
 
@@ -64,7 +65,7 @@ def test_method_on_gpu_matches_cpu(method):
     cpu, gpu = _run(LOWCOMM[method], "cpu"), _run(LOWCOMM[method], "cuda")
     for c, g in zip(cpu, gpu):
         assert g["bytes_sent"] == c["bytes_sent"] and g["bytes_received"] == c["bytes_received"]
-        assert g["ledger"]["steps"] == c["ledger"]["steps"] == TINY["steps"]
+        assert g["ledger"]["steps"] == c["ledger"]["steps"] == TINY.steps
         if method not in NEAR_TIES:
             assert abs(g["final_val_loss"] - c["final_val_loss"]) < 2e-3, (g["final_val_loss"], c["final_val_loss"])
     if method not in STREAMING:  # 9 steps = 3 outer intervals: replicas identical on the GPU too

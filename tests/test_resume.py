@@ -2,14 +2,16 @@
 
 import pytest
 
-from ds_lowcomm.workers import run_local_workers
-from ds_lowcomm.task.train import train_worker
+from dataclasses import replace
 
-TINY = {
-    "steps": 9, "batch": 4, "lr": 3e-3, "warmup": 2, "eval_every": 3, "seed": 3,
-    "model": {"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 32},
-    "data_limits": {"max_train_bytes": 100_000, "max_val_bytes": 10_000}, "val_batches": 2, "verbose": False,
-}
+from ds_lowcomm.task.spec import TrainSpec
+from ds_lowcomm.task.train import train_worker
+from ds_lowcomm.workers import run_local_workers
+
+TINY = TrainSpec(
+    steps=9, batch=4, lr=3e-3, warmup=2, eval_every=3, seed=3, model={"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 32},
+    max_train_bytes=100_000, max_val_bytes=10_000, val_batches=2, verbose=False,
+)
 LOWCOMM = {
     "adamw": {"method": "adamw"},
     "demo": {"method": "demo", "topk": 8, "chunk": 16},
@@ -31,9 +33,9 @@ STREAMING = {"diloco_streaming", "dct_diloco_streaming"}
 
 @pytest.mark.parametrize("method", list(LOWCOMM))
 def test_resume_is_exact(method, tmp_path):
-    spec = {**TINY, "lowcomm": LOWCOMM[method], "save_at": 5, "save_dir": str(tmp_path)}
+    spec = replace(TINY, lowcomm=LOWCOMM[method], save_at=5, save_dir=str(tmp_path))
     full = run_local_workers(train_worker, 2, spec)
-    resumed = run_local_workers(train_worker, 2, {**spec, "save_at": None, "resume_from": str(tmp_path)})
+    resumed = run_local_workers(train_worker, 2, replace(spec, save_at=None, resume_from=str(tmp_path)))
     for a, b in zip(full, resumed):
         assert a["params_digest"] == b["params_digest"]
         assert a["bytes_sent"] == b["bytes_sent"] and a["bytes_received"] == b["bytes_received"]
@@ -44,8 +46,8 @@ def test_resume_is_exact(method, tmp_path):
 
 
 def test_loading_with_other_settings_is_refused(tmp_path):
-    spec = {**TINY, "lowcomm": LOWCOMM["demo"], "save_at": 2, "save_dir": str(tmp_path), "stop_after_save": True}
+    spec = replace(TINY, lowcomm=LOWCOMM["demo"], save_at=2, save_dir=str(tmp_path), stop_after_save=True)
     run_local_workers(train_worker, 2, spec)
-    other = {**spec, "lowcomm": {**LOWCOMM["demo"], "topk": 4}, "save_at": None, "resume_from": str(tmp_path)}
+    other = replace(spec, lowcomm={**LOWCOMM["demo"], "topk": 4}, save_at=None, resume_from=str(tmp_path))
     with pytest.raises(RuntimeError, match="checkpoint was saved with other lowcomm settings: topk: saved 8, now 4"):
         run_local_workers(train_worker, 2, other)

@@ -25,16 +25,16 @@ import math
 import statistics
 import time
 from pathlib import Path
-from types import SimpleNamespace
 
 import torch
 
 from ..codec import ChunkPlan, SparseSpec
 from ..comm import ByteLedger, Pending, SparseAllGather, Transport
-from ..workers import run_local_workers
 from ..compare import build_specs
 from ..task.model import GPT, GPTConfig
+from ..task.spec import TrainSpec
 from ..task.train import train_worker
+from ..workers import run_local_workers
 
 COLUMNS = ["implementation", "case", "shape", "numel", "chunk", "topk", "world", "encode_s", "decode_s",
            "median_s", "gbps", "kept_values", "wire_bytes", "wire_bytes_per_value", "max_abs_diff", "agree"]
@@ -297,32 +297,28 @@ def bench_model(chunk: int, topk: int, args, device) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
-def share_specs(args) -> list[dict]:
+def share_specs(args) -> list[TrainSpec]:
     """Worker specs as ``ds-lowcomm compare`` builds them, with the methods' recipes."""
-    ns = SimpleNamespace(workers=args.workers, steps=args.steps, batch=args.batch, warmup=max(1, args.steps // 10),
-                         eval_every=args.steps, seed=0, data=None, n_layer=args.n_layer, n_embd=args.n_embd,
-                         seq_len=args.seq_len)
+    small_data = {"max_train_bytes": 200_000, "max_val_bytes": 20_000, "val_batches": 2} if args.quick else {}
+    base = TrainSpec(steps=args.steps, batch=args.batch, warmup=max(1, args.steps // 10), eval_every=args.steps,
+                     model=GPTConfig(n_layer=args.n_layer, n_embd=args.n_embd, seq_len=args.seq_len), verbose=False,
+                     **small_data)
     overrides = {"dct_diloco": {"lowcomm": {"sync_every": args.sync_every}}} if args.sync_every else {}
-    specs = build_specs(list(SHARE_METHODS), ns, overrides)
-    for spec in specs:
-        spec.update(verbose=False, val_batches=2 if args.quick else 8)
-        if args.quick:
-            spec["data_limits"] = {"max_train_bytes": 200_000, "max_val_bytes": 20_000}
-    return specs
+    return build_specs(list(SHARE_METHODS), base, overrides, args.workers)
 
 
-def share_row(spec: dict, per_rank: list[dict], workers: int) -> dict:
+def share_row(spec: TrainSpec, per_rank: list[dict], workers: int) -> dict:
     train_s = statistics.mean(r["train_s"] for r in per_rank)
     codec_s = statistics.mean(r["codec_s"] for r in per_rank)
     ops = per_rank[0]["ledger"]["by_op"]
     syncs = sum(v["calls"] for op, v in ops.items() if op != "setup")
-    return {"method": spec["lowcomm"]["method"], "workers": workers, "steps": spec["steps"], "syncs": syncs,
+    return {"method": spec.lowcomm["method"], "workers": workers, "steps": spec.steps, "syncs": syncs,
             "train_s": train_s, "codec_s": codec_s, "codec_share": codec_s / train_s if train_s else 0.0,
-            "step_s": train_s / spec["steps"], "codec_s_per_sync": codec_s / syncs if syncs else 0.0,
+            "step_s": train_s / spec.steps, "codec_s_per_sync": codec_s / syncs if syncs else 0.0,
             "final_val_loss": per_rank[0]["final_val_loss"], "settings": per_rank[0]["settings"]}
 
 
-def train_methods(rank: int, world_size: int, specs: list[dict]) -> list[dict]:
+def train_methods(rank: int, world_size: int, specs: list[TrainSpec]) -> list[dict]:
     """One worker trains every method in turn: the processes start once, not once per method."""
     return [train_worker(rank, world_size, spec) for spec in specs]
 

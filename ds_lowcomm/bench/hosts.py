@@ -12,24 +12,27 @@ import tempfile
 import time
 from pathlib import Path
 
+from ..task.spec import TrainSpec
 from .netns import TestNetwork
 
 _port = 29700
 
 
-def run_on_hosts(net: TestNetwork, spec: dict, timeout: float = 3600) -> tuple[list[dict], float]:
-    """Start ``net.hosts`` workers on ``spec``; return (metrics per rank, wall seconds)."""
+def run_on_hosts(net: TestNetwork, spec: TrainSpec, peer: dict | None = None,
+                 timeout: float = 3600) -> tuple[list[dict], float]:
+    """Start ``net.hosts`` workers on ``spec`` (and ``peer``: see :mod:`ds_lowcomm.bench.worker`);
+    return (metrics per rank, wall seconds)."""
     global _port
     _port += 1  # a fresh rendezvous port per run (the previous may linger in TIME_WAIT)
     with tempfile.TemporaryDirectory(prefix="dslc-bench-") as tmp:
-        spec_path, prefix = Path(tmp) / "spec.json", Path(tmp) / "metrics"
-        spec_path.write_text(json.dumps(spec))
+        job_path, prefix = Path(tmp) / "job.json", Path(tmp) / "metrics"
+        job_path.write_text(json.dumps({"spec": spec.to_dict(), "peer": peer}))
         procs = []
         start = time.perf_counter()
         for i in range(net.hosts):
             env = {**os.environ, **net.env(i, _port), "RANK": str(i), "WORLD_SIZE": str(net.hosts),
                    "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-            argv = net.command(i, [sys.executable, "-m", "ds_lowcomm.bench.worker", str(spec_path), str(prefix)])
+            argv = net.command(i, [sys.executable, "-m", "ds_lowcomm.bench.worker", str(job_path), str(prefix)])
             procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outputs = []
         deadline = start + timeout

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -75,14 +76,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         for link in links:
             for method in methods:
                 budget_steps = int(args.steps * args.budget_factor)
-                if method in PEERS:  # on adamw's recipe, with the same longer budget and stop
-                    spec = peer_spec(method, PEERS[method], budget_steps, args.eval_every, **model)
-                    spec["stop_at_val_loss"] = target
-                else:
-                    spec = method_spec(method, budget_steps, args.eval_every, **model)
-                    spec["stop_at_val_loss"] = target
+                # peers: on adamw's recipe, with the same longer budget and stop
+                spec = (peer_spec if method in PEERS else method_spec)(method, budget_steps, args.eval_every, **model)
+                spec = dataclasses.replace(spec, stop_at_val_loss=target)
                 repeats = args.repeats if link in repeat_links else 1
-                runs[hosts, link, method] = [run_cached(cache, hosts, link, spec, r) for r in range(repeats)]
+                runs[hosts, link, method] = [run_cached(cache, hosts, link, spec, r, PEERS.get(method))
+                                             for r in range(repeats)]
                 first = runs[hosts, link, method][0]
                 print(f"{hosts} hosts {link:<13} {method:<11} val {first['final_val_loss']:.4f}  "
                       f"train {statistics.median(x['train_s'] for x in runs[hosts, link, method]):7.1f} s", flush=True)

@@ -16,6 +16,7 @@ import argparse
 import csv
 import json
 import statistics
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -23,6 +24,8 @@ import torch.distributed as dist
 
 from ..comm import ByteLedger
 from ..config import METHODS
+from ..task.spec import TrainSpec
+from ..task.steps import TorchStep
 from .runs import LINKS, effective_shape, method_spec, peer_spec, run_cached
 
 POWERSGD_RANKS = (4, 8)
@@ -45,14 +48,19 @@ def count_all_reduces(ledger: ByteLedger) -> None:
     dist.all_reduce = counted
 
 
-def peer_setup(model: torch.nn.Module, spec: dict):
-    """``train_worker`` setup for a peer: (module, optimizer, ledger)."""
+def peer_step(peer: dict):
+    """The training loop's step factory for a peer: a :class:`TorchStep` whose optimizer is
+    ``peer``'s (``{"kind": "ddp_powersgd", "rank": r, "start_iter": i}``)."""
+    if peer.get("kind") != "ddp_powersgd":
+        raise ValueError(f"peer.kind must be ddp_powersgd; got {peer.get('kind')!r}")
+    return partial(TorchStep.build, setup=partial(peer_setup, peer=peer))
+
+
+def peer_setup(model: torch.nn.Module, spec: TrainSpec, peer: dict):
+    """The step's (module to run, optimizer, ledger): DDP with PowerSGD, AdamW."""
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
     from torch.nn.parallel import DistributedDataParallel
 
-    peer = spec["peer"]
-    if peer.get("kind") != "ddp_powersgd":
-        raise ValueError(f"peer.kind must be ddp_powersgd; got {peer.get('kind')!r}")
     ledger = ByteLedger()
     # One gradient bucket: with several, PowerSGD's chained all-reduces (issued from completion
     # callbacks) got matched out of order across ranks over gloo through the test hosts' links
@@ -63,17 +71,17 @@ def peer_setup(model: torch.nn.Module, spec: dict):
     state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=peer["rank"],
                                    start_powerSGD_iter=peer.get("start_iter", 2))
     ddp.register_comm_hook(state, powersgd.powerSGD_hook)
-    opt = torch.optim.AdamW(model.parameters(), lr=spec["lr"], betas=tuple(spec.get("betas", (0.9, 0.95))),
-                            weight_decay=spec.get("weight_decay", 0.0))
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
     opt.register_step_post_hook(lambda *_: ledger.end_step())  # one ledger step per optimizer step
     return ddp, opt, ledger
 
 
-def entries(steps: int, eval_every: int, model: dict) -> dict[str, dict]:
-    out = {m: method_spec(m, steps, eval_every, **model) for m in METHODS}
+def entries(steps: int, eval_every: int, model: dict) -> dict[str, tuple[TrainSpec, dict | None]]:
+    """name -> (spec, peer): the methods, then PowerSGD at each rank."""
+    out = {m: (method_spec(m, steps, eval_every, **model), None) for m in METHODS}
     for r in POWERSGD_RANKS:
-        out[f"powersgd_r{r}"] = peer_spec(f"powersgd_r{r}", {"kind": "ddp_powersgd", "rank": r}, steps, eval_every,
-                                          **model)
+        name = f"powersgd_r{r}"
+        out[name] = (peer_spec(name, steps, eval_every, **model), {"kind": "ddp_powersgd", "rank": r})
     return out
 
 
@@ -101,9 +109,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     cache, out = Path(args.cache), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows, runs = [], {}
-    for name, spec in specs.items():
+    for name, (spec, peer) in specs.items():
         for link in ("unshaped", args.slow_link):
-            runs[name, link] = [run_cached(cache, 2, link, spec, r) for r in range(args.repeats)]
+            runs[name, link] = [run_cached(cache, 2, link, spec, r, peer) for r in range(args.repeats)]
             print(f"{name:<14} {link:<13} val {runs[name, link][0]['final_val_loss']:.4f}  "
                   f"wall {statistics.median(x['wall_s'] for x in runs[name, link]):.1f} s", flush=True)
     base = runs.get(("adamw", "unshaped"))

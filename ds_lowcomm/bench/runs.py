@@ -5,13 +5,14 @@ arithmetic."""
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import hashlib
 import json
 from functools import lru_cache
 from pathlib import Path
 
 from ..compare import build_specs
+from ..task.spec import TrainSpec
 from .hosts import run_on_hosts
 from .netns import LinkShape, TestNetwork, netem_available
 
@@ -35,38 +36,33 @@ def effective_shape(shape: LinkShape) -> tuple[LinkShape, bool]:
     return shape, True
 
 
-def method_spec(method: str, steps: int, eval_every: int, **model) -> dict:
+def method_spec(method: str, steps: int, eval_every: int, **model) -> TrainSpec:
     """The spec ``ds-lowcomm compare`` would run for ``method`` (its recipe), with ``steps``."""
-    args = argparse.Namespace(workers=2, steps=steps, batch=16, warmup=max(1, steps // 15), eval_every=eval_every,
-                              seed=0, data=None, n_layer=model.get("n_layer", 2), n_embd=model.get("n_embd", 128),
-                              seq_len=model.get("seq_len", 128))
-    spec = build_specs([method], args, {})[0]
-    spec["label"] = method
-    spec["verbose"] = False
-    return spec
+    base = TrainSpec(steps=steps, warmup=max(1, steps // 15), eval_every=eval_every, model=model, label=method,
+                     verbose=False)
+    return build_specs([method], base, {}, workers=2)[0]
 
 
-def peer_spec(label: str, peer: dict, steps: int, eval_every: int, **model) -> dict:
-    """A peer baseline on the adamw recipe's data, model, learning rate and schedule."""
-    spec = method_spec("adamw", steps, eval_every, **model)
-    spec["peer"] = peer
-    spec["label"] = label
-    return spec
+def peer_spec(label: str, steps: int, eval_every: int, **model) -> TrainSpec:
+    """A peer baseline's spec: the adamw recipe's data, model, learning rate and schedule (the
+    peer itself goes to :func:`run_cached` beside it)."""
+    return dataclasses.replace(method_spec("adamw", steps, eval_every, **model), label=label)
 
 
-def run_cached(cache: Path, hosts: int, link: str, spec: dict, repeat: int = 0) -> dict:
-    """Train ``spec`` on ``hosts`` test hosts over ``link`` (or load the cached result)."""
+def run_cached(cache: Path, hosts: int, link: str, spec: TrainSpec, repeat: int = 0, peer: dict | None = None) -> dict:
+    """Train ``spec`` on ``hosts`` test hosts over ``link`` (or load the cached result); ``peer``:
+    a peer baseline's settings (see :mod:`ds_lowcomm.bench.peers`) instead of the spec's method."""
     shape, delay_applied = effective_shape(LINKS[link])
-    key = json.dumps({"spec": spec, "hosts": hosts, "shape": [shape.rate, shape.delay_ms], "repeat": repeat},
-                     sort_keys=True)
-    path = cache / f"{spec['label']}-{hosts}h-{link}-r{repeat}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
+    key = json.dumps({"spec": spec.to_dict(), "peer": peer, "hosts": hosts, "shape": [shape.rate, shape.delay_ms],
+                      "repeat": repeat}, sort_keys=True)
+    path = cache / f"{spec.label}-{hosts}h-{link}-r{repeat}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
     if path.exists():
         return json.loads(path.read_text())
     with TestNetwork(hosts, shape) as net:
-        per_rank, wall = run_on_hosts(net, spec)
+        per_rank, wall = run_on_hosts(net, spec, peer)
     r0 = per_rank[0]
     result = {
-        "label": spec["label"], "hosts": hosts, "link": link, "delay_applied": delay_applied, "repeat": repeat,
+        "label": spec.label, "hosts": hosts, "link": link, "delay_applied": delay_applied, "repeat": repeat,
         "final_val_loss": r0["final_val_loss"], "wall_s": wall, "train_s": r0["train_s"],
         "bytes_sent_per_worker": sum(r["bytes_sent"] for r in per_rank) / hosts,
         "bytes_received_per_worker": sum(r["bytes_received"] for r in per_rank) / hosts,

@@ -22,6 +22,7 @@ from pathlib import Path
 from ..workers import run_local_workers
 from ..compare import RECIPES
 from ..task.model import GPT, GPTConfig
+from ..task.spec import TrainSpec
 from ..task.train import train_worker
 
 METHODS = ("adamw", "demo", "dct_diloco", "sparseloco")
@@ -33,14 +34,13 @@ def num_params(width: int, n_layer: int) -> int:
     return GPT(GPTConfig(n_layer=n_layer, n_embd=width, n_head=4, seq_len=64)).num_params()
 
 
-def worker_spec(method: str, width: int, n_layer: int, steps: int) -> dict:
+def worker_spec(method: str, width: int, n_layer: int, steps: int) -> TrainSpec:
     lowcomm = dict(RECIPES[method]["lowcomm"])
     if "sync_every" in lowcomm:
         lowcomm["sync_every"] = SYNC_EVERY
-    return {"lowcomm": lowcomm, "lr": RECIPES[method]["lr"], "steps": steps, "batch": 4, "warmup": 1,
-            "eval_every": steps, "seed": 0, "val_batches": 1, "verbose": False,
-            "model": {"n_layer": n_layer, "n_embd": width, "n_head": 4, "seq_len": 64},
-            "data_limits": {"max_train_bytes": 400_000}}
+    return TrainSpec(lowcomm=lowcomm, lr=RECIPES[method]["lr"], steps=steps, batch=4, warmup=1, eval_every=steps,
+                     val_batches=1, verbose=False, model=GPTConfig(n_layer=n_layer, n_embd=width, n_head=4, seq_len=64),
+                     max_train_bytes=400_000)
 
 
 def scale_workers(args) -> list[dict]:
@@ -72,7 +72,7 @@ def _mean(values) -> float:
 
 
 def _replica_worker(rank: int, world: int, replica_size: int, steps: int, workdir: str) -> dict:
-    from ..deepspeed.train import parser, run
+    from ..task.deepspeed_main import run
 
     cfg = {
         "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
@@ -87,9 +87,8 @@ def _replica_worker(rank: int, world: int, replica_size: int, steps: int, workdi
     import torch.distributed as dist
 
     dist.barrier()
-    return run(parser().parse_args(["--deepspeed_config", str(path), "--steps", str(steps), "--eval-every",
-                                    str(steps), "--n-layer", "2", "--n-embd", "128", "--seq-len", "64",
-                                    "--max-train-bytes", "400000"]))
+    return run(TrainSpec(steps=steps, eval_every=steps, model=GPTConfig(n_layer=2, n_embd=128, seq_len=64),
+                         max_train_bytes=400_000, deepspeed_config=str(path)))
 
 
 def scale_replicas(args, workdir: Path) -> list[dict]:

@@ -15,6 +15,7 @@ import json
 import statistics
 from pathlib import Path
 
+from ..task.spec import TrainSpec
 from .hosts import run_on_hosts
 from .netns import LinkShape, TestNetwork, check_can_create
 
@@ -86,10 +87,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with TestNetwork(2, SHAPES[link]) as net:
             for repeat in range(args.repeats):
                 for name, lowcomm in variants(args.sync_every, args.fragments, args.sync_delay).items():
-                    spec = {"lowcomm": lowcomm, "lr": 1e-3, "steps": args.steps, "batch": args.batch,
-                            "warmup": max(1, args.steps // 10), "eval_every": args.steps, "seed": 0,
-                            "model": {"n_layer": args.n_layer, "n_embd": args.n_embd, "seq_len": args.seq_len},
-                            "label": name, "verbose": False}
+                    spec = TrainSpec(lowcomm=lowcomm, lr=1e-3, steps=args.steps, batch=args.batch,
+                                     warmup=max(1, args.steps // 10), eval_every=args.steps,
+                                     model={"n_layer": args.n_layer, "n_embd": args.n_embd, "seq_len": args.seq_len},
+                                     label=name, verbose=False)
                     per_rank, wall = run_on_hosts(net, spec)
                     row = summarise(link, name, repeat, lowcomm, per_rank, wall)
                     rows.append(row)

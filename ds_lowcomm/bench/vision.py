@@ -18,11 +18,9 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from ..comm import TorchDistTransport
+from ..task.spec import TrainSpec
+from ..task.train import train_worker
 from ..workers import run_local_workers
-from ..config import LowcommConfig
-from ..optim import build_optimizer
-from ..task.train import lr_lambda, mean_over_ranks, params_digest
 
 # Per-method recipes for this task (chosen on 2-worker runs; see docs/benchmarks.md).
 RECIPES = {
@@ -87,29 +85,31 @@ def evaluate(model, x, y) -> tuple[float, float]:
     return F.cross_entropy(logits, y).item(), (logits.argmax(1) == y).float().mean().item()
 
 
-def vision_worker(rank: int, world: int, spec: dict) -> dict:
-    x_train, y_train, x_test, y_test = load_digits_split(spec["seed"])
-    mine = torch.arange(rank, len(y_train), world)  # this worker's shard
-    torch.manual_seed(spec["seed"])  # the same initialisation on every rank and for every method
-    model = DigitsCNN()
-    cfg = LowcommConfig.from_dict(spec["lowcomm"])
-    opt = build_optimizer(cfg, model.parameters(), lr=spec["lr"], betas=(0.9, 0.95), transport=TorchDistTransport())
-    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec["warmup"], spec["steps"]))
-    history = []
-    for step in range(spec["steps"]):
-        g = torch.Generator().manual_seed(spec["seed"] * 1_000_003 + rank * 10_007 + step)  # reproducible batches
-        idx = mine[torch.randint(len(mine), (spec["batch"],), generator=g)]
-        F.cross_entropy(model(x_train[idx]), y_train[idx]).backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-        sched.step()
-        done = step + 1
-        if done % spec["eval_every"] == 0 or done == spec["steps"]:
-            loss, acc = mean_over_ranks(*evaluate(model, x_test, y_test))
-            history.append({"step": done, "held_out_loss": loss, "held_out_accuracy": acc,
-                            "bytes_sent": opt.ledger.sent})
-    return {"method": cfg.method, "history": history, "bytes_sent": opt.ledger.sent,
-            "params_digest": params_digest(model), "num_params": sum(p.numel() for p in model.parameters())}
+class DigitsTask:
+    """The training loop's task (:class:`ds_lowcomm.task.train.Task`): the CNN on the digits,
+    each worker sampling its own shard, held-out loss and accuracy."""
+
+    def __init__(self, spec: TrainSpec):
+        self.seed = spec.seed
+        self.x_train, self.y_train, self.x_test, self.y_test = load_digits_split(spec.seed)
+
+    @staticmethod
+    def build_model() -> torch.nn.Module:
+        return DigitsCNN()
+
+    def train_batch(self, rank: int, world: int, index: int, batch: int):
+        mine = torch.arange(rank, len(self.y_train), world)  # this worker's shard
+        g = torch.Generator().manual_seed(self.seed * 1_000_003 + rank * 10_007 + index)  # reproducible batches
+        idx = mine[torch.randint(len(mine), (batch,), generator=g)]
+        return self.x_train[idx], self.y_train[idx]
+
+    @staticmethod
+    def loss(module, x, y):
+        return F.cross_entropy(module(x), y)
+
+    def evaluation(self, batch: int, device):
+        x, y = self.x_test.to(device), self.y_test.to(device)
+        return lambda module: dict(zip(("val_loss", "accuracy"), evaluate(module, x, y)))
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -140,16 +140,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
             lowcomm["sync_every"] = 5
         spec = _spec(lowcomm, RECIPES[method]["lr"], steps, args.batch)
         start = time.perf_counter()
-        per_rank = run_local_workers(vision_worker, args.workers, spec)
+        per_rank, figures = train(method, 11, spec, args.workers)
         r0 = per_rank[0]
-        last = r0["history"][-1]
-        rows.append({"method": method, "workers": args.workers, "steps": steps,
-                     "held_out_accuracy": last["held_out_accuracy"], "held_out_loss": last["held_out_loss"],
-                     "mb_sent_per_worker": sum(r["bytes_sent"] for r in per_rank) / len(per_rank) / 1e6,
+        rows.append({"method": method, "workers": args.workers, "steps": steps, **figures,
                      "replicas_identical": len({r["params_digest"] for r in per_rank}) == 1,
                      "wall_s": time.perf_counter() - start, "history": r0["history"], "num_params": r0["num_params"]})
-        print(f"{method:<11} accuracy {last['held_out_accuracy']:.4f}  loss {last['held_out_loss']:.4f}  "
-              f"{rows[-1]['mb_sent_per_worker']:.3f} MB", flush=True)
     for base in ("adamw", "diloco"):
         ref = next((r["mb_sent_per_worker"] for r in rows if r["method"] == base), None)
         for r in rows:
@@ -163,9 +158,20 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-def _spec(lowcomm: dict, lr: float, steps: int, batch: int) -> dict:
-    return {"lowcomm": lowcomm, "lr": lr, "steps": steps, "batch": batch, "warmup": max(1, steps // 10),
-            "eval_every": max(1, steps // 10), "seed": 0}
+def train(name: str, width: int, spec: TrainSpec, workers: int, threads: int | None = None):
+    """Train ``spec`` on the digits; (per-rank results, the figures of rank 0's last evaluation)."""
+    per_rank = run_local_workers(train_worker, workers, spec, DigitsTask, threads=threads)
+    last = per_rank[0]["history"][-1]
+    figures = {"held_out_accuracy": last["accuracy"], "held_out_loss": last["val_loss"],
+               "mb_sent_per_worker": sum(r["bytes_sent"] for r in per_rank) / len(per_rank) / 1e6}
+    print(f"{name:<{width}} accuracy {figures['held_out_accuracy']:.4f}  loss {figures['held_out_loss']:.4f}  "
+          f"{figures['mb_sent_per_worker']:.3f} MB", flush=True)
+    return per_rank, figures
+
+
+def _spec(lowcomm: dict, lr: float, steps: int, batch: int) -> TrainSpec:
+    return TrainSpec(lowcomm=lowcomm, lr=lr, steps=steps, batch=batch, warmup=max(1, steps // 10),
+                     eval_every=max(1, steps // 10), verbose=False)
 
 
 def ablate(args) -> list[dict]:
@@ -183,15 +189,8 @@ def ablate(args) -> list[dict]:
 
     def one(item):
         name, lowcomm = item
-        per_rank = run_local_workers(vision_worker, args.workers, _spec(lowcomm, base["lr"], steps, args.batch),
-                                     threads=1)
-        last = per_rank[0]["history"][-1]
-        row = {"variant": name, "settings": json.dumps(lowcomm, sort_keys=True), "steps": steps,
-               "held_out_accuracy": last["held_out_accuracy"], "held_out_loss": last["held_out_loss"],
-               "mb_sent_per_worker": sum(r["bytes_sent"] for r in per_rank) / len(per_rank) / 1e6}
-        print(f"{name:<32} accuracy {row['held_out_accuracy']:.4f}  loss {row['held_out_loss']:.4f}  "
-              f"{row['mb_sent_per_worker']:.3f} MB", flush=True)
-        return row
+        _, figures = train(name, 32, _spec(lowcomm, base["lr"], steps, args.batch), args.workers, threads=1)
+        return {"variant": name, "settings": json.dumps(lowcomm, sort_keys=True), "steps": steps, **figures}
 
     with ThreadPoolExecutor(max(1, args.jobs)) as pool:
         rows = list(pool.map(one, variants.items()))
@@ -213,7 +212,7 @@ def plot(path: Path, rows: list[dict]) -> None:
     fig, (ax_b, ax_s) = plt.subplots(1, 2, figsize=(11, 4.2))
     for r in rows:
         h = r["history"]
-        acc = [x["held_out_accuracy"] for x in h]
+        acc = [x["accuracy"] for x in h]
         ax_b.plot([max(x["bytes_sent"], 1) / 1e6 for x in h], acc, marker="o", ms=3, label=r["method"])
         ax_s.plot([x["step"] for x in h], acc, marker="o", ms=3, label=r["method"])
     ax_b.set_xscale("log")

@@ -1,10 +1,10 @@
 """One worker process of a benchmark, started by :func:`ds_lowcomm.bench.hosts.run_on_hosts`
-inside its network namespace: ``python -m ds_lowcomm.bench.worker SPEC.json OUT_PREFIX``.
+inside its network namespace: ``python -m ds_lowcomm.bench.worker JOB.json OUT_PREFIX``.
 
 It joins the gloo process group from the environment (MASTER_ADDR/PORT, RANK, WORLD_SIZE,
-GLOO_SOCKET_IFNAME), runs the reference task's ``train_worker`` with the spec (a ds_lowcomm
-method, or with ``spec["peer"]`` a peer baseline from :mod:`ds_lowcomm.bench.peers`) and writes
-its metrics to ``OUT_PREFIX.rank<r>.json``.
+GLOO_SOCKET_IFNAME), runs the training loop on the job's ``spec`` (a :class:`TrainSpec` as JSON:
+a ds_lowcomm method, or with ``peer`` a peer baseline's step from :mod:`ds_lowcomm.bench.peers`)
+and writes its metrics to ``OUT_PREFIX.rank<r>.json``.
 """
 
 from __future__ import annotations
@@ -17,27 +17,29 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from ..task.spec import TrainSpec
 from ..task.train import train_worker
 
 
 def main(argv: list[str]) -> None:
-    spec_path, out_prefix = argv
-    spec = json.loads(open(spec_path).read())
+    job_path, out_prefix = argv
+    job = json.loads(open(job_path).read())
+    spec = TrainSpec.from_dict(job["spec"])
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
-    if "peer" in spec:
-        from .peers import peer_setup
+    make_step = None
+    if job.get("peer"):
+        from .peers import peer_step
 
-        metrics = train_worker(rank, world, spec, setup=peer_setup)
-    else:
-        metrics = train_worker(rank, world, spec)
+        make_step = peer_step(job["peer"])
+    metrics = train_worker(rank, world, spec, make_step=make_step)
     with open(f"{out_prefix}.rank{rank}.json", "w") as f:
         json.dump(metrics, f)
     dist.barrier()
     dist.destroy_process_group()
     sys.stdout.flush()
-    os._exit(0)  # see deepspeed/train.py: gloo threads can abort a normal interpreter exit
+    os._exit(0)  # see task/deepspeed_main.py: gloo threads can abort a normal interpreter exit
 
 
 if __name__ == "__main__":

@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 
 HELD_OUT_EVERY = 20
+MAX_TRAIN_BYTES = 4_000_000  # the training bytes read, before they are cut into shards
+MAX_VAL_BYTES = 200_000
 
 
 def stdlib_dir() -> Path:
@@ -35,7 +37,8 @@ def _corpus_files(source: str | Path | None) -> list[Path]:
 
 
 class ByteCorpus:
-    def __init__(self, source: str | Path | None = None, max_train_bytes: int = 4_000_000, max_val_bytes: int = 200_000):
+    def __init__(self, source: str | Path | None = None, max_train_bytes: int = MAX_TRAIN_BYTES,
+                 max_val_bytes: int = MAX_VAL_BYTES):
         files = _corpus_files(source)
         if not files:
             raise ValueError(f"data: no files found in {source}")

@@ -1,0 +1,104 @@
+"""The reference task trained through a real DeepSpeed engine: the body of ``launch/train.py``.
+
+The training loop is :func:`ds_lowcomm.task.train.train_worker` with a DeepSpeed engine's step:
+same data, model, initialisation and schedule as ``ds-lowcomm compare`` (so with ZeRO 0, fp32,
+one rank per replica and no gradient clipping, the two paths give the same parameters). Works
+under the deepspeed launcher, torchrun and mpirun (OpenMPI's environment is mapped to
+torch.distributed's; MASTER_ADDR defaults to 127.0.0.1, so set it for multi-node runs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+
+from ..comm.mpi import finalize_if_used
+from ..config import ConfigError
+from ..deepspeed.launcher import mpi_environment
+from .spec import DEFAULTS, TrainSpec
+from .train import train_worker
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description="Train the reference task with DeepSpeed and a lowcomm method.")
+    p.add_argument("--deepspeed_config", required=True, help="DeepSpeed JSON with a 'lowcomm' section")
+    p.add_argument("--steps", type=int, default=DEFAULTS.steps)
+    p.add_argument("--metrics-out", default=None, help="JSON file with the run's metrics (written by rank 0)")
+    p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
+    p.add_argument("--data", default=DEFAULTS.data, help="text file or directory (default: Python's standard library)")
+    p.add_argument("--warmup", type=int, default=DEFAULTS.warmup, help="linear warm-up steps of the default schedule")
+    p.add_argument("--eval-every", type=int, default=0, help="default: steps/10")
+    p.add_argument("--n-layer", type=int, default=DEFAULTS.model.n_layer)
+    p.add_argument("--n-embd", type=int, default=DEFAULTS.model.n_embd)
+    p.add_argument("--n-head", type=int, default=DEFAULTS.model.n_head)
+    p.add_argument("--seq-len", type=int, default=DEFAULTS.model.seq_len)
+    p.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    p.add_argument("--save-dir", default=None, help="checkpoint directory")
+    p.add_argument("--save-at", type=int, default=0, help="save a checkpoint after this step")
+    p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --save-dir")
+    p.add_argument("--max-train-bytes", type=int, default=DEFAULTS.max_train_bytes)
+    return p
+
+
+def spec_from_args(args: argparse.Namespace) -> TrainSpec:
+    if args.resume and not args.save_dir:
+        raise ConfigError("--resume needs --save-dir")
+    return TrainSpec.from_args(args, resume_from=args.save_dir if args.resume else None)
+
+
+def run(spec: TrainSpec, metrics_out: str | None = None) -> dict:
+    """Train ``spec`` (with ``spec.deepspeed_config``) on this rank; every rank returns the run's
+    metrics, rank 0 also writes them to ``metrics_out``."""
+    import deepspeed
+
+    mpi_environment()
+    if not dist.is_initialized():
+        deepspeed.init_distributed()  # the accelerator's backend
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // int(os.environ.get("LOCAL_WORLD_SIZE", world))))
+
+    result = train_worker(rank, world, spec)
+    summary = result["lowcomm"]
+    everyone = [None] * world
+    dist.all_gather_object(everyone, {"digest": result["params_digest"], **summary})
+    metrics = {
+        "method": summary["method"],
+        "zero_stage": summary["zero_stage"],
+        "world_size": world,
+        "replica_size": summary["replica_size"],
+        "steps": spec.steps,
+        "final_train_loss": result["final_train_loss"],
+        "final_val_loss": result["final_val_loss"],
+        "bytes_sent_per_worker": sum(e["bytes_sent"] for e in everyone) / world,
+        "cross_replica_bytes_sent_per_worker": sum(e["cross_replica_bytes_sent"] for e in everyone) / world,
+        "engine_bytes_sent_per_worker": sum(e["engine_bytes_sent"] for e in everyone) / world,
+        "params_digests": [e["digest"] for e in everyone],
+        "engine_ops_during_training": result["engine_ops_during_training"],
+        "wall_s": result["wall_s"],
+        "history": result["history"],
+        "ledgers": [{"method": e["method_ledger"], "engine": e["engine_ledger"]} for e in everyone],
+    }
+    if rank == 0 and metrics_out:
+        os.makedirs(os.path.dirname(os.path.abspath(metrics_out)), exist_ok=True)
+        with open(metrics_out, "w") as f:
+            json.dump(metrics, f, indent=1)
+    return metrics
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parser().parse_args(argv)
+    run(spec_from_args(args), args.metrics_out)
+    dist.barrier()
+    dist.destroy_process_group()
+    finalize_if_used()  # with lowcomm.transport "mpi"
+    # Everything is written and every rank has passed the barrier. Leave without running C++
+    # destructors: gloo/DeepSpeed background threads now and then abort the interpreter's
+    # shutdown ("terminate called without an active exception", SIGABRT) after a good run.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

@@ -1,0 +1,174 @@
+"""One training run, described: :class:`TrainSpec`, with its defaults and checks written once.
+
+``ds-lowcomm compare``, ``launch/train.py``, the benchmarks and the tests build it; the training
+loop (:func:`ds_lowcomm.task.train.train_worker`) reads it. It is plain data: ``to_dict()`` gives
+JSON (benchmarks write it to files and key their result cache with it), ``from_dict`` reads it
+back, and a frozen copy pickles to worker processes. Both command lines fill it from their flags
+(:meth:`TrainSpec.from_args`), so their defaults are the ones here and a bad value is reported
+under the flag's name.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import InitVar, dataclass, field
+from typing import Any, Mapping
+
+import torch
+
+from ..codec import FLOAT_DTYPES
+from ..config import ConfigError, LowcommConfig, check_lr
+from .data import MAX_TRAIN_BYTES, MAX_VAL_BYTES
+from .model import GPTConfig
+
+DEVICES = ("cpu", "cuda")  # or "cuda:N"
+BACKENDS = ("gloo", "nccl")
+
+# The flags of ``ds-lowcomm compare`` and ``launch/train.py`` that set spec fields (nested model
+# fields as "model.<name>"). A flag whose value is 0 leaves an optional field unset (ZERO_IS_UNSET).
+FLAGS = {
+    "--steps": "steps", "--batch": "batch", "--warmup": "warmup", "--eval-every": "eval_every", "--seed": "seed",
+    "--data": "data", "--max-train-bytes": "max_train_bytes", "--device": "device", "--backend": "backend",
+    "--save-dir": "save_dir", "--save-at": "save_at", "--deepspeed_config": "deepspeed_config",
+    "--seq-len": "model.seq_len", "--n-layer": "model.n_layer", "--n-head": "model.n_head", "--n-embd": "model.n_embd",
+}
+ZERO_IS_UNSET = ("eval_every", "save_at")
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """A run of the reference task (or of another task the loop is given: it then ignores
+    ``model``, ``data`` and the byte limits). With ``deepspeed_config`` the step is a DeepSpeed
+    engine's, and that config, not the fields here, gives the method, the optimizer settings,
+    the micro-batch, gradient accumulation, device and dtype."""
+
+    # The method: the "lowcomm" section (LowcommConfig.from_dict) and the per-step (or inner)
+    # optimizer's settings.
+    lowcomm: dict = field(default_factory=dict)
+    lr: float = 1e-3
+    betas: tuple = (0.9, 0.95)
+    weight_decay: float = 0.0
+    # Model and data (model: a GPTConfig, or a mapping of its fields).
+    model: GPTConfig = field(default_factory=GPTConfig)
+    data: str | None = None  # text file or directory; None: the Python standard library's sources
+    max_train_bytes: int = MAX_TRAIN_BYTES
+    max_val_bytes: int = MAX_VAL_BYTES
+    batch: int = 16  # sequences per worker per step
+    val_batches: int = 8
+    seed: int = 0  # initialisation and batches
+    # Schedule: linear warm-up, cosine to 10% of the peak over ``steps``; evaluations.
+    steps: int = 300
+    warmup: int = 20
+    eval_every: int | None = None  # None: steps / 10
+    # Checkpoints and early stops.
+    save_dir: str | None = None
+    save_at: int | None = None  # save after this step
+    stop_after_save: bool = False
+    resume_from: str | None = None  # a save_dir to resume from
+    stop_at_val_loss: float | None = None  # stop at the first evaluation that reaches it
+    # Where it runs.
+    device: str = "cpu"  # cpu, cuda (this rank's GPU: LOCAL_RANK modulo the GPUs present) or cuda:N
+    dtype: str = "fp32"  # of the parameters
+    backend: str = "gloo"  # of the worker processes' torch.distributed group
+    deepspeed_config: str | None = None  # a DeepSpeed JSON with a "lowcomm" section
+    # Reporting.
+    label: str | None = None  # in progress lines; None: the step's own (the method)
+    verbose: bool = True  # progress lines on rank 0
+
+    # How errors name the fields, e.g. a command line's flags (default: the field names).
+    names: InitVar[Mapping[str, str] | None] = None
+
+    def __post_init__(self, names: Mapping[str, str] | None) -> None:
+        if isinstance(self.model, Mapping):
+            object.__setattr__(self, "model", _model_config(self.model))
+        object.__setattr__(self, "betas", tuple(self.betas))
+        object.__setattr__(self, "_lowcomm_config", self._check(dict(names or {})))
+
+    def _check(self, names: dict[str, str]) -> LowcommConfig:
+        """Every field's check; returns the parsed lowcomm section."""
+
+        def name(f: str) -> str:
+            return names.get(f, f)
+
+        def at_least(f: str, value: Any, lo: int, optional: bool = False) -> None:
+            if optional and value is None:
+                return
+            if not (isinstance(value, int) and not isinstance(value, bool) and value >= lo):
+                raise ConfigError(f"{name(f)} must be >= {lo}; got {value!r}")
+
+        for f in ("steps", "batch", "val_batches", "max_train_bytes", "max_val_bytes"):
+            at_least(f, getattr(self, f), 1)
+        at_least("warmup", self.warmup, 0)
+        at_least("eval_every", self.eval_every, 1, optional=True)
+        at_least("save_at", self.save_at, 1, optional=True)
+        for f in dataclasses.fields(GPTConfig):
+            at_least(f"model.{f.name}", getattr(self.model, f.name), 1)
+        if self.model.n_embd % self.model.n_head:
+            raise ConfigError(f"{name('model.n_embd')} must be a multiple of {name('model.n_head')}; got "
+                              f"{self.model.n_embd} and {self.model.n_head}")
+        if self.save_at is not None and not self.save_dir:
+            raise ConfigError(f"{name('save_at')} needs {name('save_dir')}")
+        explicit_gpu = isinstance(self.device, str) and self.device.startswith("cuda:") and self.device[5:].isdigit()
+        if self.device not in DEVICES and not explicit_gpu:
+            raise ConfigError(f"{name('device')} must be one of {', '.join(DEVICES)}; got {self.device!r}")
+        if self.device != "cpu" and not torch.cuda.is_available():
+            raise ConfigError(f"{name('device')} {self.device}: no CUDA device is visible here; allowed: cpu")
+        if self.backend not in BACKENDS:
+            raise ConfigError(f"{name('backend')} must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
+        if self.dtype not in FLOAT_DTYPES:
+            raise ConfigError(f"{name('dtype')} must be one of {', '.join(FLOAT_DTYPES)}; got {self.dtype!r}")
+        cfg = LowcommConfig.from_dict(self.lowcomm, where=name("lowcomm"))
+        check_lr(self.lr, where=name("lr"))
+        return cfg
+
+    @property
+    def lowcomm_config(self) -> LowcommConfig:
+        """The ``lowcomm`` section, parsed and validated."""
+        return self._lowcomm_config
+
+    @property
+    def eval_interval(self) -> int:
+        return self.eval_every or max(1, self.steps // 10)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any], names: Mapping[str, str] | None = None) -> "TrainSpec":
+        """The inverse of :meth:`to_dict`; missing fields take their defaults."""
+        _refuse_unknown("spec", raw, cls)
+        return cls(**raw, names=names)
+
+    @classmethod
+    def from_args(cls, args, **fields: Any) -> "TrainSpec":
+        """The spec a parsed command line gives: each flag of :data:`FLAGS` the parser has, then
+        ``fields``; errors name the flags."""
+        values: dict[str, Any] = {}
+        model: dict[str, Any] = {}
+        for flag, target in FLAGS.items():
+            dest = flag.lstrip("-").replace("-", "_")
+            if not hasattr(args, dest):
+                continue
+            value = getattr(args, dest)
+            if target in ZERO_IS_UNSET and value == 0:
+                value = None
+            if target.startswith("model."):
+                model[target[len("model."):]] = value
+            else:
+                values[target] = value
+        return cls(**{"model": model, **values, **fields}, names={target: flag for flag, target in FLAGS.items()})
+
+
+def _refuse_unknown(where: str, raw: Mapping[str, Any], cls) -> None:
+    known = [f.name for f in dataclasses.fields(cls)]
+    unknown = sorted(set(raw) - set(known))
+    if unknown:
+        raise ConfigError(f"{where}: unknown field(s) {', '.join(unknown)}; allowed: {', '.join(known)}")
+
+
+def _model_config(raw: Mapping[str, Any]) -> GPTConfig:
+    _refuse_unknown("model", raw, GPTConfig)
+    return GPTConfig(**raw)
+
+
+DEFAULTS = TrainSpec()  # the command lines' defaults

@@ -1,0 +1,210 @@
+"""The training loop's pluggable step: what trains one step on its batches, and what it trains.
+
+A step (the :class:`Step` protocol) owns the module, the optimizer or engine, the learning-rate
+schedule, the byte ledger(s) and the checkpoints. The loop (:func:`ds_lowcomm.task.train.train_worker`)
+owns the data, the evaluations, the history and when to save or stop. A step is built by a factory
+``make_step(model, spec, rank, loss)`` after the model is (``loss(module, x, y)`` is the task's):
+
+- :class:`TorchStep`: a plain torch optimizer (a ds_lowcomm method, or what a ``setup`` hook
+  builds: the benchmarks' DDP + PowerSGD peers): forward, backward, ``opt.step()``,
+  ``opt.zero_grad()``, scheduler step.
+- :class:`DeepSpeedStep`: a DeepSpeed engine from :func:`ds_lowcomm.deepspeed.initialize`:
+  micro-batches with gradient accumulation, ``engine.backward``, ``engine.step``, checkpoints by
+  ``engine.save_checkpoint`` / ``load_checkpoint``. A pipeline engine (``engine.train_batch`` on
+  an iterator of the micro-batches) or Megatron would be another implementation of the protocol.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+import os
+from typing import Callable, Iterable, Protocol
+
+import torch
+
+from ..codec import FLOAT_DTYPES
+from ..comm import build_transport
+from ..optim import build_optimizer
+from .spec import TrainSpec
+
+Batch = tuple[torch.Tensor, torch.Tensor]
+LossFn = Callable[[torch.nn.Module, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+class Step(Protocol):
+    module: torch.nn.Module  # the model itself (evaluated and digested by the loop)
+    device: torch.device  # where batches go
+    micro_batch: int  # sequences per micro-batch
+    accumulation: int  # micro-batches per step
+    label: str  # progress lines' default label
+
+    def train_step(self, batches: Iterable[Batch]) -> list[torch.Tensor]:
+        """One optimizer step on ``accumulation`` micro-batches (made as they are read); their losses."""
+
+    def traffic(self) -> dict[str, int]:
+        """Byte counters so far, for the history rows."""
+
+    def report(self) -> dict:
+        """This step's part of the run's results (method, bytes, ledgers)."""
+
+    def save(self, directory: str, step: int) -> None: ...
+
+    def load(self, directory: str) -> int:
+        """Resume from ``directory``; the number of steps done."""
+
+
+def lr_lambda(warmup: int, total: int, floor: float = 0.1):
+    """Linear warm-up, then cosine down to ``floor`` x the peak."""
+
+    def f(step: int) -> float:
+        if step < warmup:
+            return (step + 1) / warmup
+        progress = min(1.0, (step - warmup) / max(1, total - warmup))
+        return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
+
+    return f
+
+
+def reference_schedule(spec: TrainSpec) -> Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LambdaLR]:
+    """The reference schedule of ``spec`` for an optimizer."""
+    return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec.warmup or 1, spec.steps))
+
+
+def worker_device(name: str, rank: int) -> torch.device:
+    """``spec.device``: "cpu", or "cuda" for this rank's GPU (LOCAL_RANK modulo the GPUs present,
+    as torchrun would place it), or an explicit "cuda:N"."""
+    if name == "cuda":
+        local = int(os.environ.get("LOCAL_RANK", rank))
+        return torch.device("cuda", local % torch.cuda.device_count())
+    return torch.device(name)
+
+
+def lowcomm_setup(model: torch.nn.Module, spec: TrainSpec):
+    """The module to run, the optimizer and its byte ledger: the ds_lowcomm method of spec.lowcomm."""
+    cfg = spec.lowcomm_config
+    opt = build_optimizer(cfg, model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, betas=spec.betas,
+                          transport=build_transport(cfg.transport))
+    return model, opt, opt.ledger
+
+
+class TorchStep:
+    """A torch optimizer's step; ``net`` (the module forward runs through, e.g. a DDP wrapper) may
+    differ from ``module`` (the model, saved and evaluated)."""
+
+    accumulation = 1
+
+    def __init__(self, module, net, optimizer, ledger, spec: TrainSpec, rank: int, loss: LossFn, device):
+        self.module, self.net, self.opt, self.ledger = module, net, optimizer, ledger
+        self.spec, self.rank, self.loss, self.device = spec, rank, loss, device
+        self.micro_batch, self.label = spec.batch, spec.lowcomm_config.method
+        self.sched = reference_schedule(spec)(optimizer)
+
+    @classmethod
+    def build(cls, model, spec: TrainSpec, rank: int, loss: LossFn, setup=lowcomm_setup) -> "TorchStep":
+        """Place the model (``spec.device``, ``spec.dtype``), then ``setup(model, spec) -> (net,
+        optimizer, ledger)``: a ds_lowcomm method by default; benchmarks pass their peers'."""
+        device = worker_device(spec.device, rank)
+        model = model.to(device=device, dtype=FLOAT_DTYPES[spec.dtype])
+        net, opt, ledger = setup(model, spec)
+        return cls(model, net, opt, ledger, spec, rank, loss, device)
+
+    def train_step(self, batches):
+        (x, y), = batches
+        loss = self.loss(self.net, x.to(self.device), y.to(self.device))
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        self.sched.step()
+        return [loss]
+
+    def traffic(self):
+        return {"bytes_sent": self.ledger.sent, "bytes_received": self.ledger.received}
+
+    def report(self):
+        cfg, summary = self.spec.lowcomm_config, self.ledger.summary()
+        return {
+            "method": cfg.method,
+            "settings": cfg.effective(),
+            "bytes_sent": summary["bytes_sent"],
+            "bytes_received": summary["bytes_received"],
+            "ledger": summary,
+            "codec_s": summary["seconds"].get("codec", 0.0),
+            "comm_s": summary["seconds"].get("comm", 0.0),
+        }
+
+    def _path(self, directory: str) -> str:
+        return os.path.join(directory, f"rank{self.rank}.pt")
+
+    def save(self, directory, step):
+        os.makedirs(directory, exist_ok=True)
+        torch.save({"model": self.module.state_dict(), "optimizer": self.opt.state_dict(),
+                    "scheduler": self.sched.state_dict(), "step": step}, self._path(directory))
+
+    def load(self, directory):
+        ckpt = torch.load(self._path(directory), weights_only=False, map_location=self.device)
+        self.module.load_state_dict(ckpt["model"])
+        self.opt.load_state_dict(ckpt["optimizer"])
+        self.sched.load_state_dict(ckpt["scheduler"])
+        return ckpt["step"]
+
+
+class DeepSpeedStep:
+    """A DeepSpeed engine's step (ds_lowcomm's ``initialize``; only its public surface and
+    ``engine.lowcomm``'s summary and engine ledger are used)."""
+
+    def __init__(self, engine, loss: LossFn):
+        self.engine, self.loss = engine, loss
+        self.module, self.device = engine.module, engine.device
+        self.micro_batch = engine.train_micro_batch_size_per_gpu()
+        self.accumulation = engine.gradient_accumulation_steps()
+        summary = engine.lowcomm.summary()
+        self.label = f"{summary['method']} zero{summary['zero_stage']}"
+        # DeepSpeed's own collectives from here on are the training's (a resume's load included)
+        self.engine_ops_at_start = copy.deepcopy(engine.lowcomm.engine_ledger.by_op)
+
+    @classmethod
+    def build(cls, model, spec: TrainSpec, rank: int, loss: LossFn) -> "DeepSpeedStep":
+        """An engine from ``spec.deepspeed_config``; its "scheduler" section, or the reference schedule."""
+        from ..deepspeed import initialize
+
+        with open(spec.deepspeed_config) as f:
+            config = json.load(f)
+        schedule = None if "scheduler" in config else reference_schedule(spec)
+        engine, _, _, _ = initialize(model=model, config=config, lr_scheduler=schedule)
+        return cls(engine, loss)
+
+    def train_step(self, batches):
+        losses = []
+        for x, y in batches:
+            loss = self.loss(self.engine, x.to(self.device), y.to(self.device))
+            self.engine.backward(loss)
+            self.engine.step()
+            losses.append(loss)
+        return losses
+
+    def traffic(self):
+        return {"bytes_sent": self.engine.lowcomm.summary()["bytes_sent"]}
+
+    def report(self):
+        summary = self.engine.lowcomm.summary()
+        at_start = self.engine_ops_at_start
+        return {
+            "method": summary["method"],
+            "bytes_sent": summary["bytes_sent"],
+            "lowcomm": summary,
+            # DeepSpeed's own collectives issued after initialisation: [calls, sent, received] per op
+            "engine_ops_during_training": {
+                op: [a - b for a, b in zip(row, at_start.get(op, [0, 0, 0]))]
+                for op, row in self.engine.lowcomm.engine_ledger.by_op.items()
+                if row != at_start.get(op)
+            },
+        }
+
+    def save(self, directory, step):
+        self.engine.save_checkpoint(directory, tag=f"step{step}", client_state={"step": step})
+
+    def load(self, directory):
+        _, client = self.engine.load_checkpoint(directory)
+        return client["step"]
