@@ -24,8 +24,10 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--warmup", type=int, default=DEFAULTS.warmup)
     c.add_argument("--eval-every", type=int, default=0, help="default: steps/10")
     c.add_argument("--seed", type=int, default=DEFAULTS.seed)
-    c.add_argument("--device", default=DEFAULTS.device, help="cpu, or cuda (each worker on GPU LOCAL_RANK modulo the GPUs present)")
-    c.add_argument("--backend", default=DEFAULTS.backend, help="torch.distributed backend of the workers: gloo, or nccl (one GPU per worker)")
+    c.add_argument("--device", default=DEFAULTS.device,
+                   help="cpu, or cuda (each worker on GPU LOCAL_RANK modulo the GPUs present)")
+    c.add_argument("--backend", default=DEFAULTS.backend,
+                   help="torch.distributed backend of the workers: gloo, or nccl (one GPU per worker)")
     c.add_argument("--data", default=DEFAULTS.data, help="text file or directory (default: the Python standard library sources)")
     c.add_argument("--config", default=None, help="JSON/YAML overrides: {method: {lr: .., lowcomm: {...}}}")
     return parser

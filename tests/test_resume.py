@@ -9,7 +9,8 @@ from ds_lowcomm.task.train import train_worker
 from ds_lowcomm.workers import run_local_workers
 
 TINY = TrainSpec(
-    steps=9, batch=4, lr=3e-3, warmup=2, eval_every=3, seed=3, model={"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 32},
+    steps=9, batch=4, lr=3e-3, warmup=2, eval_every=3, seed=3,
+    model={"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 32},
     max_train_bytes=100_000, max_val_bytes=10_000, val_batches=2, verbose=False,
 )
 LOWCOMM = {

@@ -21,6 +21,7 @@ from pathlib import Path
 
 from ..workers import run_local_workers
 from ..compare import RECIPES
+from ..task.deepspeed_main import run
 from ..task.model import GPT, GPTConfig
 from ..task.spec import TrainSpec
 from ..task.train import train_worker
@@ -72,8 +73,6 @@ def _mean(values) -> float:
 
 
 def _replica_worker(rank: int, world: int, replica_size: int, steps: int, workdir: str) -> dict:
-    from ..task.deepspeed_main import run
-
     cfg = {
         "train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 1, "gradient_clipping": 0.0,
         "steps_per_print": 10**6,

@@ -57,10 +57,10 @@ def default_step(spec: TrainSpec):
     return DeepSpeedStep.build if spec.deepspeed_config else TorchStep.build
 
 
-def train_worker(rank: int, world_size: int, spec: TrainSpec, task=ReferenceTask, make_step=None) -> dict:
-    """Train ``task(spec)`` with the step ``make_step(model, spec, rank, task.loss)`` builds
+def train_worker(rank: int, world_size: int, spec: TrainSpec, task_type=ReferenceTask, make_step=None) -> dict:
+    """Train ``task_type(spec)`` with the step ``make_step(model, spec, rank, task.loss)`` builds
     (default: :func:`default_step`); benchmarks pass their own tasks and peer baselines' steps."""
-    task = task(spec)
+    task = task_type(spec)
     torch.manual_seed(spec.seed)  # same init on every rank and for every method (and device)
     step: Step = (make_step or default_step(spec))(task.build_model(), spec, rank, task.loss)
     evaluate = task.evaluation(step.micro_batch, step.device)
@@ -76,11 +76,12 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec, task=ReferenceTask
                                  for m in range(accum))
         step_times.append(time.perf_counter() - t0)
         train_s += step_times[-1]
-        recent = (recent + [loss.item() for loss in losses])[-eval_every * accum:]
+        recent = (recent + [[loss.item() for loss in losses]])[-eval_every:]  # the losses of the last steps
         done = i + 1
         if done % eval_every == 0 or done == steps:
+            window = [loss for losses in recent for loss in losses]
             metrics = evaluate(step.module)
-            train_loss, *averaged = mean_over_ranks(sum(recent) / len(recent), *metrics.values())
+            train_loss, *averaged = mean_over_ranks(sum(window) / len(window), *metrics.values())
             row = {"step": done, "train_loss": train_loss, **dict(zip(metrics, averaged)), **step.traffic(),
                    "train_s": train_s}  # training time so far, evaluations left out
             history.append(row)
