@@ -140,6 +140,14 @@ def write_outputs(out: Path, rows: list[dict]) -> None:
 
 
 def plot(path: Path, rows: list[dict]) -> None:
+    workers = rows[0]["workers"] if rows else 0
+    plot_history(path, rows, "val_loss", "held-out loss (nats/byte)",
+                 f"Reference task, {workers} workers: held-out loss against bytes sent and steps")
+
+
+def plot_history(path: Path, rows: list[dict], metric: str, ylabel: str, title: str) -> None:
+    """Each row's ``history`` (the training loop's evaluations): ``metric`` against MB sent
+    per worker and against steps, one line per ``row["method"]``."""
     try:
         import matplotlib
 
@@ -151,18 +159,17 @@ def plot(path: Path, rows: list[dict]) -> None:
     fig, (ax_bytes, ax_steps) = plt.subplots(1, 2, figsize=(11, 4.2))
     for r in rows:
         h = r["history"]
-        val = [x["val_loss"] for x in h]
-        ax_bytes.plot([max(x["bytes_sent"], 1) / 1e6 for x in h], val, marker="o", ms=3, label=r["method"])
-        ax_steps.plot([x["step"] for x in h], val, marker="o", ms=3, label=r["method"])
+        values = [x[metric] for x in h]
+        ax_bytes.plot([max(x["bytes_sent"], 1) / 1e6 for x in h], values, marker="o", ms=3, label=r["method"])
+        ax_steps.plot([x["step"] for x in h], values, marker="o", ms=3, label=r["method"])
     ax_bytes.set_xscale("log")
     ax_bytes.set_xlabel("MB sent per worker (log)")
     ax_steps.set_xlabel("step")
     for ax in (ax_bytes, ax_steps):
-        ax.set_ylabel("held-out loss (nats/byte)")
+        ax.set_ylabel(ylabel)
         ax.grid(alpha=0.3)
         ax.legend()
-    workers = rows[0]["workers"] if rows else 0
-    fig.suptitle(f"Reference task, {workers} workers: held-out loss against bytes sent and steps")
+    fig.suptitle(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from ..compare import plot_history
 from ..task.spec import TrainSpec
 from ..task.train import train_worker
 from ..workers import run_local_workers
@@ -204,25 +205,5 @@ def ablate(args) -> list[dict]:
 
 
 def plot(path: Path, rows: list[dict]) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax_b, ax_s) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for r in rows:
-        h = r["history"]
-        acc = [x["accuracy"] for x in h]
-        ax_b.plot([max(x["bytes_sent"], 1) / 1e6 for x in h], acc, marker="o", ms=3, label=r["method"])
-        ax_s.plot([x["step"] for x in h], acc, marker="o", ms=3, label=r["method"])
-    ax_b.set_xscale("log")
-    ax_b.set_xlabel("MB sent per worker (log)")
-    ax_s.set_xlabel("step")
-    for ax in (ax_b, ax_s):
-        ax.set_ylabel("held-out accuracy")
-        ax.grid(alpha=0.3)
-        ax.legend()
-    fig.suptitle(f"Digits CNN ({rows[0]['num_params']} parameters), {rows[0]['workers']} workers")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    plot_history(path, rows, "accuracy", "held-out accuracy",
+                 f"Digits CNN ({rows[0]['num_params']} parameters), {rows[0]['workers']} workers")
