@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from ds_lowcomm.compare import RECIPES
-from ds_lowcomm.config import METHODS
+from ds_lowcomm.config import METHODS, LowcommConfig
 from ds_lowcomm.deepspeed.config import split_config
 
 CONFIGS = sorted((Path(__file__).resolve().parents[1] / "configs").glob("*.json"))
@@ -21,7 +21,28 @@ def test_shipped_config_is_valid(path):
 def test_each_method_has_a_config_with_its_recipe(method):
     split = split_config(json.loads((CONFIGS[0].parent / f"{method}.json").read_text()))
     recipe = RECIPES[method]
-    assert split.optimizer_params["lr"] == recipe["lr"]
+    assert split.optimizer.lr == recipe["lr"]
     for key, value in recipe["lowcomm"].items():
         got = getattr(split.lowcomm, key)
+        assert (list(got) if isinstance(got, tuple) else got) == value, key
+
+
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
+def test_flat_section_lands_in_the_components_and_back(path):
+    """Every key of a shipped (flat) lowcomm section reaches the component that owns it, and the
+    effective settings give the same section back."""
+    section = json.loads(path.read_text())["lowcomm"]
+    cfg = split_config(json.loads(path.read_text())).lowcomm
+    effective = cfg.effective()
+    for key, value in section.items():
+        assert effective[key] == (tuple(value) if isinstance(value, list) else value), key
+    assert LowcommConfig.from_dict(effective) == cfg
+    owners = {"method": cfg, "transport": cfg.comm, "replica_size": cfg.comm}
+    settings = cfg.settings
+    for name in ("codec", "streaming"):
+        for key in getattr(getattr(settings, name, None), "__dataclass_fields__", {}):
+            owners[key] = getattr(settings, name)
+    for key, value in section.items():
+        owner = owners.get(key, settings)
+        got = getattr(owner, key)
         assert (list(got) if isinstance(got, tuple) else got) == value, key
