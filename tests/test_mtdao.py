@@ -2,7 +2,6 @@
 from its definition on 2 real gloo processes, and its compressed syncs against its dense ones."""
 
 import numpy as np
-import pytest
 import torch
 
 from ds_lowcomm.workers import run_local_workers

@@ -210,10 +210,6 @@ class SparseSpec:
     def nbytes(self) -> int:
         return self.index_bytes + self.values.nbytes(self.count)
 
-    def signature(self) -> tuple:
-        p = self.plan
-        return (p.shape, p.h, p.w, self.k, self.values.name, self.transform)
-
     def _encode(self, x):
         return (dct_encode if self.transform == "dct" else identity_encode)(x, self.plan)
 

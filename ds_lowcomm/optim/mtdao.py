@@ -101,11 +101,6 @@ class MTDAO(LowcommOptimizer):
         self.periods = settings.periods()
         self._init_comm(settings, transport, shard, ledger_steps, beta2=beta2)
 
-    @property
-    def steps_taken(self) -> int:
-        params = self._current_params()
-        return self.state[params[0]].get("step", 0) if params else 0
-
     def _update(self, params):
         betas, weights = self.settings.momentum_betas, self.settings.momentum_weights
         grad_weight = 1.0 - sum(weights)

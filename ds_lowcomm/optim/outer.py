@@ -152,12 +152,6 @@ class OuterLoop(LowcommOptimizer):
         self.inner.zero_grad(set_to_none=set_to_none)
 
     @property
-    def local_step(self) -> int:
-        """Inner steps taken (by the first parameter currently in param_groups)."""
-        params = self._current_params()
-        return self.state[params[0]].get("local_step", 0) if params else 0
-
-    @property
     def outer_steps(self) -> int:
         """Outer steps applied to the first parameter currently in param_groups."""
         params = self._current_params()
@@ -251,13 +245,6 @@ class OuterLoop(LowcommOptimizer):
     def _start_combine(self, params: list[torch.Tensor], deltas: list[torch.Tensor]) -> Pending:
         """Local pseudo-gradients -> (in flight) the update every replica applies, identical on all."""
         raise NotImplementedError
-
-    @torch.no_grad()
-    def outer_step(self, params: list[torch.Tensor] | None = None) -> None:
-        """Sync ``params`` (default: all) now and apply the outer step, blocking."""
-        params = self._current_params() if params is None else params
-        deltas = [self.state[p]["anchor"] - p.to(self.state_dtype) for p in params]
-        self._apply_outer(params, self._start_combine(params, deltas).wait())
 
     # -- checkpointing: outer state here, the inner optimizer's under "inner" ---------------
     def state_dict(self):
