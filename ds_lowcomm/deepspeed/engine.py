@@ -12,28 +12,26 @@ What it does, in order:
    gradient all-reduce is switched off: the method does all the communication.
 4. Patches the engine's ``step`` (ledger step boundaries) and ``save_checkpoint`` /
    ``load_checkpoint`` (one DeepSpeed checkpoint per replica, so every rank's method state is
-   kept, plus a ``lowcomm.json`` that refuses a resume with another world size or method).
+   kept, plus a ``lowcomm.json`` that refuses a resume with another world size or method; see
+   ``checkpoint.py``).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import types
 from dataclasses import dataclass
 from typing import Any
 
-import torch.distributed as dist
-
 from ..comm import ByteLedger, ReplicaShard, ReplicaTopology, TorchDistTransport, assert_same_across_ranks, build_transport
 from ..optim import LowcommOptimizer, build_optimizer
 from ..settings import ConfigError
+from .checkpoint import patch_checkpoint
 from .comm_counter import count_deepspeed_collectives
+from .broadcast import broadcast_initial_state
 from .config import SplitConfig, load_config, split_config
+from .data import build_training_loader, replica_batch_config, report_global_batch
 from .mpu import ReplicaMPU
-
-CHECKPOINT_META = "lowcomm.json"
 
 
 @dataclass
@@ -109,7 +107,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
          "zero_optimization.stage": split.zero_stage,
          **{f"optimizer.params.{k}": v for k, v in split.optimizer.flat().items()}},
     )
+    global_batch = replica_batch_config(split.deepspeed, topology)  # train_batch_size counts every replica
     params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
+    # Every rank, inside and across replicas, starts from rank 0's weights (before the optimizer's check).
+    broadcast_initial_state(model, params, engine_ledger)
     # The method's traffic across replicas goes over lowcomm.transport (torch.distributed or MPI);
     # DeepSpeed's own (inside a replica) and the check above stay on torch.distributed.
     transport = build_transport(split.lowcomm.comm.transport, group=topology.cross_group,
@@ -123,7 +124,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     opt = build_optimizer(split.lowcomm, params, transport=transport, shard=shard, ledger_steps=False,
                           **split.optimizer.torch_kwargs())
     engine, ds_opt, loader, sched = deepspeed.initialize(
-        args=args, model=model, optimizer=opt, model_parameters=params, training_data=training_data,
+        args=args, model=model, optimizer=opt, model_parameters=params, training_data=None,  # loader: below
         lr_scheduler=lr_scheduler, mpu=ReplicaMPU(topology), dist_init_required=dist_init_required,
         collate_fn=collate_fn, config=split.deepspeed, **kwargs,
     )
@@ -131,6 +132,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         # Inside a replica DeepSpeed averages gradients as usual; with one rank per replica there
         # is nothing to average and the method does all the communication.
         engine.enable_backward_allreduce = topology.replica_size > 1
+    if training_data:  # DeepSpeed's loader, sharded over every rank of every replica
+        loader = build_training_loader(engine, training_data, topology)
+    report_global_batch(engine, topology)
+    assert engine.train_batch_size() == global_batch, (engine.train_batch_size(), global_batch)
     run = LowcommRun(split, topology, opt, engine_ledger)
     engine.lowcomm = run
     _patch_engine(engine, run)
@@ -138,7 +143,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
 
 def _patch_engine(engine, run: LowcommRun) -> None:
-    step, save, load = engine.step, engine.save_checkpoint, engine.load_checkpoint
+    step = engine.step
 
     def lowcomm_step(self, *args, **kwargs):
         boundary = self.is_gradient_accumulation_boundary()
@@ -147,44 +152,5 @@ def _patch_engine(engine, run: LowcommRun) -> None:
             run.optimizer.ledger.end_step()
         return out
 
-    def replica_dir(base: str) -> str:
-        # One DeepSpeed checkpoint per replica: DeepSpeed writes the files of data-parallel rank 0
-        # (ZeRO 0) or of each data-parallel rank (ZeRO 1/2) of *its* group, so without this the
-        # replicas would overwrite each other and every rank's method state but one would be lost.
-        return os.path.join(base, f"replica{run.topology.replica:05d}")
-
-    def meta(self) -> dict[str, Any]:
-        return {"world_size": run.topology.world_size, "replica_size": run.topology.replica_size,
-                "method": run.config.lowcomm.method, "zero_stage": run.config.zero_stage}
-
-    def lowcomm_save(self, save_dir, tag=None, client_state={}, save_latest=True, **kwargs):
-        tag = str(tag) if tag is not None else f"global_step{self.global_steps}"  # DeepSpeed's default
-        if dist.get_rank() == 0:
-            # DeepSpeed writes its "latest" file on global rank 0 only, so the other replicas'
-            # directories lack it: the latest tag is kept here, for every replica.
-            os.makedirs(save_dir, exist_ok=True)
-            with open(os.path.join(save_dir, CHECKPOINT_META), "w") as f:
-                json.dump({**meta(self), "latest": tag if save_latest else None}, f)
-        return save(replica_dir(save_dir), tag, client_state=client_state, save_latest=save_latest, **kwargs)
-
-    def lowcomm_load(self, load_dir, tag=None, **kwargs):
-        path = os.path.join(load_dir, CHECKPOINT_META)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"{load_dir}: no {CHECKPOINT_META}; not a checkpoint written by ds_lowcomm")
-        with open(path) as f:
-            saved = json.load(f)
-        now = meta(self)
-        diffs = [f"{k}: saved {saved.get(k)!r}, now {now[k]!r}" for k in now if saved.get(k) != now[k]]
-        if diffs:
-            raise ValueError(f"{load_dir}: checkpoint does not fit this run ({'; '.join(diffs)})")
-        tag = tag if tag is not None else saved.get("latest")
-        if tag is None:
-            raise FileNotFoundError(f"{load_dir}: no latest checkpoint recorded; pass tag=")
-        path, client_state = load(replica_dir(load_dir), tag, **kwargs)
-        if path is None:
-            raise FileNotFoundError(f"{replica_dir(load_dir)}/{tag}: DeepSpeed found no checkpoint to load")
-        return path, client_state
-
     engine.step = types.MethodType(lowcomm_step, engine)
-    engine.save_checkpoint = types.MethodType(lowcomm_save, engine)
-    engine.load_checkpoint = types.MethodType(lowcomm_load, engine)
+    patch_checkpoint(engine, run)  # save_checkpoint / load_checkpoint: see checkpoint.py
