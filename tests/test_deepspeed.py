@@ -176,13 +176,25 @@ def test_bf16_engines(tmp_path):
         (lambda c: c["lowcomm"].update(method="powersgd"), "lowcomm.method must be one of"),
         (lambda c: (c["lowcomm"].update(method="diloco", sync_every=4, fragments=2), c.update(zero_optimization={"stage": 1})),
          "lowcomm.fragments must be 1 with zero_optimization.stage 1"),
+        (lambda c: c["optimizer"]["params"].update(adam_w_mode=False), "optimizer.params.adam_w_mode must be true"),
+        (lambda c: c["optimizer"]["params"].update(amsgrad=True), "optimizer.params.amsgrad must be false"),
+        (lambda c: c["optimizer"]["params"].update(fused=True),
+         r"optimizer.params: unknown key\(s\) fused with lowcomm; allowed: lr, betas, eps, weight_decay, adam_w_mode"),
+        (lambda c: c["optimizer"]["params"].update(betas=[0.9, 1.5]), r"optimizer.params.betas\[\] must be a number in"),
     ],
 )
 def test_config_errors(mutate, message):
+    """Bad sections are refused naming the field; DeepSpeed's Adam switches are honoured or refused."""
     cfg = ds_config("demo")
     mutate(cfg)
     with pytest.raises(ConfigError, match=message):
         split_config(cfg)
+
+
+def test_adam_switches_that_match_are_honoured():
+    cfg = ds_config("demo")
+    cfg["optimizer"]["params"].update(adam_w_mode=True, bias_correction=True, amsgrad=False, torch_adam=False)
+    assert split_config(cfg).optimizer == split_config(ds_config("demo")).optimizer
 
 
 def _mismatch_worker(rank, world, workdir):

@@ -12,6 +12,15 @@ from ..optim import AdamSettings, LowcommConfig
 from ..settings import ConfigError
 
 INNER_OPTIMIZERS = ("adam", "adamw")
+# DeepSpeed's Adam/AdamW switches that ds_lowcomm's optimizers (torch's AdamW update, decoupled
+# weight decay, bias correction, no AMSGrad) can honour, with the values they honour. Any other
+# key of optimizer.params is refused by name rather than ignored.
+ADAM_SWITCHES = {
+    "adam_w_mode": (True,),  # DeepSpeed's default for Adam too: decoupled weight decay
+    "bias_correction": (True,),
+    "amsgrad": (False,),
+    "torch_adam": (True, False),  # the update is torch's AdamW either way (or apex's with lowcomm.inner_impl)
+}
 
 
 @dataclass
@@ -57,6 +66,14 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
     if kind not in INNER_OPTIMIZERS:
         raise ConfigError(f"optimizer.type must be one of Adam, AdamW with lowcomm; got {opt.get('type')!r}")
     params = dict(opt["params"])
+    for key, allowed in ADAM_SWITCHES.items():
+        if key in params and params.pop(key) not in allowed:
+            raise ConfigError(f"optimizer.params.{key} must be {' or '.join(str(a).lower() for a in allowed)} with "
+                              f"lowcomm; got {opt['params'][key]!r}")
+    unknown = sorted(set(params) - set(AdamSettings.flat_keys()))
+    if unknown:
+        raise ConfigError(f"optimizer.params: unknown key(s) {', '.join(unknown)} with lowcomm; allowed: "
+                          f"{', '.join([*AdamSettings.flat_keys(), *ADAM_SWITCHES])}")
     if "lr" not in params:
         raise ConfigError("optimizer.params.lr must be a number > 0; got None")
     # DeepSpeed's AdamW, like torch's, decays weights by 0.01 unless told otherwise.
