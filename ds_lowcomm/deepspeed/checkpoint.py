@@ -1,44 +1,249 @@
-"""Checkpoints of a ds_lowcomm engine: ``save_checkpoint`` / ``load_checkpoint`` patched in."""
+"""Checkpoints of a ds_lowcomm engine: ``save_checkpoint`` / ``load_checkpoint`` patched in.
+
+Layout of ``engine.save_checkpoint(dir)`` (tag ``T``)::
+
+    dir/lowcomm.json          world size, replica size, method, ZeRO stage, latest tag
+    dir/latest                T (as DeepSpeed writes it)
+    dir/zero_to_fp32.py       DeepSpeed's recovery scripts (zero_to_torch.py too), at every stage
+    dir/T/                    a plain DeepSpeed checkpoint of replica 0 (the export, see below)
+    dir/replica00000/latest   T
+    dir/replica00000/T/...    replica 0's DeepSpeed checkpoint, the method's state included
+    dir/replica00001/latest   T
+    dir/replica00001/T/...    replica 1's ...
+
+Why one DeepSpeed checkpoint per replica: DeepSpeed's data-parallel group is one replica, so it
+writes the files of data-parallel rank 0 (ZeRO 0) or of each data-parallel rank (ZeRO 1/2) of
+*its* group under the same names in every replica: the replicas would overwrite each other and
+every rank's method state (momenta, residuals, anchors) but one replica's would be lost.
+
+Why ``dir/T/`` is replica 0: it makes ``dir`` a DeepSpeed checkpoint for DeepSpeed's own tools
+(``zero_to_fp32``, a plain engine's ``load_checkpoint(dir, load_module_only=True)``), which know
+one data-parallel group. Replicas hold identical parameters after a sync with every method; in
+the local phase of the outer methods (diloco, dct_diloco, sparseloco, mtdao between two outer
+steps) they differ, and the export is replica 0's parameters.
+- ZeRO 1/2: ``dir/T/`` holds hard links to replica 0's files (model states, its ranks' ZeRO
+  partitions): no byte is copied and the export cannot drift from
+  what a resume loads; where the file system refuses hard links they are copied.
+- ZeRO 0: DeepSpeed's stage-0 checkpoint has no ``*_optim_states.pt`` and no parameter shapes,
+  which ``zero_to_fp32`` needs. ``dir/T/`` then gets a model-states file (module, buffer names,
+  parameter shapes, no optimizer) and one stage-0 "partition" file holding the flat fp32
+  parameters, in the format ``zero_to_fp32`` reads (world size 1): two model-sized files written
+  by global rank 0. A bf16/fp16 engine exports its module's values.
+Global rank 0 builds ``dir/.T.lowcomm-tmp`` after every replica has saved and renames it to
+``dir/T``; ``lowcomm.json`` and ``latest`` are written (by replace) after that, so a crash leaves
+the previous latest checkpoint named.
+
+``load_checkpoint(dir)`` on a directory without ``lowcomm.json`` is a warm start from a plain
+DeepSpeed checkpoint: every rank loads the module from ``dir/<latest>/`` (DeepSpeed's
+``load_module_only`` path). Adam's moments follow where they map (a ZeRO 0 checkpoint into a ZeRO 0
+fp32 run of adamw, or of an outer method's inner AdamW; not with ``load_module_only=True``); all
+other method state (anchors, momenta, residuals, the learning-rate schedule) starts fresh. A log
+line on rank 0 says which.
+"""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
+import re
+import shutil
 import types
+from collections import OrderedDict
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 CHECKPOINT_META = "lowcomm.json"
+LATEST = "latest"  # DeepSpeed's name
+REPLICA_DIR = re.compile(r"replica\d{5}")
+
+logger = logging.getLogger(__name__)
+
+
+def _write_text(path: str, text: str) -> None:
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        f.write(text)
+    os.replace(tmp, path)
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)
+
+
+def _stage0_export(engine, path: str) -> None:
+    """``zero_to_fp32``-readable files of a ZeRO 0 engine (see the module docstring)."""
+    from deepspeed.checkpoint.constants import (BUFFER_NAMES, FROZEN_PARAM_FRAGMENTS, FROZEN_PARAM_SHAPES,
+                                                OPTIMIZER_STATE_DICT, PARAM_SHAPES, PARTITION_COUNT,
+                                                SINGLE_PARTITION_OF_FP32_GROUPS, ZERO_STAGE)
+    from deepspeed.git_version_info import version
+
+    # One group, the module's trainable parameters in named_parameters() order (shared ones once:
+    # zero_to_fp32 restores them from shared_params); the optimizer's groups are not used, since a
+    # bf16/fp16 engine's hold flat master copies.
+    named = list(engine.module.named_parameters())
+    trainable = [(n, p) for n, p in named if p.requires_grad]
+    frozen = [(n, p) for n, p in named if not p.requires_grad]
+    model = {
+        "module": engine.module_state_dict(),
+        BUFFER_NAMES: engine._get_buffer_names(),
+        "optimizer": None,
+        PARAM_SHAPES: [OrderedDict((n, p.shape) for n, p in trainable)],
+        FROZEN_PARAM_SHAPES: OrderedDict((n, p.shape) for n, p in frozen),
+        FROZEN_PARAM_FRAGMENTS: OrderedDict((n, p.detach().cpu()) for n, p in frozen),
+        "shared_params": engine._get_shared_params(),
+        "lr_scheduler": None,
+        "skipped_steps": engine.skipped_steps,
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "dp_world_size": 1,
+        "mp_world_size": engine.mp_world_size,
+        "ds_config": engine.config,
+        "ds_version": version,
+    }
+    flat = [torch.cat([p.detach().reshape(-1).float().cpu() for _, p in trainable] or [torch.zeros(0)])]
+    optim = {OPTIMIZER_STATE_DICT: {ZERO_STAGE: 0, PARTITION_COUNT: 1, SINGLE_PARTITION_OF_FP32_GROUPS: flat},
+             "ds_config": engine.config, "ds_version": version}
+    torch.save(model, os.path.join(path, "mp_rank_00_model_states.pt"))
+    torch.save(optim, os.path.join(path, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+
+
+def _adam_target(run, engine) -> torch.optim.Optimizer | None:
+    """The torch AdamW whose state a plain DeepSpeed checkpoint's Adam state can fill: the adamw
+    method itself, or an outer method's inner AdamW; at ZeRO 0 with fp32 parameters only (ZeRO
+    1/2 and bf16/fp16 engines hand the optimizer flat partitions or master copies)."""
+    if run.config.zero_stage != 0 or engine.optimizer is not run.optimizer:
+        return None
+    from ..optim import AllReduceAdamW
+
+    target = run.optimizer if isinstance(run.optimizer, AllReduceAdamW) else getattr(run.optimizer, "inner", None)
+    return target if isinstance(target, torch.optim.AdamW) else None
+
+
+def _map_adam_state(target: torch.optim.Optimizer, saved: Any) -> str | None:
+    """Load Adam moments saved by a plain DeepSpeed ZeRO 0 engine (torch's AdamW or DeepSpeed's
+    FusedAdam) into ``target``, keeping target's hyperparameters (the config's). Returns why
+    not, or None when loaded."""
+    if not isinstance(saved, dict) or not {"state", "param_groups"} <= saved.keys():
+        return "the checkpoint holds no optimizer state of ZeRO 0"
+    groups = target.param_groups
+    if [len(g["params"]) for g in saved["param_groups"]] != [len(g["params"]) for g in groups]:
+        return "its parameter groups do not match this model's"
+    state = {}
+    for sg, tg in zip(saved["param_groups"], groups):
+        for i, p in zip(sg["params"], tg["params"]):
+            st = saved["state"].get(i)
+            if not st:
+                continue
+            step = st.get("step", sg.get("step"))
+            if step is None or not {"exp_avg", "exp_avg_sq"} <= st.keys() or st["exp_avg"].shape != p.shape \
+                    or st["exp_avg_sq"].shape != p.shape:
+                return "its optimizer state is not Adam's moments of these parameters"
+            state[i] = {"step": torch.as_tensor(float(step)), "exp_avg": st["exp_avg"], "exp_avg_sq": st["exp_avg_sq"]}
+    torch.optim.Optimizer.load_state_dict(target, {
+        "state": state,
+        "param_groups": [{**{k: v for k, v in tg.items() if k != "params"}, "params": list(sg["params"])}
+                         for sg, tg in zip(saved["param_groups"], groups)]})
+    return None
 
 
 def patch_checkpoint(engine, run) -> None:
     save, load = engine.save_checkpoint, engine.load_checkpoint
+    topology = run.topology
 
     def replica_dir(base: str) -> str:
-        # One DeepSpeed checkpoint per replica: DeepSpeed writes the files of data-parallel rank 0
-        # (ZeRO 0) or of each data-parallel rank (ZeRO 1/2) of *its* group, so without this the
-        # replicas would overwrite each other and every rank's method state but one would be lost.
-        return os.path.join(base, f"replica{run.topology.replica:05d}")
+        return os.path.join(base, f"replica{topology.replica:05d}")
 
     def meta(self) -> dict[str, Any]:
-        return {"world_size": run.topology.world_size, "replica_size": run.topology.replica_size,
+        return {"world_size": topology.world_size, "replica_size": topology.replica_size,
                 "method": run.config.lowcomm.method, "zero_stage": run.config.zero_stage}
+
+    def export(self, save_dir: str, tag: str) -> None:
+        """Global rank 0: ``save_dir/tag`` becomes replica 0's checkpoint (module docstring)."""
+        final, tmp = os.path.join(save_dir, tag), os.path.join(save_dir, f".{tag}.lowcomm-tmp")
+        shutil.rmtree(tmp, ignore_errors=True)
+        os.makedirs(tmp)
+        if run.config.zero_stage == 0:
+            _stage0_export(self, tmp)
+        else:
+            src = os.path.join(replica_dir(save_dir), tag)
+            for name in sorted(os.listdir(src)):
+                if os.path.isfile(os.path.join(src, name)):
+                    _link_or_copy(os.path.join(src, name), os.path.join(tmp, name))
+        if os.path.isdir(final):
+            shutil.rmtree(final)
+        os.replace(tmp, final)
 
     def lowcomm_save(self, save_dir, tag=None, client_state={}, save_latest=True, **kwargs):
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"  # DeepSpeed's default
+        if REPLICA_DIR.fullmatch(tag) or tag.startswith("."):
+            raise ValueError(f"tag {tag!r}: names like replicaNNNNN and dot-names are ds_lowcomm's own")
+        out = save(replica_dir(save_dir), tag, client_state=client_state, save_latest=save_latest, **kwargs)
+        # DeepSpeed ends its save with a global barrier: every replica's files are complete here.
+        if save_latest and topology.local_rank == 0 and topology.replica != 0:
+            _write_text(os.path.join(replica_dir(save_dir), LATEST), tag)  # DeepSpeed: global rank 0 only
         if dist.get_rank() == 0:
-            # DeepSpeed writes its "latest" file on global rank 0 only, so the other replicas'
-            # directories lack it: the latest tag is kept here, for every replica.
-            os.makedirs(save_dir, exist_ok=True)
-            with open(os.path.join(save_dir, CHECKPOINT_META), "w") as f:
-                json.dump({**meta(self), "latest": tag if save_latest else None}, f)
-        return save(replica_dir(save_dir), tag, client_state=client_state, save_latest=save_latest, **kwargs)
+            export(self, save_dir, tag)
+            # DeepSpeed copies zero_to_fp32.py / zero_to_torch.py next to the tags it saves (here the
+            # replica folders, and at ZeRO 1/2 only): they belong beside the export too.
+            self._copy_recovery_script(save_dir)
+            path = os.path.join(save_dir, CHECKPOINT_META)
+            latest = tag
+            if not save_latest and os.path.exists(path):
+                with open(path) as f:
+                    latest = json.load(f).get("latest")
+            elif not save_latest:
+                latest = None
+            _write_text(path, json.dumps({**meta(self), "latest": latest}))
+            if save_latest:
+                _write_text(os.path.join(save_dir, LATEST), tag)
+        dist.barrier()  # no rank reads the directory before it is complete
+        return out
+
+    def warm_start(self, load_dir, tag, kwargs):
+        """A plain DeepSpeed checkpoint: the module on every rank; Adam's moments where they map
+        (ZeRO 0: adamw, or an outer method's inner AdamW); the rest of the method's state fresh."""
+        opt = run.optimizer
+        inner = getattr(opt, "inner", None)
+        if any(opt.state.values()) or (inner is not None and any(inner.state.values())):
+            raise ValueError(f"{load_dir}: a plain DeepSpeed checkpoint (no {CHECKPOINT_META}) is a warm start; "
+                             "load it before the first step")
+        want_optimizer = kwargs.get("load_optimizer_states", True) and not kwargs.get("load_module_only", False)
+        kwargs = {**kwargs, "load_module_only": True, "load_optimizer_states": False,
+                  "load_lr_scheduler_states": False}
+        path, client_state = load(load_dir, tag, **kwargs)
+        if path is None:
+            raise FileNotFoundError(f"{load_dir}: DeepSpeed found no checkpoint to load (tag {tag!r})")
+        method = run.config.lowcomm.method
+        if not want_optimizer:
+            why = "load_module_only / load_optimizer_states=False"
+        elif (target := _adam_target(run, self)) is None:
+            why = f"only a ZeRO 0 fp32 run's adamw or inner AdamW can take it ({method}, ZeRO {run.config.zero_stage})"
+        else:
+            file = os.path.join(path, "mp_rank_00_model_states.pt") if os.path.isdir(path) else path
+            saved = self.checkpoint_engine.load(file, map_location="cpu").get("optimizer")
+            why = _map_adam_state(target, saved)
+        if dist.get_rank() == 0:
+            if why is None:
+                logger.warning("ds_lowcomm: warm start from the plain DeepSpeed checkpoint %s: module and Adam's "
+                               "moments loaded on every rank; the rest of the %s state starts fresh", path, method)
+            else:
+                logger.warning("ds_lowcomm: warm start from the plain DeepSpeed checkpoint %s: module loaded on every "
+                               "rank; the optimizer and the %s method state start fresh (%s)", path, method, why)
+        return path, client_state
 
     def lowcomm_load(self, load_dir, tag=None, **kwargs):
         path = os.path.join(load_dir, CHECKPOINT_META)
         if not os.path.exists(path):
-            raise FileNotFoundError(f"{load_dir}: no {CHECKPOINT_META}; not a checkpoint written by ds_lowcomm")
+            if tag is None and not os.path.isfile(os.path.join(load_dir, LATEST)):
+                raise FileNotFoundError(f"{load_dir}: neither {CHECKPOINT_META} (ds_lowcomm) nor {LATEST} "
+                                        "(DeepSpeed): not a checkpoint directory, or pass tag=")
+            return warm_start(self, load_dir, tag, kwargs)
         with open(path) as f:
             saved = json.load(f)
         now = meta(self)
