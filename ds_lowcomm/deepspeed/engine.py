@@ -4,12 +4,16 @@ What it does, in order:
 1. Validates the config's ``lowcomm`` and ``optimizer`` sections (before any communication).
 2. Initialises torch.distributed through DeepSpeed if needed, builds the replica topology
    (``lowcomm.replica_size`` consecutive ranks per replica) and checks that every rank has the
-   same effective settings.
+   same effective settings. Checks the batch sizes over every data-parallel rank and hands
+   DeepSpeed its per-replica ``train_batch_size`` (``data.py``); broadcasts rank 0's parameters
+   and buffers to every rank (``broadcast.py``).
 3. Builds the method's optimizer over the cross-replica process group and hands it to
    DeepSpeed as a client optimizer, with an ``mpu`` whose data-parallel group is the replica:
    DeepSpeed (ZeRO 0/1/2 included) reduces gradients, partitions state and broadcasts the
    initial parameters only inside a replica. With one rank per replica at ZeRO 0 the engine's
-   gradient all-reduce is switched off: the method does all the communication.
+   gradient all-reduce is switched off: the method does all the communication. Builds
+   DeepSpeed's loader of ``training_data`` sharded over every replica, and makes
+   ``engine.train_batch_size()`` count every replica.
 4. Patches the engine's ``step`` (ledger step boundaries) and ``save_checkpoint`` /
    ``load_checkpoint`` (one DeepSpeed checkpoint per replica, so every rank's method state is
    kept, plus a ``lowcomm.json`` that refuses a resume with another world size or method; see

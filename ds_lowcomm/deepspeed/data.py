@@ -1,0 +1,129 @@
+"""Data and batch sizes across replicas.
+
+DeepSpeed sees one replica as its whole data-parallel world (the ``mpu``). Left alone, its loader
+would shard the data over one replica only (two replicas' ranks of the same local rank would read
+the same batches) and its ``train_batch_size`` would count one replica. Here both keep the meaning
+they have in plain DeepSpeed over the whole world: every rank of every replica reads its own shard,
+and ``train_batch_size`` = micro batch x gradient accumulation x every data-parallel rank.
+"""
+
+from __future__ import annotations
+
+import types
+from typing import Any
+
+import torch.distributed as dist
+
+from ..comm import ReplicaTopology
+from ..settings import ConfigError
+
+BATCH_FIELDS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
+
+
+def data_parallel_rank() -> int:
+    """This rank's data-parallel rank across all replicas: the ``rank`` a ``DistributedSampler``
+    of a loader you build yourself should use (ds_lowcomm has no model parallelism, so it is the
+    global rank)."""
+    _require_dist()
+    return dist.get_rank()
+
+
+def data_parallel_world_size() -> int:
+    """The number of data-parallel ranks across all replicas: the ``num_replicas`` of a
+    ``DistributedSampler`` (the world size)."""
+    _require_dist()
+    return dist.get_world_size()
+
+
+def _require_dist() -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError("torch.distributed is not initialised: call ds_lowcomm.deepspeed.initialize "
+                           "(or deepspeed.init_distributed) first")
+
+
+def replica_batch_config(ds: dict[str, Any], topology: ReplicaTopology) -> int:
+    """Check the batch fields of DeepSpeed config ``ds`` over the whole world and rewrite
+    ``train_batch_size`` (if given) for DeepSpeed's per-replica view, in place.
+
+    Returns the global train batch size. Resolution follows DeepSpeed's own rules
+    (``runtime/config.py`` ``_set_batch_related_parameters``) with every data-parallel rank counted.
+    """
+    world, size = topology.world_size, topology.replica_size
+    given = {k: ds.get(k) for k in BATCH_FIELDS}
+    for k, v in given.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
+            raise ConfigError(f"{k} must be a positive integer; got {v!r}")
+    tbs, micro, gas = (given[k] for k in BATCH_FIELDS)
+    if tbs is None and micro is None:
+        raise ConfigError("train_batch_size or train_micro_batch_size_per_gpu is required")
+    if tbs is not None and micro is not None and gas is None:
+        gas = tbs // micro // world
+    elif tbs is not None and gas is not None and micro is None:
+        micro = tbs // world // gas
+    elif tbs is not None and micro is None:
+        gas, micro = 1, tbs // world
+    elif gas is None:
+        gas = 1
+    if tbs is None:
+        tbs = micro * gas * world
+    if micro < 1 or gas < 1 or tbs != micro * gas * world:
+        shown = ", ".join(f"{k} {v}" for k, v in given.items() if v is not None)
+        raise ConfigError(
+            f"batch sizes ({shown}) do not fit {world} data-parallel ranks ({topology.num_replicas} replicas x "
+            f"lowcomm.replica_size {size}): train_batch_size must equal train_micro_batch_size_per_gpu x "
+            f"gradient_accumulation_steps x {world} (as in DeepSpeed, every rank of every replica counts); "
+            f"here {micro} x {gas} x {world} = {micro * gas * world} != {tbs}")
+    if given["train_batch_size"] is not None:
+        ds["train_batch_size"] = micro * gas * size  # what one replica (DeepSpeed's world) takes
+    return tbs
+
+
+def report_global_batch(engine, topology: ReplicaTopology) -> None:
+    """Make ``engine.train_batch_size()`` (and so ``engine.global_samples``, its throughput timer and
+    checkpoints) count every replica, as plain DeepSpeed over the whole world does."""
+    replicas = topology.num_replicas
+    if replicas == 1:
+        return
+    cls_method = type(engine).train_batch_size
+
+    def train_batch_size(self):
+        return cls_method(self) * replicas
+
+    engine.train_batch_size = types.MethodType(train_batch_size, engine)
+    timer = getattr(engine, "tput_timer", None)
+    if timer is not None and hasattr(timer, "batch_size"):
+        timer.batch_size = engine.train_batch_size()
+
+
+class _WorldDataView:
+    """The replica ``mpu`` with its data-parallel rank and size taken over every replica."""
+
+    def __init__(self, mpu, topology: ReplicaTopology):
+        self._mpu, self._topology = mpu, topology
+
+    def get_data_parallel_world_size(self) -> int:
+        return self._topology.world_size
+
+    def get_data_parallel_rank(self) -> int:
+        return self._topology.rank
+
+    def __getattr__(self, name):
+        return getattr(self._mpu, name)
+
+
+def build_training_loader(engine, training_data, topology: ReplicaTopology):
+    """DeepSpeed's own training loader (``engine.deepspeed_io``: micro batch size, collate_fn,
+    its ``DistributedSampler``, drop_last, ...) sharded over every rank of every replica; set as
+    ``engine.training_dataloader`` and returned."""
+    if topology.num_replicas > 1 and engine.curriculum_learning_enabled():
+        raise ConfigError("curriculum learning (data_efficiency) with training_data= shards by DeepSpeed's "
+                          "data-parallel group, one replica: not supported with more than one replica yet")
+    mpu = engine.mpu
+    engine.mpu = _WorldDataView(mpu, topology)
+    try:
+        loader = engine.deepspeed_io(training_data)
+    finally:
+        engine.mpu = mpu
+    engine.training_data = training_data
+    engine.training_dataloader = loader
+    return loader
