@@ -52,11 +52,15 @@ def check_unit(where: str, name: str, value: Any) -> None:
         raise ConfigError(f"{where}.{name} must be a number in [0, 1]; got {value!r}")
 
 
+def _check_positive_field(field: str, value: Any) -> float:
+    if not (_is_number(value) and value > 0 and math.isfinite(value)):
+        raise ConfigError(f"{field} must be a number > 0; got {value!r}")
+    return float(value)
+
+
 def check_positive(where: str, name: str, value: Any) -> float:
     """A finite number > 0: learning rates."""
-    if not (_is_number(value) and value > 0 and math.isfinite(value)):
-        raise ConfigError(f"{where}.{name} must be a number > 0; got {value!r}")
-    return float(value)
+    return _check_positive_field(f"{where}.{name}", value)
 
 
 def check_nonnegative(where: str, name: str, value: Any) -> float:
@@ -73,9 +77,7 @@ def check_bool(where: str, name: str, value: Any) -> None:
 
 def check_lr(lr: Any, where: str = "lr") -> float:
     """A learning rate: a finite number > 0 (``where`` is the whole field name)."""
-    if not (_is_number(lr) and lr > 0 and math.isfinite(lr)):
-        raise ConfigError(f"{where} must be a number > 0; got {lr!r}")
-    return float(lr)
+    return _check_positive_field(where, lr)
 
 
 # -- settings dataclasses ----------------------------------------------------------------------
