@@ -173,3 +173,109 @@ def test_train_batch_size_counts_every_replica(batch, world, replica_size, globa
     assert replica_batch_config(ds, _Topology(world, replica_size)) == global_batch
     assert ds.get("train_batch_size") == deepspeed_sees
     assert {k: v for k, v in ds.items() if k != "train_batch_size"} == {k: v for k, v in batch.items() if k != "train_batch_size"}
+
+
+def _traffic_and_batch_worker(rank, world):
+    import deepspeed
+    import deepspeed.comm as ds_comm
+
+    import ds_lowcomm.deepspeed as dl
+
+    out = {}
+    data = Numbered()
+
+    # (1, 2) adamw across 2 replicas of one rank: the user's own deepspeed.comm call, per-step figures
+    model = make_model(0)
+    model[0].bias.requires_grad_(False)  # frozen: not part of the dense all-reduce
+    engine, _, _, _ = dl.initialize(model=model, config=config({"method": "adamw", "replica_size": 1}))
+    run = engine.lowcomm
+    out["engine_ops_at_start"] = dict(run.engine_ledger.by_op)
+    ledgers_at_start = run.ledger.sent + run.engine_ledger.sent
+    it = iter(torch.utils.data.DataLoader(data, batch_size=8))
+    for micro in range(3 * 2):  # 3 optimizer steps of 2 micro batches
+        _, x, y = next(it)
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        if micro == 2:  # mid-step, as a user's logging all-reduce would be
+            engine_before = (run.engine_ledger.calls, run.engine_ledger.sent)
+            user_tensor = torch.ones(1000)  # 4000 bytes
+            ds_comm.all_reduce(user_tensor)
+            out["user_all_reduce_value"] = user_tensor[0].item()
+            out["engine_untouched_by_user_call"] = (run.engine_ledger.calls, run.engine_ledger.sent) == engine_before
+        engine.step()
+    sent_in_training = run.ledger.sent + run.engine_ledger.sent - ledgers_at_start
+    out["independent_ratio"] = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad) / (sent_in_training / 3)
+    out["summary"] = run.summary()
+
+    # (4) DeepSpeed keeps the replica mpu process-wide: a later plain engine takes a replica as its
+    # data-parallel world (documented in the README). Its own backward's collectives are DeepSpeed's.
+    plain, _, _, _ = deepspeed.initialize(model=make_model(0), config=config(gradient_accumulation_steps=1))
+    out["plain_after_dp_world_size"] = plain.dp_world_size
+    user_calls, engine_calls = run.user_ledger.calls, run.engine_ledger.calls
+    _, x, y = next(it)
+    plain.backward(torch.nn.functional.mse_loss(plain(x), y))  # a boundary: DeepSpeed's gradient all-reduce
+    out["plain_backward_calls"] = (run.user_ledger.calls - user_calls, run.engine_ledger.calls - engine_calls)
+
+    # (3) set_train_batch_size and deepspeed_io over every rank of every replica
+    engine, _, loader, _ = dl.initialize(model=make_model(0), config=config({"method": "adamw", "replica_size": 1}),
+                                         training_data=data)
+    out["io_batches"] = first_batches(engine.deepspeed_io(data))
+    out["loader_batches"] = first_batches(loader)
+    engine.set_train_batch_size(8 * 4 * world)  # accumulation 4, as plain DeepSpeed over `world` ranks
+    out["after_set"] = (engine.train_batch_size(), engine.gradient_accumulation_steps())
+    boundaries = []
+    it = iter(loader)
+    for _ in range(4):
+        _, x, y = next(it)
+        engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+        boundaries.append(engine.is_gradient_accumulation_boundary())
+        engine.step()
+    out["boundaries"] = boundaries
+    out["after_4_micro"] = (engine.lowcomm.ledger.steps, engine.global_samples)
+    try:
+        engine.set_train_batch_size(8 * 2 * world + 8)
+        out["set_error"] = None
+    except ConfigError as err:
+        out["set_error"] = str(err)
+    out["after_refusal"] = (engine.train_batch_size(), engine.gradient_accumulation_steps())
+    return out
+
+
+def test_user_traffic_summary_and_batch_size():
+    world = 2
+    results = run_local_workers(_traffic_and_batch_worker, world)
+    for rank, r in enumerate(results):
+        s = r["summary"]
+        # (1) the user's all-reduce lands in the user ledger with its bytes, not in DeepSpeed's
+        assert r["user_all_reduce_value"] == world
+        assert s["user_ledger"]["by_op"] == {"user.all_reduce": {"calls": 1, "sent": 4000, "received": 4000}}
+        assert (s["user_bytes_sent"], s["user_bytes_received"]) == (4000, 4000)
+        assert r["engine_untouched_by_user_call"]
+        assert not any(op.startswith("user.") for op in s["engine_ledger"]["by_op"])
+        assert s["engine_bytes_sent"] == s["engine_ledger"]["bytes_sent"]
+        assert s["bytes_sent"] == s["cross_replica_bytes_sent"] + s["engine_bytes_sent"]
+        # DeepSpeed's own start-up collectives (called from its engine) stay the engine's
+        assert any(op.startswith("deepspeed.") for op in r["engine_ops_at_start"]), r["engine_ops_at_start"]
+        # ... and so do those of a user's plain_engine.backward
+        user_calls, engine_calls = r["plain_backward_calls"]
+        assert user_calls == 0 and engine_calls > 0, r["plain_backward_calls"]
+        # (2) per step: adamw all-reduces the trainable gradients once per optimizer step, dense fp32
+        trainable = 8 * 16 + 16 * 1 + 1  # first layer's weight, second layer; the first bias is frozen
+        assert s["steps"] == 3
+        assert s["dense_allreduce_bytes_per_step"] == 4 * trainable
+        assert s["cross_replica_bytes_sent_per_step"] == 4 * trainable
+        assert s["engine_bytes_sent_per_step"] == 0  # replica of one rank: DeepSpeed moves no byte
+        assert s["compression_vs_allreduce"] == pytest.approx(r["independent_ratio"]) == pytest.approx(1.0)
+        assert s["method_seconds"]["comm"] > 0 and s["engine_comm_seconds"] >= 0
+        # (4) documented: a plain engine built after ours sees one replica as its data-parallel world
+        assert r["plain_after_dp_world_size"] == 1
+        # (3) set_train_batch_size counts every replica; accumulation as plain DeepSpeed over the world
+        assert r["after_set"] == (8 * 4 * world, 4)
+        assert r["boundaries"] == [False, False, False, True]
+        assert r["after_4_micro"] == (1, 8 * 4 * world)
+        assert r["set_error"] is not None and "train_batch_size" in r["set_error"], r["set_error"]
+        assert f"set_train_batch_size({8 * 2 * world + 8})" in r["set_error"] and "= 16" in r["set_error"]
+        assert r["after_refusal"] == r["after_set"]
+        # deepspeed_io by the user: DeepSpeed's loader over every rank, the same as training_data='s
+        assert r["io_batches"] == r["loader_batches"]
+    shards = [i for r in results for b in r["io_batches"] for i in b]
+    assert len(shards) == world * 2 * 8 and len(set(shards)) == len(shards)  # distinct shards per rank

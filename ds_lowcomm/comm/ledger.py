@@ -49,6 +49,11 @@ class ByteLedger:
         self._step_received.append(self._open_received)
         self._open_sent = self._open_received = 0
 
+    def drop_open_step(self) -> None:
+        """Leave the bytes recorded since the last closed step out of every step (they stay in the
+        totals): start-up traffic recorded under other op names than ``SETUP_OP``."""
+        self._open_sent = self._open_received = 0
+
     @property
     def steps(self) -> int:
         return len(self._step_sent)

@@ -5,6 +5,7 @@ would shard the data over one replica only (two replicas' ranks of the same loca
 the same batches) and its ``train_batch_size`` would count one replica. Here both keep the meaning
 they have in plain DeepSpeed over the whole world: every rank of every replica reads its own shard,
 and ``train_batch_size`` = micro batch x gradient accumulation x every data-parallel rank.
+The same holds for the user's own ``engine.set_train_batch_size(n)`` and ``engine.deepspeed_io(dataset)``.
 """
 
 from __future__ import annotations
@@ -111,19 +112,52 @@ class _WorldDataView:
         return getattr(self._mpu, name)
 
 
+def patch_world_batch_and_io(engine, topology: ReplicaTopology) -> None:
+    """Make ``engine.set_train_batch_size(n)`` and ``engine.deepspeed_io(dataset)`` mean what they
+    mean in plain DeepSpeed over the whole world: ``n`` counts every data-parallel rank of every
+    replica (DeepSpeed is handed its per-replica share), and the loader shards over every rank."""
+    replicas = topology.num_replicas
+    if replicas == 1 or getattr(engine, "_lowcomm_world_io", False):  # one replica: DeepSpeed's world is the world
+        return
+    engine._lowcomm_world_io = True
+    set_train_batch_size_per_replica = type(engine).set_train_batch_size
+    deepspeed_io_per_replica = type(engine).deepspeed_io
+
+    def set_train_batch_size(self, train_batch_size):
+        micro, world = self.train_micro_batch_size_per_gpu(), topology.world_size
+        if (isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size <= 0
+                or train_batch_size % (micro * world)):
+            raise ConfigError(
+                f"set_train_batch_size({train_batch_size!r}): train_batch_size must be a positive multiple of "
+                f"train_micro_batch_size_per_gpu {micro} x {world} data-parallel ranks ({replicas} replicas x "
+                f"lowcomm.replica_size {topology.replica_size}) = {micro * world} (as in DeepSpeed, every rank "
+                f"of every replica counts)")
+        set_train_batch_size_per_replica(self, train_batch_size // replicas)
+        timer = getattr(self, "tput_timer", None)
+        if timer is not None and hasattr(timer, "batch_size"):
+            timer.batch_size = self.train_batch_size()
+
+    def deepspeed_io(self, dataset, *args, **kwargs):
+        if self.curriculum_learning_enabled():
+            raise ConfigError("curriculum learning (data_efficiency) with DeepSpeed's loader shards by DeepSpeed's "
+                              "data-parallel group, one replica: not supported with more than one replica yet")
+        mpu = self.mpu  # the sampler's rank and size come from the mpu: take them over every replica
+        self.mpu = _WorldDataView(mpu, topology)
+        try:
+            return deepspeed_io_per_replica(self, dataset, *args, **kwargs)
+        finally:
+            self.mpu = mpu
+
+    engine.set_train_batch_size = types.MethodType(set_train_batch_size, engine)
+    engine.deepspeed_io = types.MethodType(deepspeed_io, engine)
+
+
 def build_training_loader(engine, training_data, topology: ReplicaTopology):
     """DeepSpeed's own training loader (``engine.deepspeed_io``: micro batch size, collate_fn,
-    its ``DistributedSampler``, drop_last, ...) sharded over every rank of every replica; set as
-    ``engine.training_dataloader`` and returned."""
-    if topology.num_replicas > 1 and engine.curriculum_learning_enabled():
-        raise ConfigError("curriculum learning (data_efficiency) with training_data= shards by DeepSpeed's "
-                          "data-parallel group, one replica: not supported with more than one replica yet")
-    mpu = engine.mpu
-    engine.mpu = _WorldDataView(mpu, topology)
-    try:
-        loader = engine.deepspeed_io(training_data)
-    finally:
-        engine.mpu = mpu
+    its ``DistributedSampler``, drop_last, ...) sharded over every rank of every replica (through
+    ``patch_world_batch_and_io``); set as ``engine.training_dataloader`` and returned."""
+    patch_world_batch_and_io(engine, topology)
+    loader = engine.deepspeed_io(training_data)
     engine.training_data = training_data
     engine.training_dataloader = loader
     return loader
