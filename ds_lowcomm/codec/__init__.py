@@ -1,6 +1,15 @@
-"""Pure tensor math: chunked orthonormal DCT, per-block top-k, index/value packing, quantisers."""
+"""Pure tensor math: chunked orthonormal DCT, per-block top-k, index/value packing, quantisers,
+and the pipeline-activation codecs."""
 
 from .settings import CodecSettings
+from .activations import (
+    ACTIVATION_CODECS,
+    CODED_DTYPES,
+    ActivationCodec,
+    ActivationSettings,
+    lowrank_basis,
+    make_activation_codec,
+)
 from .dct import ChunkPlan, dct_basis, dct_decode, dct_encode, largest_divisor_at_most
 from .sparse import (
     AVERAGES,
@@ -21,6 +30,8 @@ from .sparse import (
 )
 
 __all__ = [
+    "ACTIVATION_CODECS", "CODED_DTYPES", "ActivationCodec", "ActivationSettings", "lowrank_basis",
+    "make_activation_codec",
     "AVERAGES", "CodecSettings", "FLOAT_DTYPES", "TRANSFORMS", "VALUE_DTYPES", "ChunkPlan", "SparseSpec", "ValueFormat",
     "dct_basis", "dct_decode", "dct_encode", "index_bits", "largest_divisor_at_most",
     "pack_2bit", "pack_indices", "pack_uint", "packed_nbytes", "topk_count", "unpack_2bit", "unpack_indices",
