@@ -170,7 +170,9 @@ def test_bf16_engines(tmp_path):
     [
         (lambda c: c["lowcomm"].update(topk=10**6), r"lowcomm.topk must be an integer in \[1, 256\]"),
         (lambda c: c["optimizer"].update(type="SGD"), "optimizer.type must be one of Adam, AdamW"),
-        (lambda c: c.update(zero_optimization={"stage": 3}), "zero_optimization.stage must be 0, 1 or 2"),
+        (lambda c: c.update(zero_optimization={"stage": 4}), "zero_optimization.stage must be 0, 1, 2 or 3"),
+        (lambda c: c.update(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}),
+         "zero_optimization.offload_optimizer.device must be none"),
         (lambda c: c.pop("optimizer"), "optimizer: a section"),
         (lambda c: c["optimizer"]["params"].update(lr=-1), "optimizer.params.lr must be a number > 0"),
         (lambda c: c["lowcomm"].update(method="powersgd"), "lowcomm.method must be one of"),

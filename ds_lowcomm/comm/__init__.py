@@ -1,7 +1,7 @@
 """The compressed collective backend: transports, the byte ledger, sparse and dense collectives."""
 
 from .build import build_transport
-from .collectives import SparseAllGather, all_reduce_mean_, start_all_reduce_mean_
+from .collectives import Pieces, SparseAllGather, all_reduce_mean_, start_all_reduce_mean_
 from .consistency import assert_same_across_ranks
 from .ledger import ByteLedger
 from .shard import ReplicaShard
@@ -9,5 +9,5 @@ from .topology import ReplicaTopology
 from .transport import Pending, TorchDistTransport, Transport, backend_device
 
 __all__ = [
-    "ByteLedger", "Pending", "ReplicaShard", "ReplicaTopology", "SparseAllGather", "assert_same_across_ranks", "TorchDistTransport", "Transport", "all_reduce_mean_", "backend_device", "build_transport", "start_all_reduce_mean_",
+    "ByteLedger", "Pending", "Pieces", "ReplicaShard", "ReplicaTopology", "SparseAllGather", "assert_same_across_ranks", "TorchDistTransport", "Transport", "all_reduce_mean_", "backend_device", "build_transport", "start_all_reduce_mean_",
 ]

@@ -11,7 +11,8 @@ returns a :class:`~ds_lowcomm.comm.transport.Pending`, for syncs overlapped with
 from __future__ import annotations
 
 import time
-from typing import Sequence
+from dataclasses import dataclass
+from typing import Sequence, Union
 
 import torch
 
@@ -19,17 +20,52 @@ from ..codec import SparseSpec
 from .transport import Pending, Transport
 
 
+@dataclass(frozen=True)
+class Pieces:
+    """A flat tensor whose pieces are compressed each on its own: the parameters inside a ZeRO
+    partition, so that no transform block mixes two parameters (a parameter with zero gradient
+    then sends zeros and is not moved). ``pieces`` are (offset, shape) in the flat tensor;
+    elements outside every piece (alignment padding) are neither sent nor changed."""
+
+    numel: int
+    pieces: tuple[tuple[int, tuple[int, ...]], ...]
+
+    def __post_init__(self):
+        end = 0
+        for offset, shape in self.pieces:
+            size = _numel(shape)
+            if offset < end or offset + size > self.numel or size == 0:
+                raise ValueError(f"pieces must be non-empty, in order, disjoint and inside {self.numel} elements; "
+                                 f"got {self.pieces}")
+            end = offset + size
+
+    def views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        flat = flat.view(-1)
+        return [flat[offset : offset + _numel(shape)].view(shape) for offset, shape in self.pieces]
+
+
+def _numel(shape: Sequence[int]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+Layout = Union[Sequence[int], Pieces]  # a tensor's shape, or the pieces of a flat tensor
+
+
 class SparseAllGather:
-    """A fixed list of tensor shapes exchanged as top-k transform coefficients.
+    """A fixed list of tensors exchanged as top-k transform coefficients.
 
     ``exchange(buffers)`` removes from each buffer what it sends (error feedback happens in
     place) and returns, for each buffer, the mean over ranks of what the ranks sent. The layout
-    of the flat payload follows from the shapes and settings, identical on every rank.
+    of the flat payload follows from the shapes (or :class:`Pieces`) and settings, identical on
+    every rank.
     """
 
     def __init__(
         self,
-        shapes: Sequence[Sequence[int]],
+        layouts: Sequence[Layout],
         *,
         chunk: int,
         topk: int,
@@ -39,6 +75,8 @@ class SparseAllGather:
         average: str = "senders",
         op: str = "sparse_all_gather",
     ):
+        self.layouts = list(layouts)
+        shapes = [s for layout in self.layouts for s in _piece_shapes(layout)]
         self.specs = [
             SparseSpec.build(s, chunk=chunk, topk=topk, value_dtype=value_dtype, transform=transform) for s in shapes
         ]
@@ -60,28 +98,50 @@ class SparseAllGather:
     def start(self, buffers: Sequence[torch.Tensor]) -> Pending:
         """Compress now (error feedback applied to ``buffers`` at once), gather in the background;
         ``wait()`` decodes and returns the means."""
-        if len(buffers) != len(self.specs):
-            raise ValueError(f"expected {len(self.specs)} tensors, got {len(buffers)}")
+        if len(buffers) != len(self.layouts):
+            raise ValueError(f"expected {len(self.layouts)} tensors, got {len(buffers)}")
         ledger = self.transport.ledger
         start = time.perf_counter()
+        pieces = [v for layout, buf in zip(self.layouts, buffers) for v in _piece_views(layout, buf)]
         parts = []
-        for spec, buf in zip(self.specs, buffers):
+        for spec, buf in zip(self.specs, pieces):
             payload, sent = spec.compress(buf)
             buf.sub_(sent.to(buf.dtype))
             parts.append(payload)
         flat = torch.cat(parts)
         ledger.add_time("codec", time.perf_counter() - start)
         gathered = self.transport.start_all_gather_bytes(flat, op=self.op)
-        return Pending(lambda: self._decode(gathered.wait()), None)
+        return Pending(lambda: self._decode(gathered.wait(), buffers), None)
 
-    def _decode(self, rows: torch.Tensor) -> list[torch.Tensor]:
+    def _decode(self, rows: torch.Tensor, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         start = time.perf_counter()
-        means = [
+        means = iter([
             spec.decompress_mean(rows[:, lo:hi], self.average)
             for spec, lo, hi in zip(self.specs, self.offsets[:-1], self.offsets[1:])
-        ]
+        ])
+        out = []
+        for layout, buf in zip(self.layouts, buffers):
+            if isinstance(layout, Pieces):  # reassemble the flat tensor; padding gets zero
+                flat = torch.zeros(buf.shape, dtype=torch.promote_types(buf.dtype, torch.float32), device=buf.device)
+                for view in layout.views(flat):
+                    view.copy_(next(means))
+                out.append(flat)
+            else:
+                out.append(next(means))
         self.transport.ledger.add_time("codec", time.perf_counter() - start)
-        return means
+        return out
+
+
+def _piece_shapes(layout: Layout) -> list[Sequence[int]]:
+    return [shape for _, shape in layout.pieces] if isinstance(layout, Pieces) else [layout]
+
+
+def _piece_views(layout: Layout, buf: torch.Tensor) -> list[torch.Tensor]:
+    if isinstance(layout, Pieces):
+        if buf.numel() != layout.numel or not buf.is_contiguous():
+            raise ValueError(f"a tensor of {layout.numel} contiguous elements expected; got {tuple(buf.shape)}")
+        return layout.views(buf)
+    return [buf]
 
 
 def start_all_reduce_mean_(tensors: Sequence[torch.Tensor], transport: Transport, op: str = "all_reduce") -> Pending:

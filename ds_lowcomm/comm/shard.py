@@ -1,6 +1,6 @@
 """Splitting the cross-replica sync among a replica's ranks when they all hold every parameter.
 
-With ZeRO 1/2 each rank of a replica owns a partition already. At ZeRO 0 every rank holds the
+With ZeRO 1/2/3 each rank of a replica owns a partition already. At ZeRO 0 every rank holds the
 whole model (and, after DeepSpeed's in-replica gradient average, the same gradients), so each
 parameter is given one owner among the replica's ranks: only the owner syncs it across replicas
 (with the owners of the same parameter in the other replicas), and then sends the result to the

@@ -12,7 +12,7 @@ Layout of ``engine.save_checkpoint(dir)`` (tag ``T``)::
     dir/replica00001/T/...    replica 1's ...
 
 Why one DeepSpeed checkpoint per replica: DeepSpeed's data-parallel group is one replica, so it
-writes the files of data-parallel rank 0 (ZeRO 0) or of each data-parallel rank (ZeRO 1/2) of
+writes the files of data-parallel rank 0 (ZeRO 0) or of each data-parallel rank (ZeRO 1/2/3) of
 *its* group under the same names in every replica: the replicas would overwrite each other and
 every rank's method state (momenta, residuals, anchors) but one replica's would be lost.
 
@@ -21,7 +21,7 @@ Why ``dir/T/`` is replica 0: it makes ``dir`` a DeepSpeed checkpoint for DeepSpe
 one data-parallel group. Replicas hold identical parameters after a sync with every method; in
 the local phase of the outer methods (diloco, dct_diloco, sparseloco, mtdao between two outer
 steps) they differ, and the export is replica 0's parameters.
-- ZeRO 1/2: ``dir/T/`` holds hard links to replica 0's files (model states, its ranks' ZeRO
+- ZeRO 1/2/3: ``dir/T/`` holds hard links to replica 0's files (model states, its ranks' ZeRO
   partitions): no byte is copied and the export cannot drift from
   what a resume loads; where the file system refuses hard links they are copied.
 - ZeRO 0: DeepSpeed's stage-0 checkpoint has no ``*_optim_states.pt`` and no parameter shapes,
@@ -190,7 +190,7 @@ def patch_checkpoint(engine, run) -> None:
         if dist.get_rank() == 0:
             export(self, save_dir, tag)
             # DeepSpeed copies zero_to_fp32.py / zero_to_torch.py next to the tags it saves (here the
-            # replica folders, and at ZeRO 1/2 only): they belong beside the export too.
+            # replica folders, and at ZeRO 1-3 only): they belong beside the export too.
             self._copy_recovery_script(save_dir)
             path = os.path.join(save_dir, CHECKPOINT_META)
             latest = tag

@@ -48,14 +48,20 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
     ds = copy.deepcopy(raw)
     lowcomm = LowcommConfig.from_dict(ds.pop("lowcomm", None), where="lowcomm")
     stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
-    if stage not in (0, 1, 2):
-        raise ConfigError(f"zero_optimization.stage must be 0, 1 or 2 with lowcomm; got {stage}")
+    if stage not in (0, 1, 2, 3):
+        raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3 with lowcomm; got {stage}")
+    zero_section = ds.get("zero_optimization") or {}
+    for key in ("offload_optimizer", "offload_param"):
+        device = (zero_section.get(key) or {}).get("device", "none")
+        if str(device).lower() != "none":
+            raise ConfigError(f"zero_optimization.{key}.device must be none with lowcomm; got {device!r} (the "
+                              "method steps ZeRO's partitions in place, which offloading moves off the device)")
     if (ds.get("zero_optimization") or {}).get("elastic_checkpoint"):
         raise ConfigError("zero_optimization.elastic_checkpoint must be false with lowcomm: elastic checkpoints "
                           "keep only per-group optimizer state and would drop the method's state")
     fragments = lowcomm.effective().get("fragments", 1)
     if stage >= 1 and fragments > 1:
-        raise ConfigError(f"lowcomm.fragments must be 1 with zero_optimization.stage {stage} (ZeRO 1/2 hand the "
+        raise ConfigError(f"lowcomm.fragments must be 1 with zero_optimization.stage {stage} (ZeRO 1-3 hand the "
                           f"optimizer one flat partition, which has no parameter fragments); got {fragments}. "
                           "Use stage 0 for streaming syncs, or fragments 1 (sync_delay still overlaps the sync)")
     opt = ds.get("optimizer")

@@ -9,9 +9,10 @@ What it does, in order:
    and buffers to every rank (``broadcast.py``).
 3. Builds the method's optimizer over the cross-replica process group and hands it to
    DeepSpeed as a client optimizer, with an ``mpu`` whose data-parallel group is the replica:
-   DeepSpeed (ZeRO 0/1/2 included) reduces gradients, partitions state and broadcasts the
+   DeepSpeed (ZeRO 0-3 included) reduces gradients, partitions state and broadcasts the
    initial parameters only inside a replica. With one rank per replica at ZeRO 0 the engine's
-   gradient all-reduce is switched off: the method does all the communication. Builds
+   gradient all-reduce is switched off: the method does all the communication. At ZeRO 1-3 the
+   method works on ZeRO's partitions parameter by parameter (``zero.py``). Builds
    DeepSpeed's loader of ``training_data`` sharded over every replica, and makes
    ``engine.train_batch_size()`` count every replica.
 4. Patches the engine's ``step`` (ledger step boundaries) and ``save_checkpoint`` /
@@ -24,7 +25,7 @@ from __future__ import annotations
 
 import argparse
 import types
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from ..comm import ByteLedger, ReplicaShard, ReplicaTopology, TorchDistTransport, assert_same_across_ranks, build_transport
@@ -34,8 +35,9 @@ from .checkpoint import patch_checkpoint
 from .comm_counter import count_deepspeed_collectives
 from .broadcast import broadcast_initial_state
 from .config import SplitConfig, load_config, split_config
-from .data import build_training_loader, replica_batch_config, report_global_batch
+from .data import build_training_loader, patch_world_batch_and_io, replica_batch_config, report_global_batch
 from .mpu import ReplicaMPU
+from . import zero
 
 
 @dataclass
@@ -46,6 +48,8 @@ class LowcommRun:
     topology: ReplicaTopology
     optimizer: LowcommOptimizer
     engine_ledger: ByteLedger  # DeepSpeed's own collectives (inside a replica)
+    user_ledger: ByteLedger = field(default_factory=ByteLedger)  # the user's own calls on deepspeed.comm
+    dense_allreduce_bytes_per_step: int = 0  # a dense fp32 all-reduce of the trainable parameters
 
     @property
     def ledger(self) -> ByteLedger:  # the method's traffic (across replicas)
@@ -54,6 +58,7 @@ class LowcommRun:
     def summary(self) -> dict[str, Any]:
         method = self.ledger.summary()
         engine = self.engine_ledger.summary()
+        user = self.user_ledger.summary()
         return {
             "method": self.config.lowcomm.method,
             "replica_size": self.topology.replica_size,
@@ -64,8 +69,32 @@ class LowcommRun:
             "engine_bytes_sent": engine["bytes_sent"],
             "engine_bytes_received": engine["bytes_received"],
             "bytes_sent": method["bytes_sent"] + engine["bytes_sent"],
+            **self._per_step(),
+            "method_seconds": dict(self.ledger.seconds),  # "codec", "comm"
+            "engine_comm_seconds": self.engine_ledger.seconds.get("comm", 0.0),
+            "user_bytes_sent": user["bytes_sent"],
+            "user_bytes_received": user["bytes_received"],
             "method_ledger": method,
             "engine_ledger": engine,
+            "user_ledger": user,
+        }
+
+    def _per_step(self) -> dict[str, Any]:
+        """Mean bytes this rank sent per optimizer step (closed steps; start-up traffic in none), and
+        the ratio to a dense fp32 all-reduce of the trainable parameters. None before the first step."""
+        def mean_sent(ledger: ByteLedger) -> float | None:
+            n = ledger.steps
+            return sum(ledger.step_bytes(i)[0] for i in range(n)) / n if n else None
+
+        cross, engine = mean_sent(self.ledger), mean_sent(self.engine_ledger)
+        per_step = None if cross is None else cross + (engine or 0.0)
+        return {
+            "steps": self.ledger.steps,
+            "cross_replica_bytes_sent_per_step": cross,
+            "engine_bytes_sent_per_step": engine,
+            "bytes_sent_per_step": per_step,
+            "dense_allreduce_bytes_per_step": self.dense_allreduce_bytes_per_step,
+            "compression_vs_allreduce": self.dense_allreduce_bytes_per_step / per_step if per_step else None,
         }
 
 
@@ -101,8 +130,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     # Also when torch.distributed is already up: DeepSpeed then wraps the existing group.
     deepspeed.init_distributed(dist_backend=_default_backend())
-    engine_ledger = ByteLedger()
-    count_deepspeed_collectives(engine_ledger)
+    engine_ledger, user_ledger = ByteLedger(), ByteLedger()
+    count_deepspeed_collectives(engine_ledger, user_ledger)
 
     topology = ReplicaTopology.build(split.lowcomm.comm.replica_size)
     assert_same_across_ranks(  # flat keys, so that a difference names its field
@@ -136,11 +165,16 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         # Inside a replica DeepSpeed averages gradients as usual; with one rank per replica there
         # is nothing to average and the method does all the communication.
         engine.enable_backward_allreduce = topology.replica_size > 1
+    else:  # the method on ZeRO's flat partitions: parameter pieces, one exchange per step
+        zero.install(engine.optimizer, opt, split.zero_stage)
+    patch_world_batch_and_io(engine, topology)  # the user's set_train_batch_size and deepspeed_io
     if training_data:  # DeepSpeed's loader, sharded over every rank of every replica
         loader = build_training_loader(engine, training_data, topology)
     report_global_batch(engine, topology)
     assert engine.train_batch_size() == global_batch, (engine.train_batch_size(), global_batch)
-    run = LowcommRun(split, topology, opt, engine_ledger)
+    engine_ledger.drop_open_step()  # DeepSpeed's start-up collectives belong to no step
+    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)  # ZeRO 3: whole
+    run = LowcommRun(split, topology, opt, engine_ledger, user_ledger, dense_allreduce_bytes_per_step=4 * trainable)
     engine.lowcomm = run
     _patch_engine(engine, run)
     return engine, ds_opt, loader, sched
@@ -154,6 +188,7 @@ def _patch_engine(engine, run: LowcommRun) -> None:
         out = step(*args, **kwargs)
         if boundary:
             run.optimizer.ledger.end_step()
+            run.engine_ledger.end_step()
         return out
 
     engine.step = types.MethodType(lowcomm_step, engine)

@@ -4,7 +4,7 @@ keeps state dtypes and the communication state.
 
 State and layouts are built at the first real step, for whatever parameters the param_groups
 hold then: DeepSpeed swaps them after construction (fp32 master copies for bf16/fp16, flat
-partitions for ZeRO 1/2, which also steps one group at a time).
+partitions for ZeRO 1/2/3, declared as parameter pieces with ``set_pieces``).
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..codec import FLOAT_DTYPES
-from ..comm import ReplicaShard, SparseAllGather, TorchDistTransport, Transport, assert_same_across_ranks
+from ..comm import Pieces, ReplicaShard, SparseAllGather, TorchDistTransport, Transport, assert_same_across_ranks
 from ..settings import Settings, check_choice
 
 STATE_DTYPES = tuple(FLOAT_DTYPES)
@@ -72,6 +72,7 @@ class LowcommOptimizer(torch.optim.Optimizer):
         self.shard = shard
         self.ledger_steps = ledger_steps
         self._syncs: dict[tuple[int, ...], SparseAllGather] = {}
+        self._pieces: dict[int, Pieces] = {}
         params = self._current_params()
         self._record = {
             "method": self.method,
@@ -92,15 +93,28 @@ class LowcommOptimizer(torch.optim.Optimizer):
         return FLOAT_DTYPES[self.settings.state_dtype]
 
     def _current_params(self) -> list[torch.Tensor]:
-        return ordered_params(self.param_groups)
+        """The tensors the method steps now; frozen ones (``requires_grad=False``, e.g. passed in
+        with ``model.parameters()``) take no part: not decayed, not exchanged."""
+        return [p for p in ordered_params(self.param_groups) if p.requires_grad]
+
+    def set_pieces(self, flat: torch.Tensor, pieces: Pieces) -> None:
+        """Declare that ``flat`` (a tensor the optimizer steps, e.g. a ZeRO partition) is made of
+        these parameter pieces: compressed exchanges then code each piece on its own. Before the
+        first step."""
+        if flat.numel() != pieces.numel:
+            raise ValueError(f"pieces cover {pieces.numel} elements; the tensor has {flat.numel()}")
+        if self._syncs:
+            raise RuntimeError("set_pieces must come before the first step")
+        self._pieces[id(flat)] = pieces
 
     def _sync_for(self, params: list[torch.Tensor], op: str) -> SparseAllGather:
-        """The compressed exchange for this exact list of tensors (built once, then reused)."""
+        """The compressed exchange for tensors laid out as these parameters (built once per list,
+        then reused): each parameter's shape, or its pieces (``set_pieces``)."""
         key = tuple(id(p) for p in params)
         sync = self._syncs.get(key)
         if sync is None:
-            sync = SparseAllGather([p.shape for p in params], transport=self.transport, op=op,
-                                   **self.settings.codec.flat())
+            layouts = [self._pieces.get(id(p), p.shape) for p in params]
+            sync = SparseAllGather(layouts, transport=self.transport, op=op, **self.settings.codec.flat())
             self._syncs[key] = sync
         return sync
 

@@ -107,6 +107,8 @@ class MTDAO(LowcommOptimizer):
         for group in self.param_groups:
             lr, wd, eps, beta2 = group["lr"], group["weight_decay"], group["eps"], group["beta2"]
             for p in group["params"]:
+                if not p.requires_grad:  # frozen: not decayed, not exchanged (as _current_params)
+                    continue
                 state = self.state[p]
                 if "step" not in state:
                     state["step"] = 0
@@ -166,7 +168,7 @@ class MTDAO(LowcommOptimizer):
             unsent = state[f"{name}_unsent"]
             unsent.add_(x.float()).sub_(state[f"{name}_synced"])
             changes.append(unsent)
-        sync = self._sync_for([x for _, _, x in items], "mtdao_sparse_all_gather")
+        sync = self._sync_for([p for p, _, _ in items], "mtdao_sparse_all_gather")  # x has p's layout
         means = sync.exchange(changes)  # the sent parts leave `unsent`
         for (p, name, x), mean in zip(items, means):
             synced = self.state[p][f"{name}_synced"]

@@ -167,7 +167,7 @@ class OuterLoop(LowcommOptimizer):
         n = self.settings.streaming.fragments
         if len(params) < n:
             raise ValueError(f"lowcomm.fragments is {n} but this optimizer steps {len(params)} tensor(s) at a time "
-                             "(ZeRO 1/2 hand it one flat partition): use fragments <= the number of tensors")
+                             "(ZeRO 1-3 hand it one flat partition): use fragments <= the number of tensors")
         total = sum(p.numel() for p in params)
         out, current, seen = [], [], 0
         for i, p in enumerate(params):
