@@ -1,0 +1,261 @@
+"""Activation compression between DeepSpeed pipeline stages.
+
+:func:`install_activation_compression` replaces four instructions of one ``PipelineEngine``
+instance (``SendActivation``, ``RecvActivation``, ``SendGrad``, ``RecvGrad``) through an
+instance-level copy of the engine's ``_INSTRUCTION_MAP``, which ``_exec_schedule`` reads as
+``self._INSTRUCTION_MAP`` (DeepSpeed 0.19.x). The class and every other engine stay untouched.
+
+What changes on the wire, and what does not:
+
+- DeepSpeed's own tensor-meta exchange (shapes and dtypes, on the first micro-batch, or on every
+  one with ``dynamic_shape``, or again after ``reset_activation_shape()``) runs as shipped,
+  uncompressed; it is not counted in the ledger.
+- Each tensor then travels as one uint8 payload of ``codec.nbytes(shape, dtype)`` bytes: the
+  forward activations under ``settings.forward``'s codec, the activation gradients under
+  ``settings.backward``'s. The size follows from shape and dtype, so the receiver allocates it
+  from the exchanged meta (activations) or from its own outputs (gradients): no header.
+- Non-float tensors in a tuple (masks, integer ids) go raw under every codec (the codecs do
+  that), and so does the attention mask DeepSpeed sends as half with ``has_bool_tensors`` /
+  ``GPT2ModelPipe`` (a lossy code of a 0/1 mask would change it).
+- Received float activations get ``requires_grad`` exactly where DeepSpeed sets it, so the
+  receiving stage's backward produces the gradients that are sent back.
+- ``none`` in a direction sends the tensor's own bytes and decodes them bit for bit: losses and
+  parameters equal a stock engine's exactly (tests/test_pipeline_activations.py).
+
+Bytes are recorded in the ledger given, one record per instruction (one micro-batch at one
+stage boundary), payload bytes only: ``activation_send`` / ``activation_grad_send`` (sent) and
+``activation_recv`` / ``activation_grad_recv`` (received). Codec and p2p time go to the
+ledger's ``seconds["codec"]`` / ``seconds["comm"]``.
+
+Refused with :class:`ConfigError`: an engine that is not a ``PipelineEngine``; the partitioned
+pipe/grad paths (``pipeline.pipe_partitioned`` / ``grad_partitioned`` with model parallelism),
+which send a partition-meta tensor plus a slice through a separate code path; an engine whose
+class maps these instructions to methods of its own (they would be bypassed); a second install
+on the same engine.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Sequence
+
+import torch
+from deepspeed.runtime.pipe import p2p, schedule
+from deepspeed.runtime.pipe.engine import (PIPE_RECV_GRAD_TIMER, PIPE_RECV_INPUT_TIMER, PIPE_SEND_GRAD_TIMER,
+                                           PIPE_SEND_OUTPUT_TIMER, PipelineEngine)
+
+from ..codec.activations import ActivationCodec, ActivationSettings, make_activation_codec
+from ..comm.ledger import ByteLedger
+from ..settings import ConfigError
+
+__all__ = ["install_activation_compression"]
+
+_OPS = {
+    schedule.SendActivation: "_exec_send_activations",
+    schedule.RecvActivation: "_exec_recv_activations",
+    schedule.SendGrad: "_exec_send_grads",
+    schedule.RecvGrad: "_exec_recv_grads",
+}
+_MARK = "_lowcomm_activation_compression"
+
+
+class _Wire:
+    """The codecs of one engine, its ledger, and its receive buffers (uint8, reused by size:
+    every decode writes fresh memory, so a buffer is free again once decoded)."""
+
+    def __init__(self, settings: ActivationSettings, ledger: ByteLedger):
+        self.settings = settings
+        self.forward = make_activation_codec(settings.forward, settings)
+        self.backward = make_activation_codec(settings.backward, settings)
+        self.raw = make_activation_codec("none", settings)
+        self.ledger = ledger
+        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+
+    def buffer(self, idx: int, nbytes: int, device) -> torch.Tensor:
+        buf = self._buffers.get((idx, nbytes))
+        if buf is None or buf.device != torch.device(device):
+            buf = self._buffers[(idx, nbytes)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        return buf
+
+    def send(self, tensors: Sequence[torch.Tensor], codecs: Sequence[ActivationCodec], dest: int, op: str) -> None:
+        sent = 0
+        for x, codec in zip(tensors, codecs):
+            t0 = time.perf_counter()
+            payload = codec.encode(x.detach())
+            t1 = time.perf_counter()
+            if payload.numel():  # both sides know an empty payload from the shape: nothing to send
+                p2p.send(payload, dest)
+            self.ledger.add_time("codec", t1 - t0)
+            self.ledger.add_time("comm", time.perf_counter() - t1)
+            sent += payload.numel()
+        self.ledger.record(op, sent, 0)
+
+    def recv(self, specs, codecs: Sequence[ActivationCodec], src: int, device, op: str) -> list[torch.Tensor]:
+        out, received = [], 0
+        for idx, ((shape, dtype), codec) in enumerate(zip(specs, codecs)):
+            nbytes = codec.nbytes(shape, dtype)
+            t0 = time.perf_counter()
+            if nbytes:
+                buf = self.buffer(idx, nbytes, device)
+                p2p.recv(buf, src)
+            else:
+                buf = torch.empty(0, dtype=torch.uint8, device=device)
+            t1 = time.perf_counter()
+            out.append(codec.decode(buf, shape, dtype).detach())
+            self.ledger.add_time("comm", t1 - t0)
+            self.ledger.add_time("codec", time.perf_counter() - t1)
+            received += nbytes
+        self.ledger.record(op, 0, received)
+        return out
+
+
+def _mask_last(engine) -> bool:
+    """DeepSpeed sends the last tuple element as a half-cast bool mask (and no gradient for it)."""
+    return bool(engine.has_attention_mask or engine.has_bool_tensors)
+
+
+def _timer(engine, name: str, start: bool) -> None:
+    if engine.wall_clock_breakdown():
+        timer = engine.timers(name)
+        timer.start() if start else timer.stop()
+
+
+# -- the four instructions (bound to the engine by _exec_schedule through MethodType) ----------
+def _send_activations(wire: _Wire):
+    def _exec_send_activations(self, buffer_id):
+        _timer(self, PIPE_SEND_OUTPUT_TIMER, True)
+        outputs = self.pipe_buffers['outputs'][buffer_id]
+        if not isinstance(outputs, (torch.Tensor, tuple)):
+            raise NotImplementedError(f'Could not send output of type {type(outputs)}')
+        if isinstance(outputs, tuple) and _mask_last(self):  # as DeepSpeed: the mask travels as half
+            outputs = (*outputs[:-1], outputs[-1].half())
+        if self.dynamic_shape or self.first_output_send:
+            self.first_output_send = False
+            self._send_tensor_meta(outputs, self.next_stage)  # DeepSpeed's own, uncompressed
+        tensors = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
+        codecs = [wire.forward] * len(tensors)
+        if isinstance(outputs, tuple) and _mask_last(self):
+            codecs[-1] = wire.raw
+        wire.send(tensors, codecs, self.next_stage, "activation_send")
+        _timer(self, PIPE_SEND_OUTPUT_TIMER, False)
+
+    return _exec_send_activations
+
+
+def _recv_activations(wire: _Wire):
+    def _exec_recv_activations(self, buffer_id):
+        _timer(self, PIPE_RECV_INPUT_TIMER, True)
+        if self.dynamic_shape or self.pipe_recv_buf is None:
+            # DeepSpeed's own meta exchange; its buffers give the shapes and dtypes (not received into)
+            self.pipe_recv_buf = self._recv_tensor_meta(self.prev_stage)
+        single = isinstance(self.pipe_recv_buf, torch.Tensor)
+        metas = [self.pipe_recv_buf] if single else list(self.pipe_recv_buf)
+        specs = [(tuple(t.shape), t.dtype) for t in metas]
+        codecs = [wire.forward] * len(specs)
+        if not single and _mask_last(self):
+            codecs[-1] = wire.raw
+        recvd = wire.recv(specs, codecs, self.prev_stage, self.device, "activation_recv")
+        if single:
+            recvd = recvd[0]
+            recvd.requires_grad = recvd.is_floating_point()
+        else:
+            if _mask_last(self):
+                recvd[-1] = recvd[-1].bool()
+            recvd = tuple(recvd)
+            for t in recvd:
+                t.requires_grad = t.is_floating_point()
+        self.pipe_buffers['inputs'][buffer_id] = recvd
+        _timer(self, PIPE_RECV_INPUT_TIMER, False)
+
+    return _exec_recv_activations
+
+
+def _send_grads(wire: _Wire):
+    def _exec_send_grads(self, buffer_id):
+        _timer(self, PIPE_SEND_GRAD_TIMER, True)
+        inputs = self.pipe_buffers['inputs'][buffer_id]
+        if isinstance(inputs, torch.Tensor):
+            assert inputs.grad is not None
+            grads = [inputs.grad]
+        else:
+            inputs = list(inputs)
+            if _mask_last(self):  # the mask has no gradient; the receiver skips it too
+                inputs.pop()
+            grads = []
+            for t in inputs:
+                if not t.is_floating_point():  # tensors that produce no gradient
+                    assert t.grad is None
+                    continue
+                assert t.grad is not None
+                grads.append(t.grad)
+        wire.send(grads, [wire.backward] * len(grads), self.prev_stage, "activation_grad_send")
+        self.pipe_buffers['inputs'][buffer_id] = None  # free the input buffer, as DeepSpeed does
+        _timer(self, PIPE_SEND_GRAD_TIMER, False)
+
+    return _exec_send_grads
+
+
+def _recv_grads(wire: _Wire):
+    def _exec_recv_grads(self, buffer_id):
+        _timer(self, PIPE_RECV_GRAD_TIMER, True)
+        outputs = self.pipe_buffers['outputs'][buffer_id]
+        # The gradients' shapes are the outputs' own: known here, no meta needed.
+        if isinstance(outputs, torch.Tensor):
+            specs = [(tuple(outputs.shape), outputs.dtype)]
+        else:
+            specs = [(tuple(t.shape), t.dtype) for t in outputs if t.is_floating_point()]
+        grads = wire.recv(specs, [wire.backward] * len(specs), self.next_stage, self.device,
+                          "activation_grad_recv")
+        # _exec_backward_pass reads self.grad_layer: a tensor for a tensor output, else a list
+        self.grad_layer = grads[0] if isinstance(outputs, torch.Tensor) else grads
+        _timer(self, PIPE_RECV_GRAD_TIMER, False)
+
+    return _exec_recv_grads
+
+
+# -- install -----------------------------------------------------------------------------------
+def install_activation_compression(engine, settings: ActivationSettings, ledger: ByteLedger) -> None:
+    """Code the activations this pipeline stage sends forward with ``settings.forward``'s codec
+    and the activation gradients it sends back with ``settings.backward``'s; decode what it
+    receives into the tensors DeepSpeed expects (same shapes and dtypes, ``requires_grad`` where
+    DeepSpeed sets it). Payload bytes are recorded in ``ledger`` under ``activation_send``,
+    ``activation_recv``, ``activation_grad_send``, ``activation_grad_recv``.
+
+    Call it on every stage of the pipeline with the same settings (each stage decodes what its
+    neighbour encoded), after ``deepspeed.initialize`` and before the first ``train_batch`` /
+    ``eval_batch``. ``none``/``none`` leaves training bit-identical to a stock engine and still
+    counts the bytes. Raises :class:`ConfigError` for what it cannot support (see the module
+    docstring)."""
+    if not isinstance(engine, PipelineEngine):
+        raise ConfigError("lowcomm.activations: activation compression needs DeepSpeed's PipelineEngine "
+                          f"(deepspeed.initialize with a deepspeed.pipe.PipelineModule); got {type(engine).__name__}")
+    if not isinstance(settings, ActivationSettings):
+        raise ConfigError(f"lowcomm.activations: settings must be an ActivationSettings; got {type(settings).__name__}")
+    settings.check("lowcomm.activations")
+    if not isinstance(ledger, ByteLedger):
+        raise ConfigError(f"lowcomm.activations: ledger must be a ByteLedger; got {type(ledger).__name__}")
+    if getattr(engine, _MARK, None) is not None:
+        raise ConfigError("lowcomm.activations: activation compression is already installed on this engine")
+    if engine.is_pipe_partitioned or engine.is_grad_partitioned:
+        raise ConfigError(
+            "lowcomm.activations: DeepSpeed's partitioned pipeline path (pipeline.pipe_partitioned / "
+            "pipeline.grad_partitioned with model parallel size > 1) sends a partition-meta tensor and a "
+            "slice per activation and is not supported; set both to false in the DeepSpeed config")
+    class_map = type(engine)._INSTRUCTION_MAP
+    for cmd, name in _OPS.items():
+        if class_map.get(cmd) is not PipelineEngine._INSTRUCTION_MAP[cmd]:
+            raise ConfigError(
+                f"lowcomm.activations: {type(engine).__name__} maps {cmd.__name__} to its own method, "
+                f"not PipelineEngine.{name}; activation compression would bypass it")
+    if "_INSTRUCTION_MAP" in vars(engine):
+        raise ConfigError("lowcomm.activations: this engine already has an instance-level _INSTRUCTION_MAP "
+                          "(another override); activation compression would replace it")
+
+    wire = _Wire(settings, ledger)
+    instruction_map = dict(class_map)
+    instruction_map[schedule.SendActivation] = _send_activations(wire)
+    instruction_map[schedule.RecvActivation] = _recv_activations(wire)
+    instruction_map[schedule.SendGrad] = _send_grads(wire)
+    instruction_map[schedule.RecvGrad] = _recv_grads(wire)
+    engine._INSTRUCTION_MAP = instruction_map  # _exec_schedule looks it up on the instance
+    setattr(engine, _MARK, wire)
