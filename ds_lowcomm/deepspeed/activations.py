@@ -60,8 +60,9 @@ _MARK = "_lowcomm_activation_compression"
 
 
 class _Wire:
-    """The codecs of one engine, its ledger, and its receive buffers (uint8, reused by size:
-    every decode writes fresh memory, so a buffer is free again once decoded)."""
+    """The codecs of one engine, its ledger, and its receive buffers (uint8, one per tuple
+    position, reused while the size holds: every decode writes fresh memory, so a buffer is free
+    again once decoded; a new size, e.g. with dynamic_shape, replaces it)."""
 
     def __init__(self, settings: ActivationSettings, ledger: ByteLedger):
         self.settings = settings
@@ -69,12 +70,12 @@ class _Wire:
         self.backward = make_activation_codec(settings.backward, settings)
         self.raw = make_activation_codec("none", settings)
         self.ledger = ledger
-        self._buffers: dict[tuple[int, int], torch.Tensor] = {}
+        self._buffers: dict[int, torch.Tensor] = {}
 
     def buffer(self, idx: int, nbytes: int, device) -> torch.Tensor:
-        buf = self._buffers.get((idx, nbytes))
-        if buf is None or buf.device != torch.device(device):
-            buf = self._buffers[(idx, nbytes)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        buf = self._buffers.get(idx)
+        if buf is None or buf.numel() != nbytes or buf.device != torch.device(device):
+            buf = self._buffers[idx] = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return buf
 
     def send(self, tensors: Sequence[torch.Tensor], codecs: Sequence[ActivationCodec], dest: int, op: str) -> None:
