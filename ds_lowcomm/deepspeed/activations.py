@@ -61,7 +61,7 @@ _MARK = "_lowcomm_activation_compression"
 
 class _Wire:
     """The codecs of one engine, its ledger, and its receive buffers (uint8, one per tuple
-    position, reused while the size holds: every decode writes fresh memory, so a buffer is free
+    position and direction, reused while the size holds: every decode writes fresh memory, so a buffer is free
     again once decoded; a new size, e.g. with dynamic_shape, replaces it)."""
 
     def __init__(self, settings: ActivationSettings, ledger: ByteLedger):
@@ -70,12 +70,12 @@ class _Wire:
         self.backward = make_activation_codec(settings.backward, settings)
         self.raw = make_activation_codec("none", settings)
         self.ledger = ledger
-        self._buffers: dict[int, torch.Tensor] = {}
+        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
 
-    def buffer(self, idx: int, nbytes: int, device) -> torch.Tensor:
-        buf = self._buffers.get(idx)
+    def buffer(self, op: str, idx: int, nbytes: int, device) -> torch.Tensor:
+        buf = self._buffers.get((op, idx))
         if buf is None or buf.numel() != nbytes or buf.device != torch.device(device):
-            buf = self._buffers[idx] = torch.empty(nbytes, dtype=torch.uint8, device=device)
+            buf = self._buffers[(op, idx)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
         return buf
 
     def send(self, tensors: Sequence[torch.Tensor], codecs: Sequence[ActivationCodec], dest: int, op: str) -> None:
@@ -97,7 +97,7 @@ class _Wire:
             nbytes = codec.nbytes(shape, dtype)
             t0 = time.perf_counter()
             if nbytes:
-                buf = self.buffer(idx, nbytes, device)
+                buf = self.buffer(op, idx, nbytes, device)
                 p2p.recv(buf, src)
             else:
                 buf = torch.empty(0, dtype=torch.uint8, device=device)
