@@ -141,8 +141,11 @@ def test_user_script(world, replica_size):
 
 
 class _Topology:
+    """The fields of ReplicaTopology that the batch arithmetic reads (no process groups needed)."""
+
     def __init__(self, world, replica_size):
         self.world_size, self.replica_size, self.num_replicas = world, replica_size, world // replica_size
+        self.data_world, self.data_per_replica = world, replica_size
 
 
 @pytest.mark.parametrize("batch,message", [

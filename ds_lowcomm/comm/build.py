@@ -11,17 +11,18 @@ from .mpi import LAUNCH_HINT, MPITransport, started_by_mpirun
 from .transport import TorchDistTransport, Transport
 
 
-def build_transport(name: str, *, group: dist.ProcessGroup | None = None, replica_size: int = 1,
+def build_transport(name: str, *, group: dist.ProcessGroup | None = None, cross: tuple[int, int] | None = None,
                     ledger: ByteLedger | None = None) -> Transport:
     """The transport ``lowcomm.transport`` names, over ``group`` (torch) or the matching MPI
-    communicator (mpi: the whole world, or the cross-replica ranks when ``replica_size`` > 1)."""
+    communicator (mpi: the whole world, or, with ``cross`` = (local rank, replica) from the replica
+    topology, the ranks of this local rank in every replica)."""
     if name == "torch":
         return TorchDistTransport(group, ledger)
     if name != "mpi":
         raise ValueError(f"lowcomm.transport must be one of torch, mpi; got {name!r}")
     if not started_by_mpirun():
         raise ConfigError(f"lowcomm.transport is 'mpi' but this process was not started by mpirun: {LAUNCH_HINT}")
-    transport = MPITransport.cross_replica(replica_size, ledger) if replica_size > 1 else MPITransport(ledger=ledger)
+    transport = MPITransport.cross_replica(*cross, ledger) if cross is not None else MPITransport(ledger=ledger)
     if dist.is_initialized():  # MPI's ranks must be torch.distributed's, or syncs would pair the wrong peers
         mine, size = dist.get_rank(group), dist.get_world_size(group)
         if (transport.rank, transport.world_size) != (mine, size):

@@ -69,11 +69,10 @@ class MPITransport(Transport):
         self._sum, self._in_place = MPI.SUM, MPI.IN_PLACE
 
     @classmethod
-    def cross_replica(cls, replica_size: int, ledger: ByteLedger | None = None) -> "MPITransport":
-        """The ranks with this rank's local rank in every replica (as ``ReplicaTopology.cross_group``)."""
-        world = _mpi().COMM_WORLD
-        rank = world.Get_rank()
-        return cls(world.Split(color=rank % replica_size, key=rank // replica_size), ledger)
+    def cross_replica(cls, local_rank: int, replica: int, ledger: ByteLedger | None = None) -> "MPITransport":
+        """The ranks with this rank's local rank in every replica, ordered by replica (as
+        ``ReplicaTopology.cross_group``); collective over COMM_WORLD."""
+        return cls(_mpi().COMM_WORLD.Split(color=local_rank, key=replica), ledger)
 
     def _home(self, t):
         # the CPU, or the GPU itself with CUDA-aware MPI

@@ -41,9 +41,11 @@ def _tensors(model: torch.nn.Module | None, params: Iterable) -> list[torch.Tens
 
 
 @torch.no_grad()
-def broadcast_initial_state(model: torch.nn.Module | None, params: Iterable, ledger: ByteLedger) -> None:
-    """Broadcast rank 0's parameters and buffers to every rank (one flat buffer per dtype/device)."""
-    transport = TorchDistTransport(ledger=ledger)
+def broadcast_initial_state(model: torch.nn.Module | None, params: Iterable, ledger: ByteLedger,
+                            group=None) -> None:
+    """Broadcast rank 0's parameters and buffers to every rank (one flat buffer per dtype/device);
+    with ``group`` (a pipeline stage's ranks), the group's first rank's to the group."""
+    transport = TorchDistTransport(group, ledger=ledger)
     if transport.world_size == 1:
         return
     buckets: dict[tuple, list[torch.Tensor]] = {}

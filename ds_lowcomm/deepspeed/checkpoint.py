@@ -168,7 +168,9 @@ def patch_checkpoint(engine, run) -> None:
         final, tmp = os.path.join(save_dir, tag), os.path.join(save_dir, f".{tag}.lowcomm-tmp")
         shutil.rmtree(tmp, ignore_errors=True)
         os.makedirs(tmp)
-        if run.config.zero_stage == 0:
+        from deepspeed.runtime.pipe.engine import PipelineEngine
+
+        if run.config.zero_stage == 0 and not isinstance(self, PipelineEngine):  # pipelines save per layer
             _stage0_export(self, tmp)
         else:
             src = os.path.join(replica_dir(save_dir), tag)

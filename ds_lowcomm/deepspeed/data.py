@@ -21,19 +21,26 @@ from ..settings import ConfigError
 BATCH_FIELDS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
 
+_CURRENT: list[ReplicaTopology] = []  # the layout of the last engine ds_lowcomm built in this process
+
+
+def set_current_topology(topology: ReplicaTopology) -> None:
+    _CURRENT[:] = [topology]
+
+
 def data_parallel_rank() -> int:
     """This rank's data-parallel rank across all replicas: the ``rank`` a ``DistributedSampler``
-    of a loader you build yourself should use (ds_lowcomm has no model parallelism, so it is the
-    global rank)."""
+    of a loader you build yourself should use (the global rank; with pipeline replicas, the index
+    of this rank's pipeline, the same on its first and last stage)."""
     _require_dist()
-    return dist.get_rank()
+    return _CURRENT[0].data_rank if _CURRENT else dist.get_rank()
 
 
 def data_parallel_world_size() -> int:
     """The number of data-parallel ranks across all replicas: the ``num_replicas`` of a
-    ``DistributedSampler`` (the world size)."""
+    ``DistributedSampler`` (the world size; with pipeline replicas, the number of pipelines)."""
     _require_dist()
-    return dist.get_world_size()
+    return _CURRENT[0].data_world if _CURRENT else dist.get_world_size()
 
 
 def _require_dist() -> None:
@@ -49,7 +56,7 @@ def replica_batch_config(ds: dict[str, Any], topology: ReplicaTopology) -> int:
     Returns the global train batch size. Resolution follows DeepSpeed's own rules
     (``runtime/config.py`` ``_set_batch_related_parameters``) with every data-parallel rank counted.
     """
-    world, size = topology.world_size, topology.replica_size
+    world, size = topology.data_world, topology.data_per_replica
     given = {k: ds.get(k) for k in BATCH_FIELDS}
     for k, v in given.items():
         if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v <= 0):
@@ -71,7 +78,7 @@ def replica_batch_config(ds: dict[str, Any], topology: ReplicaTopology) -> int:
         shown = ", ".join(f"{k} {v}" for k, v in given.items() if v is not None)
         raise ConfigError(
             f"batch sizes ({shown}) do not fit {world} data-parallel ranks ({topology.num_replicas} replicas x "
-            f"lowcomm.replica_size {size}): train_batch_size must equal train_micro_batch_size_per_gpu x "
+            f"{size}{' (lowcomm.replica_size)' if size == topology.replica_size else ' pipelines'}): train_batch_size must equal train_micro_batch_size_per_gpu x "
             f"gradient_accumulation_steps x {world} (as in DeepSpeed, every rank of every replica counts); "
             f"here {micro} x {gas} x {world} = {micro * gas * world} != {tbs}")
     if given["train_batch_size"] is not None:
@@ -103,10 +110,10 @@ class _WorldDataView:
         self._mpu, self._topology = mpu, topology
 
     def get_data_parallel_world_size(self) -> int:
-        return self._topology.world_size
+        return self._topology.data_world
 
     def get_data_parallel_rank(self) -> int:
-        return self._topology.rank
+        return self._topology.data_rank
 
     def __getattr__(self, name):
         return getattr(self._mpu, name)
@@ -124,13 +131,13 @@ def patch_world_batch_and_io(engine, topology: ReplicaTopology) -> None:
     deepspeed_io_per_replica = type(engine).deepspeed_io
 
     def set_train_batch_size(self, train_batch_size):
-        micro, world = self.train_micro_batch_size_per_gpu(), topology.world_size
+        micro, world = self.train_micro_batch_size_per_gpu(), topology.data_world
         if (isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size <= 0
                 or train_batch_size % (micro * world)):
             raise ConfigError(
                 f"set_train_batch_size({train_batch_size!r}): train_batch_size must be a positive multiple of "
                 f"train_micro_batch_size_per_gpu {micro} x {world} data-parallel ranks ({replicas} replicas x "
-                f"lowcomm.replica_size {topology.replica_size}) = {micro * world} (as in DeepSpeed, every rank "
+                f"{topology.data_per_replica}) = {micro * world} (as in DeepSpeed, every rank "
                 f"of every replica counts)")
         set_train_batch_size_per_replica(self, train_batch_size // replicas)
         timer = getattr(self, "tput_timer", None)
@@ -161,3 +168,17 @@ def build_training_loader(engine, training_data, topology: ReplicaTopology):
     engine.training_data = training_data
     engine.training_dataloader = loader
     return loader
+
+
+def build_pipeline_loader(engine, training_data, topology: ReplicaTopology):
+    """A pipeline engine's repeating loader (first and last stage) built as DeepSpeed builds it
+    (``_build_data_iter``), sharded over every pipeline of every replica: a pipeline's first and
+    last stage read the same batches, each pipeline its own."""
+    mpu, dp_world = engine.mpu, engine.dp_world_size
+    engine.mpu, engine.dp_world_size = _WorldDataView(mpu, topology), topology.data_world
+    try:
+        engine._build_data_iter(training_data)
+    finally:
+        engine.mpu, engine.dp_world_size = mpu, dp_world
+    engine.training_data = training_data
+    return engine.training_dataloader if (engine.is_first_stage() or engine.is_last_stage()) else None

@@ -35,9 +35,10 @@ from .checkpoint import patch_checkpoint
 from .comm_counter import count_deepspeed_collectives
 from .broadcast import broadcast_initial_state
 from .config import SplitConfig, load_config, split_config
-from .data import build_training_loader, patch_world_batch_and_io, replica_batch_config, report_global_batch
+from .data import (build_pipeline_loader, build_training_loader, patch_world_batch_and_io, replica_batch_config,
+                   report_global_batch, set_current_topology)
 from .mpu import ReplicaMPU
-from . import zero
+from . import pipeline, zero
 
 
 @dataclass
@@ -123,8 +124,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ConfigError("mpu=: the data-parallel layout comes from lowcomm.replica_size; leave mpu out")
     from deepspeed.pipe import PipelineModule
 
-    if isinstance(model, PipelineModule):
-        raise ConfigError("model: DeepSpeed's pipeline engine is not supported by ds_lowcomm yet")
+    piped = isinstance(model, PipelineModule)
     if args is not None and getattr(args, "deepspeed_config", None) is not None:
         args = argparse.Namespace(**{**vars(args), "deepspeed_config": None})  # config goes by dict
 
@@ -133,7 +133,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine_ledger, user_ledger = ByteLedger(), ByteLedger()
     count_deepspeed_collectives(engine_ledger, user_ledger)
 
-    topology = ReplicaTopology.build(split.lowcomm.comm.replica_size)
+    replica_size = split.lowcomm.comm.replica_size
+    topology = (pipeline.pipeline_replicas(model, replica_size, split.zero_stage) if piped
+                else ReplicaTopology.build(replica_size))
+    set_current_topology(topology)  # data_parallel_rank() / _world_size() for the user's own loaders
     assert_same_across_ranks(  # flat keys, so that a difference names its field
         TorchDistTransport(ledger=engine_ledger),
         {**{f"lowcomm.{k}": v for k, v in split.lowcomm.effective().items()},
@@ -142,34 +145,47 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     )
     global_batch = replica_batch_config(split.deepspeed, topology)  # train_batch_size counts every replica
     params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
-    # Every rank, inside and across replicas, starts from rank 0's weights (before the optimizer's check).
-    broadcast_initial_state(model, params, engine_ledger)
+    # Every rank, inside and across replicas, starts from rank 0's weights (before the optimizer's
+    # check); pipeline stages from their stage's first pipeline.
+    broadcast_initial_state(model, params, engine_ledger, group=pipeline.stage_group(model) if piped else None)
+    if piped:  # DeepSpeed's data-parallel group: this stage inside this replica
+        pipeline.narrow_data_parallel_to_replica(model, topology)
     # The method's traffic across replicas goes over lowcomm.transport (torch.distributed or MPI);
     # DeepSpeed's own (inside a replica) and the check above stay on torch.distributed.
     transport = build_transport(split.lowcomm.comm.transport, group=topology.cross_group,
-                                replica_size=topology.replica_size)
+                                cross=(topology.local_rank, topology.replica) if topology.num_replicas > 1 else None)
     shard = None
-    if split.zero_stage == 0 and topology.replica_size > 1:
-        # Every rank of a replica holds the whole model: split the cross-replica sync by owner.
-        shard = ReplicaShard(topology.local_rank, topology.replica_size,
-                             TorchDistTransport(topology.replica_group, ledger=engine_ledger))
+    if split.zero_stage == 0 and topology.data_per_replica > 1:
+        # Every data-parallel rank of a replica (of a stage) holds the same parameters: split the
+        # cross-replica sync by owner.
+        if piped:
+            grid = model._grid
+            shard = ReplicaShard(grid.data_parallel_id, grid.data_parallel_size,
+                                 TorchDistTransport(grid.dp_proc_group, ledger=engine_ledger))
+        else:
+            shard = ReplicaShard(topology.local_rank, topology.replica_size,
+                                 TorchDistTransport(topology.replica_group, ledger=engine_ledger))
     # engine.step closes the ledger's steps (ZeRO steps the optimizer once per parameter group)
     opt = build_optimizer(split.lowcomm, params, transport=transport, shard=shard, ledger_steps=False,
                           **split.optimizer.torch_kwargs())
     engine, ds_opt, loader, sched = deepspeed.initialize(
         args=args, model=model, optimizer=opt, model_parameters=params, training_data=None,  # loader: below
-        lr_scheduler=lr_scheduler, mpu=ReplicaMPU(topology), dist_init_required=dist_init_required,
+        lr_scheduler=lr_scheduler, mpu=None if piped else ReplicaMPU(topology),  # pipelines: the module's grid
+        dist_init_required=dist_init_required,
         collate_fn=collate_fn, config=split.deepspeed, **kwargs,
     )
     if split.zero_stage == 0:
-        # Inside a replica DeepSpeed averages gradients as usual; with one rank per replica there
-        # is nothing to average and the method does all the communication.
-        engine.enable_backward_allreduce = topology.replica_size > 1
+        # Inside a replica DeepSpeed averages gradients as usual; with one data-parallel rank per
+        # replica there is nothing to average and the method does all the communication.
+        if piped:
+            engine.pipeline_enable_backward_allreduce = topology.data_per_replica > 1
+        else:
+            engine.enable_backward_allreduce = topology.replica_size > 1
     else:  # the method on ZeRO's flat partitions: parameter pieces, one exchange per step
         zero.install(engine.optimizer, opt, split.zero_stage)
     patch_world_batch_and_io(engine, topology)  # the user's set_train_batch_size and deepspeed_io
-    if training_data:  # DeepSpeed's loader, sharded over every rank of every replica
-        loader = build_training_loader(engine, training_data, topology)
+    if training_data:  # DeepSpeed's loader, sharded over every rank (pipeline) of every replica
+        loader = (build_pipeline_loader if piped else build_training_loader)(engine, training_data, topology)
     report_global_batch(engine, topology)
     assert engine.train_batch_size() == global_batch, (engine.train_batch_size(), global_batch)
     engine_ledger.drop_open_step()  # DeepSpeed's start-up collectives belong to no step
@@ -181,15 +197,30 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
 
 def _patch_engine(engine, run: LowcommRun) -> None:
-    step = engine.step
+    def end_step():
+        run.optimizer.ledger.end_step()
+        run.engine_ledger.end_step()
 
-    def lowcomm_step(self, *args, **kwargs):
-        boundary = self.is_gradient_accumulation_boundary()
-        out = step(*args, **kwargs)
-        if boundary:
-            run.optimizer.ledger.end_step()
-            run.engine_ledger.end_step()
-        return out
+    from deepspeed.runtime.pipe.engine import PipelineEngine
 
-    engine.step = types.MethodType(lowcomm_step, engine)
+    if isinstance(engine, PipelineEngine):  # one train_batch() = one optimizer step
+        train_batch = engine.train_batch
+
+        def lowcomm_train_batch(self, *args, **kwargs):
+            out = train_batch(*args, **kwargs)
+            end_step()
+            return out
+
+        engine.train_batch = types.MethodType(lowcomm_train_batch, engine)
+    else:
+        step = engine.step
+
+        def lowcomm_step(self, *args, **kwargs):
+            boundary = self.is_gradient_accumulation_boundary()
+            out = step(*args, **kwargs)
+            if boundary:
+                end_step()
+            return out
+
+        engine.step = types.MethodType(lowcomm_step, engine)
     patch_checkpoint(engine, run)  # save_checkpoint / load_checkpoint: see checkpoint.py

@@ -26,8 +26,7 @@ class ReplicaMPU:
         return self.topology.local_rank
 
     def get_data_parallel_group_ranks(self) -> list[int]:
-        base = self.topology.replica * self.topology.replica_size
-        return list(range(base, base + self.topology.replica_size))
+        return list(self.topology.replicas[self.topology.replica])
 
     # no model parallelism inside a replica (pipeline replicas come with the pipeline engine)
     def get_model_parallel_group(self):
