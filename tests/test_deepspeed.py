@@ -174,6 +174,8 @@ def test_bf16_engines(tmp_path):
         (lambda c: c.update(zero_optimization={"stage": 2, "offload_optimizer": {"device": "cpu"}}),
          "zero_optimization.offload_optimizer.device must be none"),
         (lambda c: c.pop("optimizer"), "optimizer: a section"),
+        (lambda c: c["lowcomm"].update(activations={"forward": "fp8"}), "lowcomm.activations.forward must be one of"),
+        (lambda c: c["lowcomm"].update(activations={"fwd": "int8"}), r"lowcomm.activations: unknown setting\(s\) fwd"),
         (lambda c: c["optimizer"]["params"].update(lr=-1), "optimizer.params.lr must be a number > 0"),
         (lambda c: c["lowcomm"].update(method="powersgd"), "lowcomm.method must be one of"),
         (lambda c: (c["lowcomm"].update(method="diloco", sync_every=4, fragments=2), c.update(zero_optimization={"stage": 1})),

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from ..codec import ActivationSettings
 from ..optim import AdamSettings, LowcommConfig
 from ..settings import ConfigError
 
@@ -29,6 +30,7 @@ class SplitConfig:
     deepspeed: dict[str, Any]  # what deepspeed.initialize receives
     optimizer: AdamSettings  # lr, betas, eps, weight_decay of the config's "optimizer"
     zero_stage: int
+    activations: ActivationSettings  # lowcomm.activations: codecs between pipeline stages
 
 
 def load_config(config: str | Path | dict) -> dict[str, Any]:
@@ -46,7 +48,12 @@ def load_config(config: str | Path | dict) -> dict[str, Any]:
 def split_config(raw: dict[str, Any]) -> SplitConfig:
     """Validate the ``lowcomm`` and ``optimizer`` sections and prepare DeepSpeed's config."""
     ds = copy.deepcopy(raw)
-    lowcomm = LowcommConfig.from_dict(ds.pop("lowcomm", None), where="lowcomm")
+    section = ds.pop("lowcomm", None)
+    activations = ActivationSettings()
+    if isinstance(section, dict) and "activations" in section:  # a nested mapping of its own
+        section = dict(section)
+        activations = ActivationSettings.from_section(section.pop("activations"), where="lowcomm.activations")
+    lowcomm = LowcommConfig.from_dict(section, where="lowcomm")
     stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
     if stage not in (0, 1, 2, 3):
         raise ConfigError(f"zero_optimization.stage must be 0, 1, 2 or 3 with lowcomm; got {stage}")
@@ -90,4 +97,4 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
     ds.pop("optimizer")
     if stage >= 1:
         ds["zero_allow_untested_optimizer"] = True
-    return SplitConfig(lowcomm, ds, optimizer, stage)
+    return SplitConfig(lowcomm, ds, optimizer, stage, activations)

@@ -39,6 +39,7 @@ from .data import (build_pipeline_loader, build_training_loader, patch_world_bat
                    report_global_batch, set_current_topology)
 from .mpu import ReplicaMPU
 from . import pipeline, zero
+from .activations import install_activation_compression
 
 
 @dataclass
@@ -50,6 +51,7 @@ class LowcommRun:
     optimizer: LowcommOptimizer
     engine_ledger: ByteLedger  # DeepSpeed's own collectives (inside a replica)
     user_ledger: ByteLedger = field(default_factory=ByteLedger)  # the user's own calls on deepspeed.comm
+    activation_ledger: ByteLedger = field(default_factory=ByteLedger)  # between pipeline stages
     dense_allreduce_bytes_per_step: int = 0  # a dense fp32 all-reduce of the trainable parameters
 
     @property
@@ -60,6 +62,7 @@ class LowcommRun:
         method = self.ledger.summary()
         engine = self.engine_ledger.summary()
         user = self.user_ledger.summary()
+        activations = self.activation_ledger.summary()
         return {
             "method": self.config.lowcomm.method,
             "replica_size": self.topology.replica_size,
@@ -73,11 +76,13 @@ class LowcommRun:
             **self._per_step(),
             "method_seconds": dict(self.ledger.seconds),  # "codec", "comm"
             "engine_comm_seconds": self.engine_ledger.seconds.get("comm", 0.0),
+            "activation_bytes_sent": activations["bytes_sent"],  # pipeline stage boundaries
             "user_bytes_sent": user["bytes_sent"],
             "user_bytes_received": user["bytes_received"],
             "method_ledger": method,
             "engine_ledger": engine,
             "user_ledger": user,
+            "activation_ledger": activations,
         }
 
     def _per_step(self) -> dict[str, Any]:
@@ -125,6 +130,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     from deepspeed.pipe import PipelineModule
 
     piped = isinstance(model, PipelineModule)
+    compressing = (split.activations.forward, split.activations.backward) != ("none", "none")
+    if compressing and not piped:
+        raise ConfigError("lowcomm.activations: codecs between pipeline stages need DeepSpeed's pipeline engine "
+                          "(model=PipelineModule(...)); leave it out (or none/none) for other models")
     if args is not None and getattr(args, "deepspeed_config", None) is not None:
         args = argparse.Namespace(**{**vars(args), "deepspeed_config": None})  # config goes by dict
 
@@ -140,6 +149,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     assert_same_across_ranks(  # flat keys, so that a difference names its field
         TorchDistTransport(ledger=engine_ledger),
         {**{f"lowcomm.{k}": v for k, v in split.lowcomm.effective().items()},
+         **{f"lowcomm.activations.{k}": v for k, v in split.activations.flat().items()},
          "zero_optimization.stage": split.zero_stage,
          **{f"optimizer.params.{k}": v for k, v in split.optimizer.flat().items()}},
     )
@@ -191,6 +201,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine_ledger.drop_open_step()  # DeepSpeed's start-up collectives belong to no step
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)  # ZeRO 3: whole
     run = LowcommRun(split, topology, opt, engine_ledger, user_ledger, dense_allreduce_bytes_per_step=4 * trainable)
+    if piped:  # activations and their gradients between stages: counted apart, coded if asked
+        install_activation_compression(engine, split.activations, run.activation_ledger)
     engine.lowcomm = run
     _patch_engine(engine, run)
     return engine, ds_opt, loader, sched
@@ -200,6 +212,7 @@ def _patch_engine(engine, run: LowcommRun) -> None:
     def end_step():
         run.optimizer.ledger.end_step()
         run.engine_ledger.end_step()
+        run.activation_ledger.end_step()
 
     from deepspeed.runtime.pipe.engine import PipelineEngine
 
