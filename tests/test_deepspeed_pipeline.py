@@ -235,3 +235,27 @@ def test_pipeline_replicas_tied_layers_zero1_streaming_activations_resume(tmp_pa
     assert "zero_optimization.stage must be 0 or 1 with DeepSpeed's pipeline engine" in results[0]["zero2"]
     # int8 sends 8 + 4 bytes per row of 8 values (codes and a scale), none 32
     assert results[0]["demo"]["activation_bytes"] < results[0]["dct_diloco"]["activation_bytes"] / 2
+
+
+def _inside_worker(rank, world):
+    engine, loader = _pipe_engine("demo", 2, 4, 0)
+    it = iter(loader) if loader is not None else None
+    for _ in range(3):
+        engine.train_batch(it)
+    return {"replica": engine.lowcomm.topology.replica, "stage": engine.stage_id, "params": _named(engine),
+            "dp": (engine.grid.data_parallel_id, engine.grid.data_parallel_size),
+            "bytes": engine.lowcomm.ledger.sent}
+
+
+def test_two_pipelines_per_replica():
+    """8 ranks = 2 replicas x (2 pipelines x 2 stages), ZeRO 0: DeepSpeed averages gradients over the
+    replica's 2 pipelines of a stage; the 2 ranks of a stage in a replica split the cross-replica
+    sync by owner (ReplicaShard over that stage's group) and share the result; after 3 demo steps
+    all 4 ranks of a stage hold the same parameters."""
+    results = run_local_workers(_inside_worker, 8)
+    for stage in (0, 1):
+        mine = [r for r in results if r["stage"] == stage]
+        assert sorted((r["replica"], r["dp"]) for r in mine) == [(0, (0, 2)), (0, (1, 2)), (1, (0, 2)), (1, (1, 2))]
+        assert all(all(torch.equal(r["params"][n], mine[0]["params"][n]) for n in r["params"]) for r in mine)
+        owners = {r["dp"][0]: r["bytes"] for r in mine if r["replica"] == 0}
+        assert owners[0] > 0 and owners[1] > 0  # both pipelines of a replica sync a share
