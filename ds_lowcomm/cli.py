@@ -29,6 +29,9 @@ def _parser() -> argparse.ArgumentParser:
     c.add_argument("--backend", default=DEFAULTS.backend,
                    help="torch.distributed backend of the workers: gloo, or nccl (one GPU per worker)")
     c.add_argument("--data", default=DEFAULTS.data, help="text file or directory (default: the Python standard library sources)")
+    c.add_argument("--pipeline-stages", type=int, default=DEFAULTS.pipeline_stages,
+                   help="> 0: each method through DeepSpeed's pipeline engine, the GPT in this many stages, one "
+                        "pipeline per replica (--workers: a multiple of it; --batch: per pipeline)")
     c.add_argument("--config", default=None, help="JSON/YAML overrides: {method: {lr: .., lowcomm: {...}}}")
     return parser
 

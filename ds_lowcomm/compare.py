@@ -3,6 +3,11 @@ initialisation, each with real worker processes over gloo, and report loss again
 
 Writes ``OUT/results.csv`` (one row per method), ``OUT/history.csv`` (held-out loss over steps),
 ``OUT/results.json`` (everything, ledgers included) and ``OUT/loss_vs_bytes.png``.
+
+With ``--pipeline-stages S`` every method runs through DeepSpeed's pipeline engine (the GPT in S
+stages, one pipeline per replica, :class:`ds_lowcomm.task.steps.PipelineStep`): bytes are still
+the method's, across replicas; the stages' activations and DeepSpeed's own traffic inside a
+pipeline are in ``activation_bytes_sent_per_worker`` / ``engine_bytes_sent_per_worker``.
 """
 
 from __future__ import annotations
@@ -68,6 +73,9 @@ def build_specs(methods: list[str], base: TrainSpec, overrides: dict, workers: i
         raise ConfigError(f"--methods: unknown method(s) {', '.join(unknown)}; allowed: {', '.join(METHODS)}")
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1; got {workers}")
+    stages = base.pipeline_stages
+    if stages and workers % stages:
+        raise ConfigError(f"--workers must be a multiple of --pipeline-stages ({stages}); got {workers}")
     if base.backend == "nccl" and (base.device != "cuda" or workers > torch.cuda.device_count()):
         raise ConfigError(f"--backend nccl needs --device cuda and one GPU per worker ({workers} workers, "
                           f"{torch.cuda.device_count()} GPUs); use --backend gloo")
@@ -107,7 +115,12 @@ def run_compare(args) -> list[dict]:
             "bytes_received_per_worker": sum(r["bytes_received"] for r in per_rank) / len(per_rank),
             "wall_s": wall,
             "codec_share": r0["codec_s"] / r0["train_s"] if r0["train_s"] else 0.0,
-            "replicas_identical": len({r["params_digest"] for r in per_rank}) == 1,
+            # (pipelines: every stage's ranks agree; each rank digests its own stage)
+            "replicas_identical": all(len({r["params_digest"] for r in per_rank if r.get("stage") == s}) == 1
+                                      for s in {r.get("stage") for r in per_rank}),
+            "pipeline_stages": spec.pipeline_stages,
+            "activation_bytes_sent_per_worker": sum(r.get("activation_bytes_sent", 0) for r in per_rank) / len(per_rank),
+            "engine_bytes_sent_per_worker": sum(r.get("engine_bytes_sent", 0) for r in per_rank) / len(per_rank),
             "settings": r0["settings"],
             "lr": spec.lr,
             "num_params": r0["num_params"],

@@ -2,7 +2,9 @@
 
 The training loop is :func:`ds_lowcomm.task.train.train_worker` with a DeepSpeed engine's step:
 same data, model, initialisation and schedule as ``ds-lowcomm compare`` (so with ZeRO 0, fp32,
-one rank per replica and no gradient clipping, the two paths give the same parameters). Works
+one rank per replica and no gradient clipping, the two paths give the same parameters). With
+``--pipeline-stages S`` the GPT runs as a DeepSpeed pipeline of S stages (see
+:class:`ds_lowcomm.task.steps.PipelineStep`). Works
 under the deepspeed launcher, torchrun and mpirun (OpenMPI's environment is mapped to
 torch.distributed's; MASTER_ADDR defaults to 127.0.0.1, so set it for multi-node runs).
 """
@@ -42,6 +44,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--save-at", type=int, default=0, help="save a checkpoint after this step")
     p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --save-dir")
     p.add_argument("--max-train-bytes", type=int, default=DEFAULTS.max_train_bytes)
+    p.add_argument("--pipeline-stages", type=int, default=DEFAULTS.pipeline_stages,
+                   help="> 0: the GPT as a DeepSpeed pipeline of this many stages (ranks: a multiple of it); "
+                        "lowcomm.replica_size defaults to it (one pipeline per replica)")
     return p
 
 
@@ -65,23 +70,28 @@ def run(spec: TrainSpec, metrics_out: str | None = None) -> dict:
     result = train_worker(rank, world, spec)
     summary = result["lowcomm"]
     everyone = [None] * world
-    dist.all_gather_object(everyone, {"digest": result["params_digest"], **summary})
+    dist.all_gather_object(everyone, {"digest": result["params_digest"], "stage": result.get("stage"), **summary})
     metrics = {
         "method": summary["method"],
         "zero_stage": summary["zero_stage"],
         "world_size": world,
         "replica_size": summary["replica_size"],
+        "pipeline_stages": spec.pipeline_stages,
         "steps": spec.steps,
         "final_train_loss": result["final_train_loss"],
         "final_val_loss": result["final_val_loss"],
         "bytes_sent_per_worker": sum(e["bytes_sent"] for e in everyone) / world,
         "cross_replica_bytes_sent_per_worker": sum(e["cross_replica_bytes_sent"] for e in everyone) / world,
         "engine_bytes_sent_per_worker": sum(e["engine_bytes_sent"] for e in everyone) / world,
-        "params_digests": [e["digest"] for e in everyone],
+        # between pipeline stages (0 without a pipeline)
+        "activation_bytes_sent_per_worker": sum(e["activation_bytes_sent"] for e in everyone) / world,
+        "params_digests": [e["digest"] for e in everyone],  # a pipeline's: of each rank's own stage
+        "stages": [e["stage"] for e in everyone],  # each rank's pipeline stage (None without a pipeline)
         "engine_ops_during_training": result["engine_ops_during_training"],
         "wall_s": result["wall_s"],
         "history": result["history"],
-        "ledgers": [{"method": e["method_ledger"], "engine": e["engine_ledger"]} for e in everyone],
+        "ledgers": [{"method": e["method_ledger"], "engine": e["engine_ledger"], "activations": e["activation_ledger"]}
+                    for e in everyone],
     }
     if rank == 0 and metrics_out:
         os.makedirs(os.path.dirname(os.path.abspath(metrics_out)), exist_ok=True)

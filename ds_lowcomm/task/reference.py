@@ -33,7 +33,9 @@ class ReferenceTask:
     def loss(module, x, y):
         return module(x, y)
 
+    def val_batches(self, batch: int):
+        return self.corpus.val_batches(self.spec.val_batches, batch, self.spec.model.seq_len)
+
     def evaluation(self, batch: int, device):
-        val = self.corpus.val_batches(self.spec.val_batches, batch, self.spec.model.seq_len)
-        val = [(x.to(device), y.to(device)) for x, y in val]
+        val = [(x.to(device), y.to(device)) for x, y in self.val_batches(batch)]
         return lambda module: {"val_loss": evaluate(module, val)}

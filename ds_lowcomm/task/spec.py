@@ -16,7 +16,7 @@ from typing import Any, Mapping
 
 import torch
 
-from ..codec import FLOAT_DTYPES
+from ..codec import FLOAT_DTYPES, ActivationSettings
 from ..config import ConfigError, LowcommConfig, check_lr
 from .data import MAX_TRAIN_BYTES, MAX_VAL_BYTES
 from .model import GPTConfig
@@ -30,6 +30,7 @@ FLAGS = {
     "--steps": "steps", "--batch": "batch", "--warmup": "warmup", "--eval-every": "eval_every", "--seed": "seed",
     "--data": "data", "--max-train-bytes": "max_train_bytes", "--device": "device", "--backend": "backend",
     "--save-dir": "save_dir", "--save-at": "save_at", "--deepspeed_config": "deepspeed_config",
+    "--pipeline-stages": "pipeline_stages",
     "--seq-len": "model.seq_len", "--n-layer": "model.n_layer", "--n-head": "model.n_head", "--n-embd": "model.n_embd",
 }
 ZERO_IS_UNSET = ("eval_every", "save_at")
@@ -71,6 +72,10 @@ class TrainSpec:
     dtype: str = "fp32"  # of the parameters
     backend: str = "gloo"  # of the worker processes' torch.distributed group
     deepspeed_config: str | None = None  # a DeepSpeed JSON with a "lowcomm" section
+    # > 0: the model as a DeepSpeed pipeline of this many stages (task.steps.PipelineStep): a
+    # DeepSpeed engine (deepspeed_config's, or one made from the fields here), replicas of
+    # lowcomm.replica_size ranks (default: this, one pipeline per replica); 0: no pipeline.
+    pipeline_stages: int = 0
     # Reporting.
     label: str | None = None  # in progress lines; None: the step's own (the method)
     verbose: bool = True  # progress lines on rank 0
@@ -99,6 +104,7 @@ class TrainSpec:
         for f in ("steps", "batch", "val_batches", "max_train_bytes", "max_val_bytes"):
             at_least(f, getattr(self, f), 1)
         at_least("warmup", self.warmup, 0)
+        at_least("pipeline_stages", self.pipeline_stages, 0)
         at_least("eval_every", self.eval_every, 1, optional=True)
         at_least("save_at", self.save_at, 1, optional=True)
         for f in dataclasses.fields(GPTConfig):
@@ -117,7 +123,16 @@ class TrainSpec:
             raise ConfigError(f"{name('backend')} must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
         if self.dtype not in FLOAT_DTYPES:
             raise ConfigError(f"{name('dtype')} must be one of {', '.join(FLOAT_DTYPES)}; got {self.dtype!r}")
-        cfg = LowcommConfig.from_dict(self.lowcomm, where=name("lowcomm"))
+        if self.pipeline_stages and not self.deepspeed_config and self.dtype != "fp32":
+            raise ConfigError(f"{name('dtype')} must be fp32 with {name('pipeline_stages')} and no "
+                              f"{name('deepspeed_config')} (a DeepSpeed config's bf16 section sets it); got {self.dtype}")
+        section = dict(self.lowcomm)
+        if "activations" in section:  # codecs between pipeline stages (a nested mapping of its own)
+            if not self.pipeline_stages:
+                raise ConfigError(f"{name('lowcomm')}.activations: codecs between pipeline stages need "
+                                  f"{name('pipeline_stages')} > 0")
+            ActivationSettings.from_section(section.pop("activations"), where=f"{name('lowcomm')}.activations")
+        cfg = LowcommConfig.from_dict(section, where=name("lowcomm"))
         check_lr(self.lr, where=name("lr"))
         return cfg
 

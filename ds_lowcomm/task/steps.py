@@ -10,8 +10,15 @@ owns the data, the evaluations, the history and when to save or stop. A step is 
   ``opt.zero_grad()``, scheduler step.
 - :class:`DeepSpeedStep`: a DeepSpeed engine from :func:`ds_lowcomm.deepspeed.initialize`:
   micro-batches with gradient accumulation, ``engine.backward``, ``engine.step``, checkpoints by
-  ``engine.save_checkpoint`` / ``load_checkpoint``. A pipeline engine (``engine.train_batch`` on
-  an iterator of the micro-batches) or Megatron would be another implementation of the protocol.
+  ``engine.save_checkpoint`` / ``load_checkpoint``.
+- :class:`PipelineStep`: a DeepSpeed pipeline engine (``spec.pipeline_stages`` > 0; the model as
+  pipeline layers, see :func:`ds_lowcomm.task.model.gpt_pipeline_module`): ``engine.train_batch``
+  on an iterator of the micro-batches, the held-out loss through ``engine.eval_batch``. Megatron
+  would be another implementation of the protocol.
+
+Every rank reads the data shard of ``(step.data_rank, step.data_world)``: its own rank and the
+world size, except in a pipeline, whose ranks all read their pipeline's batches (the first stage
+its inputs, the last its targets): the pipeline's data-parallel index and the number of pipelines.
 """
 
 from __future__ import annotations
@@ -39,9 +46,14 @@ class Step(Protocol):
     micro_batch: int  # sequences per micro-batch
     accumulation: int  # micro-batches per step
     label: str  # progress lines' default label
+    data_rank: int  # which data shard this rank reads (task.train_batch's rank) ...
+    data_world: int  # ... out of how many (task.train_batch's world_size)
 
     def train_step(self, batches: Iterable[Batch]) -> list[torch.Tensor]:
         """One optimizer step on ``accumulation`` micro-batches (made as they are read); their losses."""
+
+    def evaluation(self, task) -> Callable[[], dict[str, float]]:
+        """The task's held-out evaluation of this step's model: () -> metrics, "val_loss" first."""
 
     def traffic(self) -> dict[str, int]:
         """Byte counters so far, for the history rows."""
@@ -89,6 +101,17 @@ def lowcomm_setup(model: torch.nn.Module, spec: TrainSpec):
     return model, opt, opt.ledger
 
 
+def _world() -> tuple[int, int]:
+    import torch.distributed as dist
+
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _evaluate_module(step, task) -> Callable[[], dict[str, float]]:
+    evaluate = task.evaluation(step.micro_batch, step.device)
+    return lambda: evaluate(step.module)
+
+
 class TorchStep:
     """A torch optimizer's step; ``net`` (the module forward runs through, e.g. a DDP wrapper) may
     differ from ``module`` (the model, saved and evaluated)."""
@@ -100,6 +123,7 @@ class TorchStep:
         self.spec, self.rank, self.loss, self.device = spec, rank, loss, device
         self.micro_batch, self.label = spec.batch, spec.lowcomm_config.method
         self.sched = reference_schedule(spec)(optimizer)
+        self.data_rank, self.data_world = rank, _world()[1]
 
     @classmethod
     def build(cls, model, spec: TrainSpec, rank: int, loss: LossFn, setup=lowcomm_setup) -> "TorchStep":
@@ -118,6 +142,9 @@ class TorchStep:
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
         return [loss]
+
+    def evaluation(self, task):
+        return _evaluate_module(self, task)
 
     def traffic(self):
         return {"bytes_sent": self.ledger.sent, "bytes_received": self.ledger.received}
@@ -161,6 +188,7 @@ class DeepSpeedStep:
         self.accumulation = engine.gradient_accumulation_steps()
         summary = engine.lowcomm.summary()
         self.label = f"{summary['method']} zero{summary['zero_stage']}"
+        self.data_rank, self.data_world = _world()
         # DeepSpeed's own collectives from here on are the training's (a resume's load included)
         self.engine_ops_at_start = copy.deepcopy(engine.lowcomm.engine_ledger.by_op)
 
@@ -183,6 +211,9 @@ class DeepSpeedStep:
             self.engine.step()
             losses.append(loss)
         return losses
+
+    def evaluation(self, task):
+        return _evaluate_module(self, task)
 
     def traffic(self):
         return {"bytes_sent": self.engine.lowcomm.summary()["bytes_sent"]}
@@ -208,3 +239,116 @@ class DeepSpeedStep:
     def load(self, directory):
         _, client = self.engine.load_checkpoint(directory)
         return client["step"]
+
+
+def pipeline_deepspeed_config(spec: TrainSpec) -> dict:
+    """The DeepSpeed config of a pipeline run: ``spec.deepspeed_config``'s, or (``ds-lowcomm
+    compare``) one made from the spec: ``spec.batch`` sequences per pipeline per step in one
+    micro-batch, the spec's AdamW settings, ZeRO 0, no clipping, fp32, ``spec.lowcomm``. Either way
+    ``lowcomm.replica_size`` defaults to ``spec.pipeline_stages`` (one pipeline per replica)."""
+    if spec.deepspeed_config:
+        with open(spec.deepspeed_config) as f:
+            config = json.load(f)
+    else:
+        config = {
+            "train_micro_batch_size_per_gpu": spec.batch, "gradient_accumulation_steps": 1,
+            "gradient_clipping": 0.0, "steps_per_print": 10**9,
+            "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "betas": list(spec.betas),
+                                                      "weight_decay": spec.weight_decay}},
+            "zero_optimization": {"stage": 0}, "lowcomm": copy.deepcopy(spec.lowcomm),
+        }
+    lowcomm = config.get("lowcomm")
+    if isinstance(lowcomm, dict):
+        lowcomm.setdefault("replica_size", spec.pipeline_stages)
+    return config
+
+
+class PipelineStep(DeepSpeedStep):
+    """A DeepSpeed pipeline engine's step (ds_lowcomm's ``initialize`` with a ``PipelineModule``):
+    one ``engine.train_batch`` on an iterator of the step's micro-batches. The loss it returns is
+    the mean over the micro-batches and the replica's pipelines, on every stage (DeepSpeed
+    broadcasts it from the last stage); the held-out loss goes through ``engine.eval_batch`` (the
+    last stage's, broadcast to every stage), so every rank's history has the same val_loss.
+
+    ``module`` is this rank's stage (``engine.module``): the loop's ``params_digest`` is of the
+    stage's own layers (tied copies included), equal on the stage-matched ranks of the other
+    replicas after a sync; the report's ``num_params`` is the whole model's, ``stage_num_params``
+    the stage's. Batches: the pipeline's data-parallel index and count
+    (``engine.lowcomm.topology.data_rank`` / ``data_world``), so both ends of a pipeline read the
+    same ones. The task's ``loss(module, x, y)`` is not used: the pipeline module has its own
+    ``loss_fn``. In the report and history, ``bytes_sent`` / ``bytes_received`` are the method's
+    cross-replica bytes (what ``ds-lowcomm compare`` sets against its other runs);
+    ``engine_bytes_sent`` (DeepSpeed's own collectives inside a replica: tied-weight gradients,
+    loss broadcasts) and ``activation_bytes_sent`` (between stages, evaluations' forward passes
+    included) are beside them. Checkpoints as :class:`DeepSpeedStep`'s."""
+
+    def __init__(self, engine, loss: LossFn = None, num_params: int | None = None):
+        super().__init__(engine, loss)
+        self.num_params = num_params  # the whole model's (None: unknown)
+        topology = engine.lowcomm.topology
+        self.data_rank, self.data_world = topology.data_rank, topology.data_world
+        self.stage = engine.stage_id
+        self.label = f"{self.label} pipe{engine.num_stages}"
+
+    @classmethod
+    def build(cls, model, spec: TrainSpec, rank: int, loss: LossFn = None, to_pipeline=None) -> "PipelineStep":
+        """``to_pipeline(model, num_stages)``: the model as a PipelineModule with the model's weights
+        (default: the reference GPT's, :func:`ds_lowcomm.task.model.gpt_pipeline_module`); built on
+        every rank from the same seed, as the loop does."""
+        import deepspeed
+        import torch.distributed as dist
+
+        from ..config import ConfigError
+        from ..deepspeed import initialize
+        from .model import GPT, gpt_pipeline_module
+
+        stages, world = spec.pipeline_stages, dist.get_world_size()
+        if world % stages:
+            raise ConfigError(f"--pipeline-stages {stages} must divide the number of ranks ({world})")
+        if to_pipeline is None:
+            if not isinstance(model, GPT):
+                raise ConfigError(f"--pipeline-stages: the task's model ({type(model).__name__}) has no pipeline "
+                                  "form; pass PipelineStep.build a to_pipeline function")
+            to_pipeline = gpt_pipeline_module
+        config = pipeline_deepspeed_config(spec)
+        schedule = None if "scheduler" in config else reference_schedule(spec)
+        deepspeed.init_distributed(dist_backend=dist.get_backend())  # before the PipelineModule (its grid)
+        module = to_pipeline(model, stages)
+        num_params = sum(p.numel() for p in model.parameters())
+        del model  # the stage's layers have its weights
+        engine, _, _, _ = initialize(model=module, config=config, lr_scheduler=schedule)
+        return cls(engine, loss, num_params)
+
+    def train_step(self, batches):
+        return [self.engine.train_batch(iter(batches))]  # middle stages read nothing
+
+    def evaluation(self, task):
+        """The mean loss over ``task.val_batches(micro_batch)``, one eval_batch of that many
+        micro-batches through the pipeline (every rank calls it: it is collective)."""
+        batches = task.val_batches(self.micro_batch)
+
+        def evaluate():
+            loss = self.engine.eval_batch(iter(batches), num_micro_batches=len(batches))
+            return {"val_loss": float(loss.item())}
+
+        return evaluate
+
+    def traffic(self):
+        s = self.engine.lowcomm.summary()
+        return {"bytes_sent": s["cross_replica_bytes_sent"], "bytes_received": s["cross_replica_bytes_received"],
+                "engine_bytes_sent": s["engine_bytes_sent"], "activation_bytes_sent": s["activation_bytes_sent"]}
+
+    def report(self):
+        out = super().report()
+        s = out["lowcomm"]
+        return {
+            **out,
+            **self.traffic(),
+            "stage": self.stage,
+            "stage_num_params": sum(p.numel() for p in self.module.parameters()),
+            **({"num_params": self.num_params} if self.num_params is not None else {}),  # the whole model's
+            "settings": self.engine.lowcomm.config.lowcomm.effective(),
+            "ledger": s["method_ledger"],
+            "codec_s": s["method_seconds"].get("codec", 0.0),
+            "comm_s": s["method_seconds"].get("comm", 0.0),
+        }

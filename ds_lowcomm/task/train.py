@@ -4,7 +4,8 @@
 group (see :func:`ds_lowcomm.workers.run_local_workers`) and returns its metrics. It serves
 ``ds-lowcomm compare``, ``launch/train.py`` (a DeepSpeed engine's step), the benchmarks and the
 tests; what differs is the task (the reference task by default) and the step (a torch optimizer,
-or a DeepSpeed engine when ``spec.deepspeed_config`` is set; see :mod:`ds_lowcomm.task.steps`).
+or a DeepSpeed engine when ``spec.deepspeed_config`` is set, a DeepSpeed pipeline engine when
+``spec.pipeline_stages`` is; see :mod:`ds_lowcomm.task.steps`).
 All method-specific communication goes through the step's optimizer and is in its ledger; the
 evaluation metrics are averaged over ranks with a separate all-reduce that is not method traffic.
 """
@@ -21,7 +22,7 @@ import torch.distributed as dist
 from ..comm import backend_device
 from .reference import ReferenceTask
 from .spec import TrainSpec
-from .steps import DeepSpeedStep, Step, TorchStep
+from .steps import DeepSpeedStep, PipelineStep, Step, TorchStep
 
 
 class Task(Protocol):
@@ -37,6 +38,9 @@ class Task(Protocol):
 
     def evaluation(self, batch: int, device) -> Callable[[torch.nn.Module], dict[str, float]]:
         """The held-out evaluation: module -> metrics, "val_loss" first."""
+
+    def val_batches(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """The held-out batches, on the CPU (only pipeline steps ask: they evaluate by eval_batch)."""
 
 
 def params_digest(model: torch.nn.Module) -> str:
@@ -54,6 +58,8 @@ def mean_over_ranks(*values: float) -> list[float]:
 
 
 def default_step(spec: TrainSpec):
+    if spec.pipeline_stages:
+        return PipelineStep.build
     return DeepSpeedStep.build if spec.deepspeed_config else TorchStep.build
 
 
@@ -63,7 +69,7 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec, task_type=Referenc
     task = task_type(spec)
     torch.manual_seed(spec.seed)  # same init on every rank and for every method (and device)
     step: Step = (make_step or default_step(spec))(task.build_model(), spec, rank, task.loss)
-    evaluate = task.evaluation(step.micro_batch, step.device)
+    evaluate = step.evaluation(task)
     start_step = step.load(spec.resume_from) if spec.resume_from else 0
 
     steps, accum, eval_every = spec.steps, step.accumulation, spec.eval_interval
@@ -72,7 +78,7 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec, task_type=Referenc
     started = time.perf_counter()
     for i in range(start_step, steps):
         t0 = time.perf_counter()
-        losses = step.train_step(task.train_batch(rank, world_size, i * accum + m, step.micro_batch)
+        losses = step.train_step(task.train_batch(step.data_rank, step.data_world, i * accum + m, step.micro_batch)
                                  for m in range(accum))
         step_times.append(time.perf_counter() - t0)
         train_s += step_times[-1]
@@ -80,7 +86,7 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec, task_type=Referenc
         done = i + 1
         if done % eval_every == 0 or done == steps:
             window = [loss for losses in recent for loss in losses]
-            metrics = evaluate(step.module)
+            metrics = evaluate()
             train_loss, *averaged = mean_over_ranks(sum(window) / len(window), *metrics.values())
             row = {"step": done, "train_loss": train_loss, **dict(zip(metrics, averaged)), **step.traffic(),
                    "train_s": train_s}  # training time so far, evaluations left out
