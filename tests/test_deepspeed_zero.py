@@ -129,10 +129,20 @@ def test_zero_gradient_parameters_stay_put_at_every_stage():
     _check_frozen(run_local_workers(_frozen_worker, 2, (0, 1, 2, 3), 1), 2)
 
 
-@pytest.mark.parametrize("stage", [1, 2, 3])
-def test_zero_gradient_parameters_stay_put_inside_replicas(stage):
-    """Two ranks per replica: partition edges cut parameters too."""
-    _check_frozen(run_local_workers(_frozen_worker, 4, (stage,), 2), 4)
+def _four_rank_worker(rank, world, workdir):
+    """One launch of 4 processes for both 4-rank tests below (a launch costs more than the runs)."""
+    return {"frozen": _frozen_worker(rank, world, (1, 2, 3), 2), "resume": _resume_worker(rank, world, workdir)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    results = run_local_workers(_four_rank_worker, 4, str(tmp_path_factory.mktemp("zero3")))
+    return {key: [r[key] for r in results] for key in ("frozen", "resume")}
+
+
+def test_zero_gradient_parameters_stay_put_inside_replicas(four_ranks):
+    """Two ranks per replica, ZeRO 1/2/3: partition edges cut parameters too."""
+    _check_frozen(four_ranks["frozen"], 4)
 
 
 def _resume_worker(rank, world, workdir):
@@ -170,10 +180,10 @@ def _loss(engine, rank):
         return torch.nn.functional.mse_loss(engine(x), y).item()
 
 
-def test_every_method_at_zero3_with_replicas_resumes_exactly(tmp_path):
+def test_every_method_at_zero3_with_replicas_resumes_exactly(four_ranks):
     """2 replicas x 2 ranks at ZeRO 3: each rank's method runs on its own partitions and syncs them
     with the matching partitions of the other replica; a resume mid-interval is exact."""
-    results = run_local_workers(_resume_worker, 4, str(tmp_path))
+    results = four_ranks["resume"]
     for method in METHODS:
         for rank in range(4):
             r = results[rank][method]
