@@ -75,6 +75,11 @@ class ReplicaTopology:
         if flat != list(range(world)) or len({len(r) for r in replicas}) != 1:
             raise ValueError(f"replicas must be equal-sized and cover ranks 0..{world - 1} once; got {replicas}")
         size = len(replicas[0])
+        key = tuple(tuple(r) for r in replicas)
+        world_group = dist.distributed_c10d._get_default_group()
+        cached = _GROUPS.get(key)
+        if cached is not None and cached[0] is world_group:  # another engine in this process, same layout
+            return cls(world, rank, [list(r) for r in replicas], *cached[1], data_rank, data_world, data_per_replica)
         mine = {}
         # new_group is collective: every rank creates every group, in the same order.
         for ranks in replicas:
@@ -90,5 +95,12 @@ class ReplicaTopology:
             g = dist.new_group([r])
             if r == rank:
                 mine["single"] = g
-        return cls(world, rank, [list(r) for r in replicas], mine["replica"], mine["cross"], mine["single"],
-                   data_rank, data_world, data_per_replica)
+        groups = (mine["replica"], mine["cross"], mine["single"])
+        _GROUPS[key] = (world_group, groups)
+        return cls(world, rank, [list(r) for r in replicas], *groups, data_rank, data_world, data_per_replica)
+
+
+# Process groups of the layouts built in this process, reused by later engines (every rank builds
+# the same layouts in the same order, so every rank reuses alike); keyed to the default group, so
+# a re-initialised torch.distributed gets new ones.
+_GROUPS: dict[tuple, tuple] = {}
