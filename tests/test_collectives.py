@@ -82,3 +82,29 @@ def test_dense_all_reduce_mean():
     assert r0[2] == [0.5, 0.5]
     # One flat buffer per dtype: fp32 (12 + 5 floats) and fp64 (2 doubles).
     assert ledger["all_reduce"] == {"calls": 2, "sent": 17 * 4 + 2 * 8, "received": 17 * 4 + 2 * 8}
+
+
+def _stalled_peer_worker(rank, world):
+    import time
+
+    from ds_lowcomm.comm import CollectiveError, ReplicaTopology
+
+    topology = ReplicaTopology.build(1, timeout_s=3.0)  # two replicas of one rank: the cross group is both
+    transport = TorchDistTransport(topology.cross_group)
+    if rank == 1:
+        time.sleep(12)  # stalled (a kill -STOP, a hung data loader) past the other rank's timeout
+    start = time.perf_counter()
+    try:
+        transport.all_gather_bytes(torch.zeros(16, dtype=torch.uint8), op="sparse_all_gather")
+        return {"error": None}
+    except CollectiveError as err:
+        return {"error": str(err), "waited": time.perf_counter() - start}
+
+
+def test_a_stalled_peer_fails_the_collective_within_the_timeout():
+    """lowcomm.timeout_s reaches the groups ds_lowcomm creates: the waiting rank fails after about
+    3 s (torch's default would wait 30 minutes), naming the operation and the group's ranks."""
+    waiting, stalled = run_local_workers(_stalled_peer_worker, 2)
+    assert waiting["error"] is not None and 2.5 < waiting["waited"] < 10, waiting
+    assert "sparse_all_gather" in waiting["error"] and "[0, 1]" in waiting["error"], waiting["error"]
+    assert stalled["error"] is not None  # its peer has given up: it fails too instead of hanging

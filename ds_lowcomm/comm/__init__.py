@@ -6,8 +6,8 @@ from .consistency import assert_same_across_ranks
 from .ledger import ByteLedger
 from .shard import ReplicaShard
 from .topology import ReplicaTopology
-from .transport import Pending, TorchDistTransport, Transport, backend_device
+from .transport import CollectiveError, Pending, TorchDistTransport, Transport, backend_device
 
 __all__ = [
-    "ByteLedger", "Pending", "Pieces", "ReplicaShard", "ReplicaTopology", "SparseAllGather", "assert_same_across_ranks", "TorchDistTransport", "Transport", "all_reduce_mean_", "backend_device", "build_transport", "start_all_reduce_mean_",
+    "ByteLedger", "CollectiveError", "Pending", "Pieces", "ReplicaShard", "ReplicaTopology", "SparseAllGather", "assert_same_across_ranks", "TorchDistTransport", "Transport", "all_reduce_mean_", "backend_device", "build_transport", "start_all_reduce_mean_",
 ]

@@ -1,11 +1,11 @@
-"""The collective backend's settings: which transport carries the method's traffic, and how
-many consecutive ranks form one replica (see :mod:`.topology`)."""
+"""The collective backend's settings: which transport carries the method's traffic, how many
+consecutive ranks form one replica (see :mod:`.topology`), and how long a collective may wait."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from ..settings import Settings, check_choice, check_int
+from ..settings import Settings, check_choice, check_int, check_positive
 
 TRANSPORTS = ("torch", "mpi")
 
@@ -14,7 +14,11 @@ TRANSPORTS = ("torch", "mpi")
 class CommSettings(Settings):
     transport: str = "torch"  # torch.distributed, or MPI (mpi4py) under mpirun
     replica_size: int = 1  # ranks per replica (the DeepSpeed glue's data-parallel group)
+    # Seconds a collective of the groups ds_lowcomm creates may wait for a peer before every
+    # waiting rank fails naming the operation (torch's default would be 30 minutes).
+    timeout_s: float = 300.0
 
     def check(self, where: str) -> None:
         check_choice(where, "transport", self.transport, TRANSPORTS)
         check_int(where, "replica_size", self.replica_size, 1)
+        check_positive(where, "timeout_s", self.timeout_s)

@@ -16,6 +16,7 @@ number of pipelines when replicas are pipelines); ``data_per_replica`` of them p
 from __future__ import annotations
 
 from dataclasses import dataclass
+from datetime import timedelta
 
 import torch.distributed as dist
 
@@ -55,7 +56,7 @@ class ReplicaTopology:
         return self.replicas[self.replica].index(self.rank)
 
     @classmethod
-    def build(cls, replica_size: int) -> "ReplicaTopology":
+    def build(cls, replica_size: int, timeout_s: float | None = None) -> "ReplicaTopology":
         """Consecutive ranks per replica; every rank must call this with the same ``replica_size``."""
         world = dist.get_world_size()
         if world % replica_size != 0:
@@ -63,19 +64,22 @@ class ReplicaTopology:
                 f"lowcomm.replica_size must divide the world size {world}; got {replica_size} "
                 f"(allowed: {', '.join(str(d) for d in range(1, world + 1) if world % d == 0)})"
             )
-        return cls.from_replicas([list(range(r, r + replica_size)) for r in range(0, world, replica_size)])
+        return cls.from_replicas([list(range(r, r + replica_size)) for r in range(0, world, replica_size)],
+                                 timeout_s=timeout_s)
 
     @classmethod
     def from_replicas(cls, replicas: list[list[int]], data_rank: int = -1, data_world: int = -1,
-                      data_per_replica: int = -1) -> "ReplicaTopology":
+                      data_per_replica: int = -1, timeout_s: float | None = None) -> "ReplicaTopology":
         """Replicas given as rank lists (equal sizes, together every rank once); collective: every
-        rank calls it with the same lists."""
+        rank calls it with the same lists. ``timeout_s``: how long the groups' collectives wait
+        (None: torch's default)."""
         world, rank = dist.get_world_size(), dist.get_rank()
         flat = sorted(r for ranks in replicas for r in ranks)
         if flat != list(range(world)) or len({len(r) for r in replicas}) != 1:
             raise ValueError(f"replicas must be equal-sized and cover ranks 0..{world - 1} once; got {replicas}")
         size = len(replicas[0])
-        key = tuple(tuple(r) for r in replicas)
+        key = (tuple(tuple(r) for r in replicas), timeout_s)
+        timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
         world_group = dist.distributed_c10d._get_default_group()
         cached = _GROUPS.get(key)
         if cached is not None and cached[0] is world_group:  # another engine in this process, same layout
@@ -83,16 +87,16 @@ class ReplicaTopology:
         mine = {}
         # new_group is collective: every rank creates every group, in the same order.
         for ranks in replicas:
-            g = dist.new_group(ranks)
+            g = dist.new_group(ranks, **timeout)
             if rank in ranks:
                 mine["replica"] = g
         for j in range(size):
             ranks = [replica[j] for replica in replicas]
-            g = dist.new_group(ranks)
+            g = dist.new_group(ranks, **timeout)
             if rank in ranks:
                 mine["cross"] = g
         for r in range(world):
-            g = dist.new_group([r])
+            g = dist.new_group([r], **timeout)
             if r == rank:
                 mine["single"] = g
         groups = (mine["replica"], mine["cross"], mine["single"])

@@ -86,7 +86,7 @@ class Transport:
         self._book(op, send.numel(), (self.world_size - 1) * send.numel(), start)
 
         def finish():
-            landed()
+            self._landed(landed, op)
             return out if out.device == payload.device else out.to(payload.device)
 
         return Pending(finish, self.ledger)
@@ -101,7 +101,7 @@ class Transport:
         self._book(op, n, n, start)
 
         def finish():
-            landed()
+            self._landed(landed, op)
             return _copy_back(buf, tensor)
 
         return Pending(finish, self.ledger)
@@ -109,7 +109,7 @@ class Transport:
     def broadcast_(self, tensor: torch.Tensor, src: int = 0, op: str = "broadcast") -> torch.Tensor:
         start = time.perf_counter()
         buf = self._stage(tensor)
-        self._broadcast(buf, src)
+        self._landed(lambda: self._broadcast(buf, src), op)
         _copy_back(buf, tensor)
         n = tensor.numel() * tensor.element_size()
         self._book(op, n if self.rank == src else 0, 0 if self.rank == src else n, start)
@@ -122,6 +122,19 @@ class Transport:
         return self.start_all_reduce_sum_(tensor, op).wait()
 
     # -- shared steps -------------------------------------------------------------------------
+    def _landed(self, wait: Callable[[], object], op: str) -> None:
+        """Wait for a collective; a backend's failure (a peer's timeout, a lost peer) is re-raised
+        naming the operation and the group's ranks, on every rank that was waiting."""
+        try:
+            wait()
+        except RuntimeError as err:
+            raise CollectiveError(f"{op}: collective over ranks {self.describe_peers()} failed on rank "
+                                  f"{self.rank} of {self.world_size} ({type(err).__name__}: {err}); a peer "
+                                  "stalled or died (lowcomm.timeout_s bounds the wait)") from err
+
+    def describe_peers(self) -> str:
+        return f"0..{self.world_size - 1} of this group"
+
     def _stage(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` contiguous where the backend reads it: itself, or a copy there."""
         t = t.contiguous()
@@ -140,6 +153,10 @@ def _copy_back(buf: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
     return tensor
 
 
+class CollectiveError(RuntimeError):
+    """A collective did not complete: a peer timed out or went away."""
+
+
 class TorchDistTransport(Transport):
     """torch.distributed over a process group (gloo on CPU, NCCL on GPUs). Tensors elsewhere are
     staged on the backend's device: GPU parameters over gloo (a cross-datacenter gloo group, say),
@@ -153,6 +170,10 @@ class TorchDistTransport(Transport):
         self.world_size = dist.get_world_size(group)
         self.ledger = ledger if ledger is not None else ByteLedger()
         self.device = backend_device(group)
+
+    def describe_peers(self) -> str:
+        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else range(dist.get_world_size())
+        return "[" + ", ".join(map(str, ranks)) + "] (global)"
 
     def _all_gather(self, send, out):
         return _all_gather_single(out.view(-1), send, group=self.group, async_op=True).wait

@@ -143,8 +143,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     count_deepspeed_collectives(engine_ledger, user_ledger)
 
     replica_size = split.lowcomm.comm.replica_size
-    topology = (pipeline.pipeline_replicas(model, replica_size, split.zero_stage) if piped
-                else ReplicaTopology.build(replica_size))
+    timeout_s = split.lowcomm.comm.timeout_s
+    topology = (pipeline.pipeline_replicas(model, replica_size, split.zero_stage, timeout_s) if piped
+                else ReplicaTopology.build(replica_size, timeout_s))
     set_current_topology(topology)  # data_parallel_rank() / _world_size() for the user's own loaders
     assert_same_across_ranks(  # flat keys, so that a difference names its field
         TorchDistTransport(ledger=engine_ledger),

@@ -31,7 +31,7 @@ def _rank(topo, pipe: int, data: int) -> int:
     return ranks[0]
 
 
-def pipeline_replicas(module, replica_size: int, zero_stage: int) -> ReplicaTopology:
+def pipeline_replicas(module, replica_size: int, zero_stage: int, timeout_s: float | None = None) -> ReplicaTopology:
     """The replica topology of a ``PipelineModule`` (collective: creates the process groups)."""
     grid, topo = module._grid, module._topo
     stages, pipelines = grid.pipe_parallel_size, grid.data_parallel_size
@@ -50,7 +50,7 @@ def pipeline_replicas(module, replica_size: int, zero_stage: int) -> ReplicaTopo
     replicas = [[_rank(topo, s, d) for d in range(k * per, (k + 1) * per) for s in range(stages)]
                 for k in range(pipelines // per)]
     return ReplicaTopology.from_replicas(replicas, data_rank=grid.data_parallel_id, data_world=pipelines,
-                                         data_per_replica=per)
+                                         data_per_replica=per, timeout_s=timeout_s)
 
 
 def stage_group(module):
