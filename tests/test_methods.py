@@ -200,3 +200,37 @@ def _bf16_state_worker(rank, world):
 def test_fp32_state_of_bf16_params_survives_load():
     for ok, ledger_ok in run_local_workers(_bf16_state_worker, 2):
         assert ok and ledger_ok
+
+
+ZERO_FIRST_METHODS = {"adamw": {}, "demo": {"topk": 4, "chunk": 8}, "diloco": {"sync_every": 3},
+                      "dct_diloco": {"sync_every": 3}, "sparseloco": {"sync_every": 3}, "mtdao": {"sync_every": 3}}
+
+
+def _zero_first_gradients_worker(rank, world):
+    from ds_lowcomm.comm import ReplicaTopology
+    from ds_lowcomm.optim import LowcommConfig, build_optimizer
+
+    cross = ReplicaTopology.build(1, timeout_s=30.0).cross_group  # a regression fails in 30 s, not 30 min
+    out = {}
+    for method, extra in ZERO_FIRST_METHODS.items():
+        model = tiny_model()
+        opt = build_optimizer(LowcommConfig.from_dict({"method": method, **extra}), model.parameters(), lr=1e-2,
+                              transport=TorchDistTransport(cross))
+        for step in range(3):
+            loss = tiny_loss(model, rank, step)
+            if rank == 1 and step == 0:
+                loss = loss * 0.0  # this rank's first gradients are all zero; the other's are not
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+        out[method] = (params_digest(model), opt.ledger.steps)
+    return out
+
+
+def test_a_rank_with_zero_first_gradients_takes_part_in_every_sync():
+    """Whether a step is real is never decided from one rank's gradients: both ranks issue the
+    same collectives (before: every method hung), count 3 steps, and agree after the sync."""
+    a, b = run_local_workers(_zero_first_gradients_worker, 2)
+    for method in ZERO_FIRST_METHODS:
+        assert a[method] == b[method], method
+        assert a[method][1] == 3, method

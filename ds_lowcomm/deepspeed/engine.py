@@ -179,12 +179,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     # engine.step closes the ledger's steps (ZeRO steps the optimizer once per parameter group)
     opt = build_optimizer(split.lowcomm, params, transport=transport, shard=shard, ledger_steps=False,
                           **split.optimizer.torch_kwargs())
+    opt.framework_setup = True  # DeepSpeed's construction-time step() calls are not training steps
     engine, ds_opt, loader, sched = deepspeed.initialize(
         args=args, model=model, optimizer=opt, model_parameters=params, training_data=None,  # loader: below
         lr_scheduler=lr_scheduler, mpu=None if piped else ReplicaMPU(topology),  # pipelines: the module's grid
         dist_init_required=dist_init_required,
         collate_fn=collate_fn, config=split.deepspeed, **kwargs,
     )
+    opt.framework_setup = False
     if split.zero_stage == 0:
         # Inside a replica DeepSpeed averages gradients as usual; with one data-parallel rank per
         # replica there is nothing to average and the method does all the communication.

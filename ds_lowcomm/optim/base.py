@@ -73,6 +73,12 @@ class LowcommOptimizer(torch.optim.Optimizer):
         self.ledger_steps = ledger_steps
         self._syncs: dict[tuple[int, ...], SparseAllGather] = {}
         self._pieces: dict[int, Pieces] = {}
+        # Set by an integration while its framework builds itself: DeepSpeed's fp16/bf16 wrapper
+        # and ZeRO 1/2 call step() once at construction with zero gradients. Those calls are
+        # skipped on every rank alike (no collective, no state, no counter). Whether a step is
+        # real is never guessed from this rank's gradients: a rank whose first gradients are all
+        # zero would skip a collective the other ranks issue.
+        self.framework_setup = False
         params = self._current_params()
         self._record = {
             "method": self.method,
@@ -124,9 +130,9 @@ class LowcommOptimizer(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        params = self._current_params()
-        if self._is_placeholder_step(params):
+        if self.framework_setup:  # a framework's step() while it builds itself: not a training step
             return loss
+        params = self._current_params()
         with torch.no_grad():
             self._update(params)
         if self.ledger_steps:
@@ -137,13 +143,6 @@ class LowcommOptimizer(torch.optim.Optimizer):
         """One step of the method on ``params`` (gradients in ``p.grad``), its syncs included."""
         raise NotImplementedError
 
-    def _is_placeholder_step(self, params: list[torch.Tensor]) -> bool:
-        """DeepSpeed's fp16/bf16 wrapper calls step() once at construction with zero gradients.
-        Before any state exists, a step whose gradients are all missing or zero changes nothing
-        worth keeping; skipping it keeps counters, weight decay and schedules exact."""
-        if any(self.state.get(p) for p in params):
-            return False
-        return all(p.grad is None or not p.grad.any() for p in params)
 
     def _owned(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         return params if self.shard is None else self.shard.owned(params)
