@@ -21,6 +21,7 @@ those (optimizer offload, torch autocast, ZenFlow) are refused in ``config.py``/
 
 from __future__ import annotations
 
+import math
 import torch
 import torch.distributed as dist
 
@@ -43,20 +44,13 @@ def _pieces(offsets_shapes, start: int, size: int) -> Pieces:
     """The parts of parameters (offset in the group's flat buffer, shape) inside [start, start+size)."""
     pieces = []
     for offset, shape in offsets_shapes:
-        numel = _numel(shape)
+        numel = math.prod(shape)
         lo, hi = max(offset, start), min(offset + numel, start + size)
         if hi <= lo:
             continue
         whole = lo == offset and hi == offset + numel
         pieces.append((lo - start, tuple(shape) if whole else (hi - lo,)))
     return Pieces(size, tuple(sorted(pieces)))
-
-
-def _numel(shape) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 def _install_stage12(zero, optimizer: LowcommOptimizer) -> None:
@@ -71,24 +65,15 @@ def _install_stage12(zero, optimizer: LowcommOptimizer) -> None:
                   for off, meta in zip(zero.round_robin_bit16_offsets[i], zero.round_robin_bit16_meta[i])]
         optimizer.set_pieces(flat, _pieces(layout, partition_id * size, size))
 
-    kept: dict[int, torch.Tensor] = {}
-
-    def optimizer_step(group_no: int) -> None:
-        flats = zero.single_partition_of_fp32_groups
-        kept[group_no] = flats[group_no].grad  # ZeRO drops it after this call
-        if group_no < groups - 1:
-            return
-        for i, grad in kept.items():
-            flats[i].grad = grad
-        kept.clear()
-        zero.optimizer.step()  # every group at once: one exchange per sync
-        for i in range(groups - 1):
-            flats[i].grad = None
-            partition_id = dist.get_rank(group=zero.real_dp_process_group[i])
-            zero.parallel_partitioned_bit16_groups[i][partition_id].data.copy_(flats[i].data)
+    def step_all() -> None:
+        zero.optimizer.step()
         zero._lazy_init_hp_params_optimizer_state()
 
-    zero._optimizer_step = optimizer_step
+    def publish(i: int) -> None:  # ZeRO copied group i to the 16-bit weights before it was stepped
+        partition_id = dist.get_rank(group=zero.real_dp_process_group[i])
+        zero.parallel_partitioned_bit16_groups[i][partition_id].data.copy_(zero.single_partition_of_fp32_groups[i].data)
+
+    zero._optimizer_step = _step_at_last_group(zero.single_partition_of_fp32_groups, groups, step_all, publish)
 
 
 def _install_stage3(zero, optimizer: LowcommOptimizer) -> None:
@@ -111,23 +96,33 @@ def _install_stage3(zero, optimizer: LowcommOptimizer) -> None:
             offset += size
         optimizer.set_pieces(flat, Pieces(flat.numel(), tuple(layout)))
 
-    kept: dict[int, torch.Tensor] = {}
-
-    def optimizer_step(sub_group_id: int) -> None:
-        flats = zero.fp32_partitioned_groups_flat
-        kept[sub_group_id] = flats[sub_group_id].grad  # ZeRO drops it after this call
-        if sub_group_id < subgroups - 1:
-            return
-        for sg, grad in kept.items():
-            flats[sg].grad = grad
-        kept.clear()
+    def step_all() -> None:
         zero._set_fp32_optimizer_param_groups()
         try:
-            zero.optimizer.step()  # every sub-group at once: one exchange per sync
+            zero.optimizer.step()
         finally:
             zero._clear_fp32_optimizer_param_groups()
-        for sg in range(subgroups - 1):
-            flats[sg].grad = None
-            zero._reassign_or_swap_out_partitioned_parameters(sg)
 
-    zero._optimizer_step = optimizer_step
+    zero._optimizer_step = _step_at_last_group(zero.fp32_partitioned_groups_flat, subgroups, step_all,
+                                               zero._reassign_or_swap_out_partitioned_parameters)
+
+
+def _step_at_last_group(flats, count: int, step_all, publish):
+    """ZeRO's per-group ``_optimizer_step(i)`` replaced: keep each group's gradient (ZeRO drops it
+    after the call) until the last group, then step the method once over every group (one
+    exchange per sync) and ``publish`` the groups ZeRO already copied to its 16-bit weights."""
+    kept: dict[int, torch.Tensor] = {}
+
+    def optimizer_step(i: int) -> None:
+        kept[i] = flats[i].grad
+        if i < count - 1:
+            return
+        for j, grad in kept.items():
+            flats[j].grad = grad
+        kept.clear()
+        step_all()
+        for j in range(count - 1):
+            flats[j].grad = None
+            publish(j)
+
+    return optimizer_step
