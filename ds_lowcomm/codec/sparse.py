@@ -230,13 +230,17 @@ class SparseSpec:
         sent = torch.zeros_like(coeffs).scatter_(-1, idx, sent_vals.to(coeffs.dtype))
         return torch.cat([index_bytes, value_bytes]), self._decode(sent)
 
-    def decompress_mean(self, rows: torch.Tensor, average: str = "senders") -> torch.Tensor:
+    def decompress_mean(self, rows: torch.Tensor, average: str = "senders",
+                        weights: "list[float] | None" = None) -> torch.Tensor:
         """Payloads of all ranks, (n, nbytes) uint8 -> their mean as a dense fp32 tensor.
 
         ``average="senders"``: each coefficient is averaged over the ranks that sent it (the
         published reference); ``"world"``: summed and divided by n, i.e. the mean of every
         rank's sparse tensor. Rank by rank in a fixed order with no index repeated inside one
         scatter, so the result is bit-identical on every rank and every device.
+
+        ``weights`` (one per row): a weighted mean instead, each row's coefficients counting
+        ``weights[r]`` (replicas of different sizes or step counts; see comm/routes.py).
         """
         if average not in AVERAGES:
             raise ValueError(f"average must be one of {', '.join(AVERAGES)}; got {average!r}")
@@ -246,6 +250,8 @@ class SparseSpec:
         idx = unpack_indices(rows[:, : self.index_bytes], bits, self.count).reshape(n, nb, self.k)
         vals = self.values.unpack(rows[:, self.index_bytes :], self.count).reshape(n, nb, self.k)
         total = torch.zeros(nb, self.plan.block_size, dtype=torch.float32, device=rows.device)
+        if weights is not None:
+            return self._decode(self._weighted_mean(total, idx, vals, weights, average))
         for r in range(n):
             total.scatter_add_(-1, idx[r], vals[r])
         if average == "world":
@@ -257,3 +263,18 @@ class SparseSpec:
                 senders.scatter_add_(-1, idx[r], ones)
             total /= senders.clamp_(min=1.0)
         return self._decode(total)
+
+    @staticmethod
+    def _weighted_mean(total, idx, vals, weights, average: str) -> torch.Tensor:
+        n = idx.shape[0]
+        if len(weights) != n or any(w <= 0 for w in weights):
+            raise ValueError(f"weights: {n} positive numbers expected (one per row); got {list(weights)}")
+        for r in range(n):
+            total.scatter_add_(-1, idx[r], vals[r] * weights[r])
+        if average == "world":
+            return total.div_(float(sum(weights)))
+        senders = torch.zeros_like(total)
+        for r in range(n):
+            senders.scatter_add_(-1, idx[r], torch.full_like(vals[r], float(weights[r])))
+        # a coefficient nobody sent stays 0 (its total is 0; the divisor is clamped away from 0)
+        return total.div_(senders.clamp_(min=min(weights)))

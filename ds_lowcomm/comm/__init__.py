@@ -5,9 +5,10 @@ from .collectives import Pieces, SparseAllGather, all_reduce_mean_, start_all_re
 from .consistency import assert_same_across_ranks
 from .ledger import ByteLedger
 from .shard import ReplicaShard
+from .routes import Piece, Routes
 from .topology import ReplicaTopology
 from .transport import CollectiveError, Pending, TorchDistTransport, Transport, backend_device
 
 __all__ = [
-    "ByteLedger", "CollectiveError", "Pending", "Pieces", "ReplicaShard", "ReplicaTopology", "SparseAllGather", "assert_same_across_ranks", "TorchDistTransport", "Transport", "all_reduce_mean_", "backend_device", "build_transport", "start_all_reduce_mean_",
+    "ByteLedger", "CollectiveError", "Pending", "Pieces", "Piece", "ReplicaShard", "ReplicaTopology", "Routes", "SparseAllGather", "assert_same_across_ranks", "TorchDistTransport", "Transport", "all_reduce_mean_", "backend_device", "build_transport", "start_all_reduce_mean_",
 ]

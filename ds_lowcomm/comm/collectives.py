@@ -74,6 +74,7 @@ class SparseAllGather:
         transform: str = "dct",
         average: str = "senders",
         op: str = "sparse_all_gather",
+        weights: Sequence[float] | None = None,
     ):
         self.layouts = list(layouts)
         shapes = [s for layout in self.layouts for s in _piece_shapes(layout)]
@@ -86,6 +87,7 @@ class SparseAllGather:
         self.transport = transport
         self.average = average
         self.op = op
+        self.weights = None if weights is None else [float(w) for w in weights]  # per rank: a weighted mean
 
     @property
     def payload_bytes(self) -> int:
@@ -116,7 +118,7 @@ class SparseAllGather:
     def _decode(self, rows: torch.Tensor, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         start = time.perf_counter()
         means = iter([
-            spec.decompress_mean(rows[:, lo:hi], self.average)
+            spec.decompress_mean(rows[:, lo:hi], self.average, self.weights)
             for spec, lo, hi in zip(self.specs, self.offsets[:-1], self.offsets[1:])
         ])
         out = []
@@ -144,15 +146,19 @@ def _piece_views(layout: Layout, buf: torch.Tensor) -> list[torch.Tensor]:
     return [buf]
 
 
-def start_all_reduce_mean_(tensors: Sequence[torch.Tensor], transport: Transport, op: str = "all_reduce") -> Pending:
+def start_all_reduce_mean_(tensors: Sequence[torch.Tensor], transport: Transport, op: str = "all_reduce",
+                           weights: Sequence[float] | None = None) -> Pending:
     """Average tensors over ranks in place, in the background: one flat all-reduce per dtype.
-    The tensors hold their averages once ``wait()`` returns (which returns them)."""
+    The tensors hold their averages once ``wait()`` returns (which returns them). ``weights``
+    (one per rank of the transport): a weighted mean instead."""
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     started = []
     for group in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in group])
+        if weights is not None:
+            flat *= float(weights[transport.rank]) / float(sum(weights)) * transport.world_size
         started.append((group, flat, transport.start_all_reduce_sum_(flat, op=op)))
 
     def finish():
