@@ -162,7 +162,8 @@ class Routes:
     def check_same(self, settings: dict, tensors: Sequence[torch.Tensor]) -> None:
         """Every route's ranks have the same settings and segments, and start from the same values."""
         for route in self.routes:
-            assert_same_across_ranks(route.transport, {**settings, "segments": route.names}, [route.gather(tensors)])
+            assert_same_across_ranks(route.transport, {**settings, "segments": route.names, "weights": route.weights},
+                                     [route.gather(tensors)])
 
     def broadcast_(self, tensors: Sequence[torch.Tensor], op: str = "broadcast") -> None:
         """Every holder takes the values of the route's first rank (the lowest global rank)."""

@@ -160,8 +160,11 @@ def patch_checkpoint(engine, run) -> None:
         return os.path.join(base, f"replica{topology.replica:05d}")
 
     def meta(self) -> dict[str, Any]:
-        return {"world_size": topology.world_size, "replica_size": topology.replica_size,
-                "method": run.config.lowcomm.method, "zero_stage": run.config.zero_stage}
+        out = {"world_size": topology.world_size, "replica_size": len(topology.replicas[0]),
+               "method": run.config.lowcomm.method, "zero_stage": run.config.zero_stage}
+        if run.config.replicas:  # replicas of different shapes: the layout too
+            out["replicas"] = [spec.describe() for spec in run.config.replicas]
+        return out
 
     def export(self, save_dir: str, tag: str) -> None:
         """Global rank 0: ``save_dir/tag`` becomes replica 0's checkpoint (module docstring)."""

@@ -31,6 +31,7 @@ class SplitConfig:
     optimizer: AdamSettings  # lr, betas, eps, weight_decay of the config's "optimizer"
     zero_stage: int
     activations: ActivationSettings  # lowcomm.activations: codecs between pipeline stages
+    replicas: tuple = ()  # lowcomm.replicas: replicas of different shapes (hetero.ReplicaSpec), or ()
 
 
 def load_config(config: str | Path | dict) -> dict[str, Any]:
@@ -53,6 +54,12 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
     if isinstance(section, dict) and "activations" in section:  # a nested mapping of its own
         section = dict(section)
         activations = ActivationSettings.from_section(section.pop("activations"), where="lowcomm.activations")
+    replicas, replica_size_given = (), isinstance(section, dict) and "replica_size" in section
+    if isinstance(section, dict) and "replicas" in section:  # a list of mappings of its own
+        from .hetero import parse_replicas
+
+        section = dict(section)
+        replicas = parse_replicas(section.pop("replicas"))
     lowcomm = LowcommConfig.from_dict(section, where="lowcomm")
     stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
     if stage not in (0, 1, 2, 3):
@@ -97,4 +104,8 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
     ds.pop("optimizer")
     if stage >= 1:
         ds["zero_allow_untested_optimizer"] = True
-    return SplitConfig(lowcomm, ds, optimizer, stage, activations)
+    if replicas:
+        from .hetero import check_replicas
+
+        check_replicas(replicas, lowcomm, stage, replica_size_given)
+    return SplitConfig(lowcomm, ds, optimizer, stage, activations, replicas)

@@ -89,13 +89,13 @@ def replica_batch_config(ds: dict[str, Any], topology: ReplicaTopology) -> int:
 def report_global_batch(engine, topology: ReplicaTopology) -> None:
     """Make ``engine.train_batch_size()`` (and so ``engine.global_samples``, its throughput timer and
     checkpoints) count every replica, as plain DeepSpeed over the whole world does."""
-    replicas = topology.num_replicas
-    if replicas == 1:
+    world, size = topology.data_world, topology.data_per_replica
+    if topology.num_replicas == 1:
         return
     cls_method = type(engine).train_batch_size
 
-    def train_batch_size(self):
-        return cls_method(self) * replicas
+    def train_batch_size(self):  # replicas may differ in data-parallel ranks (lowcomm.replicas)
+        return cls_method(self) // size * world
 
     engine.train_batch_size = types.MethodType(train_batch_size, engine)
     timer = getattr(engine, "tput_timer", None)
@@ -139,7 +139,7 @@ def patch_world_batch_and_io(engine, topology: ReplicaTopology) -> None:
                 f"train_micro_batch_size_per_gpu {micro} x {world} data-parallel ranks ({replicas} replicas x "
                 f"{topology.data_per_replica}) = {micro * world} (as in DeepSpeed, every rank "
                 f"of every replica counts)")
-        set_train_batch_size_per_replica(self, train_batch_size // replicas)
+        set_train_batch_size_per_replica(self, train_batch_size // world * topology.data_per_replica)
         timer = getattr(self, "tput_timer", None)
         if timer is not None and hasattr(timer, "batch_size"):
             timer.batch_size = self.train_batch_size()

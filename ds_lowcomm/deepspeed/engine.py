@@ -25,6 +25,8 @@ from __future__ import annotations
 
 import argparse
 import types
+
+import torch.distributed as dist
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,7 +40,7 @@ from .config import SplitConfig, load_config, split_config
 from .data import (build_pipeline_loader, build_training_loader, patch_world_batch_and_io, replica_batch_config,
                    report_global_batch, set_current_topology)
 from .mpu import ReplicaMPU
-from . import pipeline, zero
+from . import hetero, pipeline, zero
 from .activations import install_activation_compression
 
 
@@ -131,7 +133,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     piped = isinstance(model, PipelineModule)
     compressing = (split.activations.forward, split.activations.backward) != ("none", "none")
-    if compressing and not piped:
+    if compressing and not piped and not split.replicas:  # with replicas: for the pipeline ones
         raise ConfigError("lowcomm.activations: codecs between pipeline stages need DeepSpeed's pipeline engine "
                           "(model=PipelineModule(...)); leave it out (or none/none) for other models")
     if args is not None and getattr(args, "deepspeed_config", None) is not None:
@@ -144,13 +146,22 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
 
     replica_size = split.lowcomm.comm.replica_size
     timeout_s = split.lowcomm.comm.timeout_s
-    topology = (pipeline.pipeline_replicas(model, replica_size, split.zero_stage, timeout_s) if piped
-                else ReplicaTopology.build(replica_size, timeout_s))
+    place = hetero.current_place(split.replicas) if split.replicas else None  # replicas of different shapes
+    if place is not None:
+        hetero.check_model(model, place)
+        topology = hetero.topology(place, model, timeout_s)
+        if place.spec.activations is not None:  # this replica's own codecs between its stages
+            split.activations = place.spec.activations
+        compressing = (split.activations.forward, split.activations.backward) != ("none", "none")
+    else:
+        topology = (pipeline.pipeline_replicas(model, replica_size, split.zero_stage, timeout_s) if piped
+                    else ReplicaTopology.build(replica_size, timeout_s))
     set_current_topology(topology)  # data_parallel_rank() / _world_size() for the user's own loaders
     assert_same_across_ranks(  # flat keys, so that a difference names its field
         TorchDistTransport(ledger=engine_ledger),
         {**{f"lowcomm.{k}": v for k, v in split.lowcomm.effective().items()},
-         **{f"lowcomm.activations.{k}": v for k, v in split.activations.flat().items()},
+         **({f"lowcomm.activations.{k}": v for k, v in split.activations.flat().items()} if place is None else
+            {"lowcomm.replicas": [spec.describe() for spec in split.replicas]}),
          "zero_optimization.stage": split.zero_stage,
          **{f"optimizer.params.{k}": v for k, v in split.optimizer.flat().items()}},
     )
@@ -158,15 +169,25 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     # Every rank, inside and across replicas, starts from rank 0's weights (before the optimizer's
     # check); pipeline stages from their stage's first pipeline.
-    broadcast_initial_state(model, params, engine_ledger, group=pipeline.stage_group(model) if piped else None)
-    if piped:  # DeepSpeed's data-parallel group: this stage inside this replica
+    if place is not None:  # by parameter name: replicas hold different parts on each rank
+        hetero.broadcast_initial_state(model, timeout_s)
+    else:
+        broadcast_initial_state(model, params, engine_ledger, group=pipeline.stage_group(model) if piped else None)
+    if piped and place is None:  # DeepSpeed's data-parallel group: this stage inside this replica
         pipeline.narrow_data_parallel_to_replica(model, topology)
     # The method's traffic across replicas goes over lowcomm.transport (torch.distributed or MPI);
-    # DeepSpeed's own (inside a replica) and the check above stay on torch.distributed.
-    transport = build_transport(split.lowcomm.comm.transport, group=topology.cross_group,
-                                cross=(topology.local_rank, topology.replica) if topology.num_replicas > 1 else None)
+    # DeepSpeed's own (inside a replica) and the check above stay on torch.distributed. Replicas of
+    # different shapes sync along routes by name (set below); the construction check is then this
+    # rank's own and the routes check the rest.
+    if place is not None:
+        transport = TorchDistTransport(dist.new_group([dist.get_rank()], use_local_synchronization=True))
+    else:
+        transport = build_transport(split.lowcomm.comm.transport, group=topology.cross_group,
+                                    cross=(topology.local_rank, topology.replica) if topology.num_replicas > 1 else None)
     shard = None
-    if split.zero_stage == 0 and topology.data_per_replica > 1:
+    if place is not None:
+        pass  # DeepSpeed's world is this replica: its data-parallel ranks hold equal copies (ZeRO 0)
+    elif split.zero_stage == 0 and topology.data_per_replica > 1:
         # Every data-parallel rank of a replica (of a stage) holds the same parameters: split the
         # cross-replica sync by owner.
         if piped:
@@ -177,12 +198,14 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
             shard = ReplicaShard(topology.local_rank, topology.replica_size,
                                  TorchDistTransport(topology.replica_group, ledger=engine_ledger))
     # engine.step closes the ledger's steps (ZeRO steps the optimizer once per parameter group)
-    opt = build_optimizer(split.lowcomm, params, transport=transport, shard=shard, ledger_steps=False,
+    lowcomm = hetero.inner_steps(place, split.lowcomm) if place is not None else split.lowcomm
+    opt = build_optimizer(lowcomm, params, transport=transport, shard=shard, ledger_steps=False,
                           **split.optimizer.torch_kwargs())
     opt.framework_setup = True  # DeepSpeed's construction-time step() calls are not training steps
     engine, ds_opt, loader, sched = deepspeed.initialize(
         args=args, model=model, optimizer=opt, model_parameters=params, training_data=None,  # loader: below
-        lr_scheduler=lr_scheduler, mpu=None if piped else ReplicaMPU(topology),  # pipelines: the module's grid
+        lr_scheduler=lr_scheduler,  # pipelines: the module's grid; replicas of different shapes: their own world
+        mpu=None if piped or place is not None else ReplicaMPU(topology),
         dist_init_required=dist_init_required,
         collate_fn=collate_fn, config=split.deepspeed, **kwargs,
     )
@@ -193,9 +216,12 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         if piped:
             engine.pipeline_enable_backward_allreduce = topology.data_per_replica > 1
         else:
-            engine.enable_backward_allreduce = topology.replica_size > 1
+            engine.enable_backward_allreduce = topology.data_per_replica > 1
     else:  # the method on ZeRO's flat partitions: parameter pieces, one exchange per step
         zero.install(engine.optimizer, opt, split.zero_stage)
+    if place is not None:  # syncs across replicas by parameter name, weighted by tokens
+        opt.set_routes(hetero.method_routes(model, opt, engine.optimizer, split.zero_stage, place, split.lowcomm,
+                                            timeout_s))
     patch_world_batch_and_io(engine, topology)  # the user's set_train_batch_size and deepspeed_io
     if training_data:  # DeepSpeed's loader, sharded over every rank (pipeline) of every replica
         loader = (build_pipeline_loader if piped else build_training_loader)(engine, training_data, topology)
@@ -204,7 +230,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine_ledger.drop_open_step()  # DeepSpeed's start-up collectives belong to no step
     trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)  # ZeRO 3: whole
     run = LowcommRun(split, topology, opt, engine_ledger, user_ledger, dense_allreduce_bytes_per_step=4 * trainable)
-    if piped:  # activations and their gradients between stages: counted apart, coded if asked
+    if piped and model._grid.pipe_parallel_size > 1:  # activations between stages: counted apart, coded if asked
         install_activation_compression(engine, split.activations, run.activation_ledger)
     engine.lowcomm = run
     _patch_engine(engine, run)

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from ..comm import ReplicaShard, Transport, all_reduce_mean_
+from ..comm import ReplicaShard, Transport
 from ..settings import ConfigError, Settings, check_fraction, check_nonnegative, check_positive
 from .base import LowcommOptimizer
 
@@ -61,7 +61,7 @@ class AllReduceAdamW(LowcommOptimizer, torch.optim.AdamW):
         for p in params:
             if p.grad is None:  # keep the flat buffer's layout the same on every rank
                 p.grad = torch.zeros_like(p)
-        all_reduce_mean_([p.grad for p in owned], self.transport)
+        self._start_mean_(owned, [p.grad for p in owned], "all_reduce").wait()
         if self.shard is not None:  # AdamW skips parameters without a gradient
             keep = {id(p) for p in owned}
             for p in params:

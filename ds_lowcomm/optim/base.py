@@ -15,7 +15,8 @@ from typing import Any, ClassVar
 import torch
 
 from ..codec import FLOAT_DTYPES
-from ..comm import Pieces, ReplicaShard, SparseAllGather, TorchDistTransport, Transport, assert_same_across_ranks
+from ..comm import (Pending, Pieces, ReplicaShard, Routes, SparseAllGather, TorchDistTransport, Transport,
+                    assert_same_across_ranks, start_all_reduce_mean_)
 from ..settings import Settings, check_choice
 
 STATE_DTYPES = tuple(FLOAT_DTYPES)
@@ -73,6 +74,8 @@ class LowcommOptimizer(torch.optim.Optimizer):
         self.ledger_steps = ledger_steps
         self._syncs: dict[tuple[int, ...], SparseAllGather] = {}
         self._pieces: dict[int, Pieces] = {}
+        self._routes: Routes | None = None  # replicas of different shapes: syncs by parameter name
+        self._routes_key: tuple[int, ...] = ()
         # Set by an integration while its framework builds itself: DeepSpeed's fp16/bf16 wrapper
         # and ZeRO 1/2 call step() once at construction with zero gradients. Those calls are
         # skipped on every rank alike (no collective, no state, no counter). Whether a step is
@@ -113,11 +116,49 @@ class LowcommOptimizer(torch.optim.Optimizer):
             raise RuntimeError("set_pieces must come before the first step")
         self._pieces[id(flat)] = pieces
 
+    def set_routes(self, routes: Routes) -> None:
+        """Replicas of different shapes (comm/routes.py): every exchange goes along ``routes``,
+        built over this rank's trainable tensors in ``param_groups`` order. Before the first step;
+        checks, along every route, the settings and that the starting values agree."""
+        params = self._current_params()
+        if routes.numels != [p.numel() for p in params]:
+            raise ValueError(f"routes cover tensors of {routes.numels} elements; the optimizer steps "
+                             f"{[p.numel() for p in params]}")
+        if self._syncs:
+            raise RuntimeError("set_routes must come before the first step")
+        self._routes, self._routes_key = routes, tuple(id(p) for p in params)
+        # Shapes, world sizes and step counts differ between replicas by design; the rest must not.
+        record = {k: v for k, v in self._record.items()
+                  if k not in ("world_size", "param_shapes", "param_dtypes", "sync_every")}
+        routes.check_same(record, [p.detach() for p in params])
+
+    def _repeats(self, params: list[torch.Tensor]) -> int:
+        """Routed exchanges take every tensor at once (or that list several times over: state
+        tensors of several kinds); a subset differs by rank between replica shapes."""
+        ids, n = tuple(id(p) for p in params), len(self._routes_key)
+        if not n or len(ids) % n or any(ids[i : i + n] != self._routes_key for i in range(0, len(ids), n)):
+            raise RuntimeError(f"{self.method}: with replicas of different shapes every exchange must cover all "
+                               "the optimizer's tensors (lowcomm.fragments must be 1)")
+        return len(ids) // n
+
+    def _start_mean_(self, params: list[torch.Tensor], tensors: list[torch.Tensor], op: str) -> Pending:
+        """Dense mean of ``tensors`` (laid out as ``params``) across replicas, in place on ``wait()``."""
+        if self._routes is None:
+            return start_all_reduce_mean_(tensors, self.transport, op=op)
+        n = len(self._routes_key)
+        parts = [self._routes.start_all_reduce_mean_(tensors[i : i + n], op=op)
+                 for i in range(0, self._repeats(params) * n, n)]
+        return Pending(lambda: [t for part in parts for t in part.wait()], None)
+
     def _sync_for(self, params: list[torch.Tensor], op: str) -> SparseAllGather:
         """The compressed exchange for tensors laid out as these parameters (built once per list,
         then reused): each parameter's shape, or its pieces (``set_pieces``)."""
         key = tuple(id(p) for p in params)
         sync = self._syncs.get(key)
+        if sync is None and self._routes is not None:
+            sync = _RepeatedRoutes(self._routes.sparse_all_gather(op=op, **self.settings.codec.flat()),
+                                   len(self._routes_key), self._repeats(params))
+            self._syncs[key] = sync
         if sync is None:
             layouts = [self._pieces.get(id(p), p.shape) for p in params]
             sync = SparseAllGather(layouts, transport=self.transport, op=op, **self.settings.codec.flat())
@@ -178,6 +219,20 @@ class LowcommOptimizer(torch.optim.Optimizer):
         load_preserving_dtypes(self, state_dict)
         self.ledger.load_state_dict(lowcomm["ledger"])
         self._load_extra_state(lowcomm)
+
+
+class _RepeatedRoutes:
+    """A routed exchange over the tensor list given ``times`` times over (one exchange each)."""
+
+    def __init__(self, sync, n: int, times: int):
+        self.sync, self.n, self.times = sync, n, times
+
+    def exchange(self, buffers):
+        return self.start(buffers).wait()
+
+    def start(self, buffers) -> Pending:
+        parts = [self.sync.start(buffers[i : i + self.n]) for i in range(0, self.n * self.times, self.n)]
+        return Pending(lambda: [t for part in parts for t in part.wait()], None)
 
 
 def load_preserving_dtypes(optimizer: torch.optim.Optimizer, state_dict: dict[str, Any]) -> None:

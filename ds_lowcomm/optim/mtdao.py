@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..codec import CodecSettings
-from ..comm import ReplicaShard, Transport, start_all_reduce_mean_
+from ..comm import ReplicaShard, Transport
 from ..settings import ConfigError, check_choice, check_fraction, check_int
 from .adamw import AdamSettings
 from .base import LowcommOptimizer, StatefulSettings
@@ -153,7 +153,8 @@ class MTDAO(LowcommOptimizer):
                 names.append((p, name))
         compress = self.settings.sync_codec == "topk"
         dense = [x for (p, name), x in zip(names, tensors) if not compress or name == "v"]
-        pending = start_all_reduce_mean_(dense, self.transport, op="mtdao_all_reduce") if dense else None
+        dense_params = [p for (p, name) in names if not compress or name == "v"]
+        pending = self._start_mean_(dense_params, dense, "mtdao_all_reduce") if dense else None
         compressed = [(p, name, x) for (p, name), x in zip(names, tensors) if compress and name != "v"]
         if compressed:
             self._sync_compressed(compressed)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..codec import CodecSettings
-from ..comm import Pending, ReplicaShard, Transport, start_all_reduce_mean_
+from ..comm import Pending, ReplicaShard, Transport
 from ..settings import Settings, check_bool, check_choice, check_fraction, check_int, check_positive, check_unit
 from .base import LowcommOptimizer, StatefulSettings, ordered_params
 
@@ -268,7 +268,7 @@ class DiLoCo(OuterLoop):
     settings_class = DiLoCoSettings
 
     def _start_combine(self, params, deltas):
-        pending = start_all_reduce_mean_(deltas, self.transport, op="outer_all_reduce")
+        pending = self._start_mean_(params, deltas, "outer_all_reduce")
         return Pending(lambda: (pending.wait(), deltas)[1], None)
 
 
