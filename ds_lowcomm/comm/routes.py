@@ -240,6 +240,11 @@ def _group(ranks: tuple[int, ...], timeout: dict):
     if cached is not None and cached[0] is world_group:
         return cached[1]
     group = dist.new_group(list(ranks), **timeout)
+    if dist.get_rank() not in ranks:
+        # Keep every rank's count of groups in step: torch names a group made with local
+        # synchronisation (DeepSpeed's inside a replica, subworld.py) from the count its members
+        # hold, and a member that holds one group fewer would wait for a differently named one.
+        dist.new_group([dist.get_rank()], use_local_synchronization=True)
     _GROUPS[key] = (world_group, group)
     return group
 

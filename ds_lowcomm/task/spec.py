@@ -127,8 +127,12 @@ class TrainSpec:
             raise ConfigError(f"{name('dtype')} must be fp32 with {name('pipeline_stages')} and no "
                               f"{name('deepspeed_config')} (a DeepSpeed config's bf16 section sets it); got {self.dtype}")
         section = dict(self.lowcomm)
+        if "replicas" in section:  # replicas of different shapes: checked with the rest by the DeepSpeed glue
+            from ..deepspeed.hetero import parse_replicas
+
+            parse_replicas(section.pop("replicas"), where=f"{name('lowcomm')}.replicas")
         if "activations" in section:  # codecs between pipeline stages (a nested mapping of its own)
-            if not self.pipeline_stages:
+            if not self.pipeline_stages and "replicas" not in self.lowcomm:
                 raise ConfigError(f"{name('lowcomm')}.activations: codecs between pipeline stages need "
                                   f"{name('pipeline_stages')} > 0")
             ActivationSettings.from_section(section.pop("activations"), where=f"{name('lowcomm')}.activations")

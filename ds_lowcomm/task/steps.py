@@ -258,9 +258,17 @@ def pipeline_deepspeed_config(spec: TrainSpec) -> dict:
             "zero_optimization": {"stage": 0}, "lowcomm": copy.deepcopy(spec.lowcomm),
         }
     lowcomm = config.get("lowcomm")
-    if isinstance(lowcomm, dict):
+    if isinstance(lowcomm, dict) and "replicas" not in lowcomm:
         lowcomm.setdefault("replica_size", spec.pipeline_stages)
     return config
+
+
+def has_replica_layout(spec: TrainSpec) -> bool:
+    """Whether the run's lowcomm section describes replicas of different shapes (``replicas``)."""
+    if spec.deepspeed_config:
+        with open(spec.deepspeed_config) as f:
+            return "replicas" in (json.load(f).get("lowcomm") or {})
+    return "replicas" in spec.lowcomm
 
 
 class PipelineStep(DeepSpeedStep):
@@ -302,17 +310,26 @@ class PipelineStep(DeepSpeedStep):
         from ..deepspeed import initialize
         from .model import GPT, gpt_pipeline_module
 
-        stages, world = spec.pipeline_stages, dist.get_world_size()
-        if world % stages:
-            raise ConfigError(f"--pipeline-stages {stages} must divide the number of ranks ({world})")
+        config = pipeline_deepspeed_config(spec)
+        deepspeed.init_distributed(dist_backend=dist.get_backend())  # before the PipelineModule (its grid)
+        if "replicas" in (config.get("lowcomm") or {}):  # replicas of different shapes: this rank's own
+            from ..deepspeed import replica_layout
+
+            place = replica_layout(config)
+            if len({s.inner_steps for s in place.specs}) > 1:
+                raise ConfigError("lowcomm.replicas[].inner_steps: the reference task's loop runs the same steps on "
+                                  "every rank; give every replica the same inner_steps (or none)")
+            stages = place.pipeline_stages
+        else:
+            stages, world = spec.pipeline_stages, dist.get_world_size()
+            if world % stages:
+                raise ConfigError(f"--pipeline-stages {stages} must divide the number of ranks ({world})")
         if to_pipeline is None:
             if not isinstance(model, GPT):
                 raise ConfigError(f"--pipeline-stages: the task's model ({type(model).__name__}) has no pipeline "
                                   "form; pass PipelineStep.build a to_pipeline function")
             to_pipeline = gpt_pipeline_module
-        config = pipeline_deepspeed_config(spec)
         schedule = None if "scheduler" in config else reference_schedule(spec)
-        deepspeed.init_distributed(dist_backend=dist.get_backend())  # before the PipelineModule (its grid)
         module = to_pipeline(model, stages)
         num_params = sum(p.numel() for p in model.parameters())
         del model  # the stage's layers have its weights

@@ -22,7 +22,7 @@ import torch.distributed as dist
 from ..comm import backend_device
 from .reference import ReferenceTask
 from .spec import TrainSpec
-from .steps import DeepSpeedStep, PipelineStep, Step, TorchStep
+from .steps import DeepSpeedStep, PipelineStep, Step, TorchStep, has_replica_layout
 
 
 class Task(Protocol):
@@ -58,7 +58,7 @@ def mean_over_ranks(*values: float) -> list[float]:
 
 
 def default_step(spec: TrainSpec):
-    if spec.pipeline_stages:
+    if spec.pipeline_stages or has_replica_layout(spec):  # replicas of different shapes: pipelines too
         return PipelineStep.build
     return DeepSpeedStep.build if spec.deepspeed_config else TorchStep.build
 

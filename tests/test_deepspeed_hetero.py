@@ -1,0 +1,199 @@
+"""Replicas of different shapes in one job (lowcomm.replicas): a whole-model replica beside
+pipelined replicas, synced by parameter name. Real processes, real DeepSpeed engines (each
+replica its own DeepSpeed world), gloo.
+
+Layouts: 3 ranks = [1 rank] + [2 stages]; 4 ranks = [1 rank] + [3 stages]; 4 ranks =
+[2 ranks ZeRO-1] + [2 stages]."""
+
+import math
+import os
+
+import pytest
+import torch
+
+from ds_lowcomm.workers import run_local_workers
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+
+class Regression(torch.utils.data.Dataset):
+    def __init__(self, n=512):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 8, generator=g)
+        self.y = torch.tanh(self.x @ torch.randn(8, 1, generator=g))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i], self.y[i]
+
+
+def layers(seed):
+    torch.manual_seed(seed)  # every rank differently: the start-up broadcast by name must fix it
+    return [torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 32), torch.nn.Tanh(),
+            torch.nn.Linear(32, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1)]
+
+
+def config(method, replicas, stage=0):
+    return {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 2, "steps_per_print": 10**6,
+            "gradient_clipping": 0.0,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+            "zero_optimization": {"stage": stage}, "lowcomm": {**method, "replicas": replicas}}
+
+
+def _worker(rank, world, method, replicas, stage, outer_steps, record_locals):
+    import deepspeed.comm
+    from deepspeed.pipe import PipelineModule
+
+    import ds_lowcomm.deepspeed as dl
+
+    cfg = config(method, replicas, stage)
+    place = dl.replica_layout(cfg)
+    module = PipelineModule(layers=layers(rank), num_stages=place.pipeline_stages,
+                            loss_fn=torch.nn.functional.mse_loss, partition_method="uniform")
+    engine, _, loader, _ = dl.initialize(model=module, config=cfg, training_data=Regression())
+    names = {id(p): n for n, p in engine.module.named_parameters()}
+    locals_ = {}
+    if record_locals:  # the replicas' own parameters just before each outer sync (the reference's inputs)
+        method_class = type(engine.lowcomm.optimizer)
+        combine = method_class._start_combine
+
+        def recording(self, params, deltas):
+            locals_[len(locals_)] = {names[id(p)]: p.detach().clone() for p in params}
+            return combine(self, params, deltas)
+
+        method_class._start_combine = recording  # this process only
+    h = place.spec.inner_steps or method.get("sync_every", 1)
+    it = iter(loader) if loader is not None else None  # middle stages read nothing
+    data = Regression()
+    held_out = [(data.x[i : i + 4], data.y[i : i + 4]) for i in range(0, 64, 4)]
+
+    def evaluate():
+        return engine.eval_batch(iter(held_out), num_micro_batches=len(held_out)).item()
+
+    start_loss = evaluate()
+    losses, synced = [], []
+    for step in range(1, outer_steps * h + 1):
+        losses.append(engine.train_batch(it).item())
+        if step % h == 0:
+            synced.append({n: p.detach().clone() for n, p in engine.module.named_parameters()})
+    return {"replica": place.index, "losses": losses, "eval": (start_loss, evaluate()), "synced": synced, "locals": locals_,
+            "bytes": engine.lowcomm.ledger.sent, "activation_bytes": engine.lowcomm.summary()["activation_bytes_sent"],
+            "batch": engine.train_batch_size()}
+
+
+def _agree(results, which):
+    """Every parameter, by name, equal across every rank that holds it after outer sync ``which``."""
+    seen = {}
+    for r in results:
+        for name, value in r["synced"][which].items():
+            if name in seen:
+                assert torch.equal(seen[name], value), name
+            seen[name] = value
+    return seen
+
+
+WEIGHTED = {"method": "diloco", "sync_every": 4, "outer_lr": 1.0, "outer_momentum": 0.0}
+
+
+def test_three_ranks_whole_plus_two_stages_weighted_outer_step():
+    """A = rank 0 (4 inner steps), B = ranks 1-2 as 2 stages (2 inner steps, int8 activations).
+    After each DiLoCo outer step (outer lr 1, no momentum) every parameter equals the tokens-weighted
+    mean of the replicas' own parameters (weights 4 : 2), computed here by name from what each
+    replica held before the sync; every parameter agrees across replicas."""
+    replicas = [{"ranks": 1}, {"ranks": 2, "pipeline_stages": 2, "inner_steps": 2,
+                                "activations": {"forward": "int8", "backward": "int8"}}]
+    results = run_local_workers(_worker, 3, WEIGHTED, replicas, 0, 2, True)
+    assert [r["replica"] for r in results] == [0, 1, 1]
+    assert all(r["batch"] == 8 * 2 for r in results)  # 4 x 2 accumulation x 2 data-parallel ranks (1 per replica)
+    for which in range(2):
+        agreed = _agree(results, which)
+        assert len(agreed) == 8  # 4 Linear layers' weights and biases
+        for name, value in agreed.items():
+            a = results[0]["locals"][which][name]
+            b = next(r["locals"][which][name] for r in results[1:] if name in r["locals"][which])
+            expect = (4 * a + 2 * b) / 6
+            assert torch.allclose(value, expect, atol=1e-6), (name, (value - expect).abs().max())
+            assert not torch.allclose(value, (a + b) / 2, atol=1e-4)  # not an unweighted mean
+    assert results[0]["activation_bytes"] == 0 and results[1]["activation_bytes"] > 0
+    assert all(r["bytes"] > 0 for r in results)
+
+
+SPARSELOCO = {"method": "sparseloco", "sync_every": 3, "topk": 32, "chunk": 64}
+
+
+@pytest.mark.parametrize("layout", ["1+3stages", "2zero1+2stages"])
+def test_four_rank_layouts_train_and_agree(layout):
+    """SparseLoCo on 4 ranks: parameters agree by name across replicas after every outer step,
+    whatever the stage boundaries or ZeRO-1 partition edges; the loss falls on every replica."""
+    if layout == "1+3stages":
+        replicas, stage = [{"ranks": 1}, {"ranks": 3, "pipeline_stages": 3,
+                                          "activations": {"forward": "lowrank", "backward": "int8"}}], 0
+    else:
+        replicas, stage = [{"ranks": 2}, {"ranks": 2, "pipeline_stages": 2}], 1
+    results = run_local_workers(_worker, 4, SPARSELOCO, replicas, stage, 6, False)
+    for which in range(6):
+        assert len(_agree(results, which)) == 8
+    for r in results:  # held-out loss, the same batches before and after (every replica, after a sync)
+        assert r["eval"][1] < 0.8 * r["eval"][0], (r["replica"], r["eval"])
+    assert len({round(r["eval"][1], 6) for r in results}) == 1  # one model after the last sync
+
+
+@pytest.mark.parametrize("change, message", [
+    ({"replicas": [{"ranks": 3, "pipeline_stages": 2}]}, "lowcomm.replicas[0].pipeline_stages must divide"),
+    ({"replicas": [{"ranks": 1}, {"size": 2}]}, "lowcomm.replicas[1]: unknown key(s) size"),
+    ({"replicas": [{"ranks": 1, "activations": {"forward": "int8"}}]}, "need pipeline_stages > 1"),
+    ({"replicas": [{"ranks": 1}, {"ranks": 1, "inner_steps": 2}], "method": "demo"}, "demo syncs every step"),
+    ({"replicas": [{"ranks": 1}], "replica_size": 1}, "give one"),
+    ({"replicas": [{"ranks": 1}], "fragments": 2, "sync_delay": 1}, "lowcomm.fragments must be 1"),
+    ({"replicas": []}, "non-empty list"),
+    ({"replicas": [{"ranks": 0}]}, "lowcomm.replicas[0].ranks must be a positive integer"),
+])
+def test_bad_replica_layouts_are_refused_by_name(change, message):
+    from ds_lowcomm.deepspeed.config import split_config
+    from ds_lowcomm.settings import ConfigError
+
+    cfg = config({"method": "diloco", "sync_every": 4}, [{"ranks": 1}])
+    cfg["lowcomm"].update(change)
+    with pytest.raises(ConfigError) as err:
+        split_config(cfg)
+    assert message in str(err.value)
+
+
+def test_zero2_is_refused_with_replicas():
+    from ds_lowcomm.deepspeed.config import split_config
+    from ds_lowcomm.settings import ConfigError
+
+    with pytest.raises(ConfigError, match="zero_optimization.stage must be 0 or 1 with lowcomm.replicas"):
+        split_config(config({"method": "diloco"}, [{"ranks": 1}], stage=2))
+
+
+def _task_worker(rank, world, workdir):
+    from .test_deepspeed import _run, ds_config
+
+    cfg = ds_config("sparseloco")
+    del cfg["lowcomm"]["replica_size"]
+    cfg["lowcomm"]["replicas"] = [{"ranks": 1}, {"ranks": 2, "pipeline_stages": 2,
+                                                  "activations": {"forward": "int8", "backward": "int8"}}]
+    save = os.path.join(workdir, "ckpt")
+    full = _run(cfg, workdir, "hetero", "--save-dir", save, "--save-at", "4")  # inside the 2nd interval (H 3)
+    resumed = _run(cfg, workdir, "hetero", "--save-dir", save, "--resume")
+    return {"full": full, "resumed": resumed}
+
+
+def test_reference_task_with_replicas_of_two_shapes_resumes_exactly(tmp_path):
+    """launch/train.py's body on 3 ranks, lowcomm.replicas [1 rank] + [2 stages, int8 activations]:
+    the GPT trains (held-out loss below uniform), only the pipelined replica sends activations,
+    both replicas send the method's bytes, and a resume from step 4 ends bit-identical (every
+    rank's parameters, the ledgers' bytes, the held-out loss)."""
+    results = run_local_workers(_task_worker, 3, str(tmp_path))
+    full, resumed = results[0]["full"], results[0]["resumed"]
+    hist = full["history"]
+    assert hist[-1]["val_loss"] < hist[0]["val_loss"] and hist[-1]["val_loss"] < math.log(256), hist
+    act = [ledger["activations"]["bytes_sent"] for ledger in full["ledgers"]]
+    assert act[0] == 0 and act[1] > 0 and act[2] > 0
+    assert all(ledger["method"]["bytes_sent"] > 0 for ledger in full["ledgers"])
+    assert full["params_digests"] == resumed["params_digests"]
+    assert [l["method"]["bytes_sent"] for l in full["ledgers"]] == [l["method"]["bytes_sent"] for l in resumed["ledgers"]]
+    assert resumed["history"][-1]["val_loss"] == hist[-1]["val_loss"]
