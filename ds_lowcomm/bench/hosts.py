@@ -30,7 +30,7 @@ def run_on_hosts(net: TestNetwork, spec: TrainSpec, peer: dict | None = None,
         procs = []
         start = time.perf_counter()
         for i in range(net.hosts):
-            env = {**os.environ, **net.env(i, _port), "RANK": str(i), "WORLD_SIZE": str(net.hosts),
+            env = {**os.environ, **net.env(i, _port), "RANK": str(i), "WORLD_SIZE": str(net.hosts), "LOCAL_RANK": "0",
                    "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
             argv = net.command(i, [sys.executable, "-m", "ds_lowcomm.bench.worker", str(job_path), str(prefix)])
             procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
