@@ -42,6 +42,10 @@ def config(method, replicas, stage=0):
             "zero_optimization": {"stage": stage}, "lowcomm": {**method, "replicas": replicas}}
 
 
+def _methods_worker(rank, world, methods, replicas):
+    return {name: _worker(rank, world, method, replicas, 0, 2, False) for name, method in methods.items()}
+
+
 def _worker(rank, world, method, replicas, stage, outer_steps, record_locals):
     import deepspeed.comm
     from deepspeed.pipe import PipelineModule
@@ -49,6 +53,13 @@ def _worker(rank, world, method, replicas, stage, outer_steps, record_locals):
     import ds_lowcomm.deepspeed as dl
 
     cfg = config(method, replicas, stage)
+    from ds_lowcomm.settings import ConfigError
+
+    try:  # ranks that do not add up to the job's: refused on every rank before anything starts
+        dl.replica_layout(config(method, [{"ranks": 2}, {"ranks": world}], stage))
+        refused = None
+    except ConfigError as err:
+        refused = str(err)
     place = dl.replica_layout(cfg)
     module = PipelineModule(layers=layers(rank), num_stages=place.pipeline_stages,
                             loss_fn=torch.nn.functional.mse_loss, partition_method="uniform")
@@ -78,7 +89,7 @@ def _worker(rank, world, method, replicas, stage, outer_steps, record_locals):
         losses.append(engine.train_batch(it).item())
         if step % h == 0:
             synced.append({n: p.detach().clone() for n, p in engine.module.named_parameters()})
-    return {"replica": place.index, "losses": losses, "eval": (start_loss, evaluate()), "synced": synced, "locals": locals_,
+    return {"refused": refused, "replica": place.index, "losses": losses, "eval": (start_loss, evaluate()), "synced": synced, "locals": locals_,
             "bytes": engine.lowcomm.ledger.sent, "activation_bytes": engine.lowcomm.summary()["activation_bytes_sent"],
             "batch": engine.train_batch_size()}
 
@@ -106,6 +117,7 @@ def test_three_ranks_whole_plus_two_stages_weighted_outer_step():
                                 "activations": {"forward": "int8", "backward": "int8"}}]
     results = run_local_workers(_worker, 3, WEIGHTED, replicas, 0, 2, True)
     assert [r["replica"] for r in results] == [0, 1, 1]
+    assert all("add up to 5 (2 + 3) but the job has 3 ranks" in r["refused"] for r in results)
     assert all(r["batch"] == 8 * 2 for r in results)  # 4 x 2 accumulation x 2 data-parallel ranks (1 per replica)
     for which in range(2):
         agreed = _agree(results, which)
@@ -197,3 +209,20 @@ def test_reference_task_with_replicas_of_two_shapes_resumes_exactly(tmp_path):
     assert full["params_digests"] == resumed["params_digests"]
     assert [l["method"]["bytes_sent"] for l in full["ledgers"]] == [l["method"]["bytes_sent"] for l in resumed["ledgers"]]
     assert resumed["history"][-1]["val_loss"] == hist[-1]["val_loss"]
+
+
+PER_STEP = {"adamw": {"method": "adamw"}, "demo": {"method": "demo", "topk": 4, "chunk": 8},
+            "mtdao": {"method": "mtdao", "sync_every": 2, "sync_codec": "topk", "topk": 8, "chunk": 8},
+            "dct_diloco": {"method": "dct_diloco", "sync_every": 2, "topk": 8, "chunk": 8}}
+
+
+def test_every_method_syncs_by_name_across_shapes():
+    """The per-step methods (and mtdao's compressed syncs, dct_diloco's), same 3-rank layout with
+    int8 activations: after their syncs every parameter agrees by name, and the held-out loss fell."""
+    replicas = [{"ranks": 1}, {"ranks": 2, "pipeline_stages": 2, "activations": {"forward": "int8", "backward": "int8"}}]
+    results = run_local_workers(_methods_worker, 3, PER_STEP, replicas)
+    for name in PER_STEP:
+        per_rank = [r[name] for r in results]
+        for which in range(2):
+            assert len(_agree(per_rank, which)) == 8, name
+        assert all(r["eval"][1] < 0.8 * r["eval"][0] for r in per_rank), (name, [r["eval"] for r in per_rank])
