@@ -1,0 +1,169 @@
+#!/usr/bin/env python
+"""Train a Megatron-Core GPTModel on the reference corpus (bytes; ds_lowcomm/task/data.py) with
+Megatron's tensor/pipeline parallelism, Megatron's schedules and optimizer, and, with any
+``--lowcomm-*`` option, ds_lowcomm's outer loop across the data-parallel replicas
+(megatron_patches/outer.py: diloco, dct_diloco, sparseloco)::
+
+    torchrun --nproc_per_node 2 launch/pretrain_gpt.py --tensor-model-parallel-size 2 --train-iters 20
+    torchrun --nproc_per_node 2 launch/pretrain_gpt.py --pipeline-model-parallel-size 2 --train-iters 20
+    torchrun --nproc_per_node 2 launch/pretrain_gpt.py --train-iters 40 \\
+        --lowcomm-method sparseloco --lowcomm-sync-every 10
+
+Without ``--lowcomm-*`` it is plain Megatron data-parallel training (gradient all-reduce).
+On a machine without a GPU it runs on the CPU over gloo (megatron_patches/cpu_shim.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+from megatron_patches.args import add_lowcomm_args, lowcomm_config  # noqa: E402
+
+VOCAB = 256  # bytes
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--tensor-model-parallel-size", type=int, default=1)
+    p.add_argument("--pipeline-model-parallel-size", type=int, default=1)
+    p.add_argument("--train-iters", type=int, default=20)
+    p.add_argument("--num-layers", type=int, default=2)
+    p.add_argument("--hidden-size", type=int, default=64)
+    p.add_argument("--num-attention-heads", type=int, default=4)
+    p.add_argument("--seq-length", type=int, default=64)
+    p.add_argument("--micro-batch-size", type=int, default=4)
+    p.add_argument("--global-batch-size", type=int, default=None,
+                   help="sequences per iteration over all replicas (default: micro batch x data-parallel size)")
+    p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--clip-grad", type=float, default=0.0, help="Megatron's grad clipping (needs CUDA; 0 on CPU)")
+    p.add_argument("--seed", type=int, default=1234)
+    p.add_argument("--data", default=None, help="text file or directory (default: the Python standard library)")
+    p.add_argument("--eval-iters", type=int, default=2, help="held-out micro batches evaluated at the end")
+    p.add_argument("--log-interval", type=int, default=1)
+    p.add_argument("--metrics-out", default=None, help="JSON file the first replica's last stage writes")
+    add_lowcomm_args(p)
+    return p.parse_args(argv)
+
+
+def main(argv=None) -> dict | None:
+    args = parse_args(argv)
+    lowcomm = lowcomm_config(args)  # configuration errors before any rank starts work
+    if not torch.cuda.is_available():
+        import megatron_patches.cpu_shim  # noqa: F401  before megatron
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from ds_lowcomm.task.data import ByteCorpus
+    from megatron_patches.outer import apply
+
+    gpu = torch.cuda.is_available()
+    if gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    dist.init_process_group("nccl" if gpu else "gloo")
+    ps.initialize_model_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size)
+    model_parallel_cuda_manual_seed(args.seed)
+    dp_rank, dp_size = ps.get_data_parallel_rank(), ps.get_data_parallel_world_size()
+    gbs = args.global_batch_size or args.micro_batch_size * dp_size
+    if gbs % (args.micro_batch_size * dp_size):
+        raise SystemExit(f"--global-batch-size {gbs} must be a multiple of micro batch x data-parallel size "
+                         f"({args.micro_batch_size} x {dp_size})")
+    num_micro = gbs // (args.micro_batch_size * dp_size)
+
+    torch.manual_seed(args.seed)  # every replica and every TP rank alike (CPU initialisation)
+    config = TransformerConfig(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
+        tensor_model_parallel_size=args.tensor_model_parallel_size,
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size, pipeline_dtype=torch.float32,
+        use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0)
+    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                     max_sequence_length=args.seq_length, pre_process=ps.is_pipeline_first_stage(),
+                     post_process=ps.is_pipeline_last_stage())
+    if gpu:
+        model.cuda()
+    model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    config.finalize_model_grads_func = finalize_model_grads
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, clip_grad=args.clip_grad),
+                                       [model])
+    if lowcomm is not None:
+        optimizer = apply([model], optimizer, lowcomm)
+
+    corpus = ByteCorpus(args.data)
+    device = torch.device("cuda") if gpu else torch.device("cpu")
+    positions = torch.arange(args.seq_length, device=device).expand(args.micro_batch_size, -1)
+
+    def forward_step(data_iterator, model):
+        tokens, labels = (t.to(device) for t in next(data_iterator))
+        out = model(tokens, positions, None, labels=labels)
+
+        def loss_func(per_token):
+            loss = per_token.float().mean()
+            return loss, {"lm loss": loss.detach().clone()}  # Megatron divides loss in place
+        return out, loss_func
+
+    def run(batches, forward_only):
+        out = get_forward_backward_func()(
+            forward_step_func=forward_step, data_iterator=iter(batches), model=[model],
+            num_microbatches=len(batches), seq_length=args.seq_length, micro_batch_size=args.micro_batch_size,
+            forward_only=forward_only)
+        if not ps.is_pipeline_last_stage():
+            return None
+        return sum(float(d["lm loss"]) for d in out) / len(out)
+
+    reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and dp_rank == 0
+    losses, start = [], time.time()
+    for it in range(args.train_iters):
+        # Every rank of one replica sees the same micro batches; each replica its own shard.
+        batches = [corpus.train_batch(dp_rank, dp_size, it * num_micro + m, args.micro_batch_size, args.seq_length,
+                                      seed=args.seed) for m in range(num_micro)]
+        model.zero_grad_buffer()
+        optimizer.zero_grad()
+        loss = run(batches, forward_only=False)
+        optimizer.step()
+        if loss is not None:
+            losses.append(loss)
+            if reporter and (it + 1) % args.log_interval == 0:
+                print(f"iteration {it + 1}/{args.train_iters} lm loss {loss:.4f}", flush=True)
+    val = None
+    if args.eval_iters:
+        model.eval()
+        with torch.no_grad():
+            val = run(corpus.val_batches(args.eval_iters, args.micro_batch_size, args.seq_length), forward_only=True)
+        model.train()
+    metrics = None
+    if reporter:
+        metrics = {"train_loss": losses, "val_loss": val, "seconds": time.time() - start,
+                   "tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size, "dp": dp_size,
+                   "lowcomm": lowcomm.effective() if lowcomm is not None else None}
+        if lowcomm is not None:
+            metrics["outer_steps"] = optimizer.outer.outer_steps
+        print(f"validation lm loss {val:.4f}" if val is not None else "done", flush=True)
+        if args.metrics_out:
+            Path(args.metrics_out).write_text(json.dumps(metrics, indent=1))
+    dist.barrier()
+    ps.destroy_model_parallel()
+    dist.destroy_process_group()
+    return metrics
+
+
+if __name__ == "__main__":
+    main()
