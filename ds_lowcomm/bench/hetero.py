@@ -41,7 +41,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--steps", type=int, default=200)
     p.add_argument("--links", nargs="+", default=["100mbit-20ms"], choices=sorted(LINKS))
     p.add_argument("--repeats", type=int, default=1)
-    p.add_argument("--out", default="bench_out/hetero")
+    p.add_argument("--out", default="runs/bench/hetero")
     args = p.parse_args(argv)
     check_can_create()
     out = Path(args.out)

@@ -152,7 +152,6 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         topology = hetero.topology(place, model, timeout_s)
         if place.spec.activations is not None:  # this replica's own codecs between its stages
             split.activations = place.spec.activations
-        compressing = (split.activations.forward, split.activations.backward) != ("none", "none")
     else:
         topology = (pipeline.pipeline_replicas(model, replica_size, split.zero_stage, timeout_s) if piped
                     else ReplicaTopology.build(replica_size, timeout_s))
@@ -184,10 +183,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     else:
         transport = build_transport(split.lowcomm.comm.transport, group=topology.cross_group,
                                     cross=(topology.local_rank, topology.replica) if topology.num_replicas > 1 else None)
-    shard = None
-    if place is not None:
-        pass  # DeepSpeed's world is this replica: its data-parallel ranks hold equal copies (ZeRO 0)
-    elif split.zero_stage == 0 and topology.data_per_replica > 1:
+    shard = None  # (replicas of different shapes: routes count a replica's equal ZeRO 0 copies as one)
+    if place is None and split.zero_stage == 0 and topology.data_per_replica > 1:
         # Every data-parallel rank of a replica (of a stage) holds the same parameters: split the
         # cross-replica sync by owner.
         if piped:
