@@ -27,7 +27,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
+from ds_lowcomm.settings import ConfigError  # noqa: E402
 from megatron_patches.args import add_lowcomm_args, lowcomm_config  # noqa: E402
+from megatron_patches.outer import OUTER_METHODS  # noqa: E402  (megatron itself is imported in main)
 
 VOCAB = 256  # bytes
 
@@ -58,6 +60,9 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
     lowcomm = lowcomm_config(args)  # configuration errors before any rank starts work
+    if lowcomm is not None and lowcomm.method not in OUTER_METHODS:
+        raise ConfigError(f"lowcomm.method {lowcomm.method!r} is not supported with Megatron-Core yet; "
+                          f"allowed: {', '.join(OUTER_METHODS)}")
     if not torch.cuda.is_available():
         import megatron_patches.cpu_shim  # noqa: F401  before megatron
     from megatron.core import parallel_state as ps
@@ -71,7 +76,7 @@ def main(argv=None) -> dict | None:
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from ds_lowcomm.task.data import ByteCorpus
-    from megatron_patches.outer import apply
+    from megatron_patches.outer import apply  # noqa: E402
 
     gpu = torch.cuda.is_available()
     if gpu:
@@ -166,4 +171,8 @@ def main(argv=None) -> dict | None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except ConfigError as err:
+        print(f"pretrain_gpt: configuration error: {err}", file=sys.stderr)
+        sys.exit(2)

@@ -177,14 +177,14 @@ class MegatronLowcomm:
         return getattr(self.__dict__["optimizer"], name)
 
 
-def apply(model_chunks, optimizer, config: LowcommConfig | dict | None, *, lr: float | None = None) -> MegatronLowcomm:
+def apply(model_chunks, optimizer, config: LowcommConfig | dict | None) -> MegatronLowcomm:
     """Put ds_lowcomm's outer loop (``config.method``: diloco, dct_diloco or sparseloco) around
     ``optimizer`` (a Megatron optimizer, e.g. from ``get_megatron_optimizer``, or a torch one)
     for ``model_chunks`` (Megatron DDP-wrapped or plain modules), the replicas being Megatron's
     data-parallel ranks. Call after ``initialize_model_parallel`` and after building both; use
     the returned object's ``step()`` in place of ``optimizer.step()``. ``config``: a
-    :class:`LowcommConfig` or a flat "lowcomm" section. ``lr`` is unused (the inner optimizer
-    keeps its own) and accepted for symmetry with ``build_optimizer``."""
+    :class:`LowcommConfig` or a flat "lowcomm" section. The learning rate stays the inner
+    optimizer's (and its scheduler's)."""
     from megatron.core import parallel_state as ps
 
     if not isinstance(config, LowcommConfig):
@@ -200,8 +200,8 @@ def apply(model_chunks, optimizer, config: LowcommConfig | dict | None, *, lr: f
     else:
         inner = _MegatronInner(optimizer)
         inner_obj = inner
-    lr_ = lr if lr is not None else optimizer.param_groups[0]["lr"]
-    outer = build_optimizer(config, [], lr=lr_, transport=transport, inner_factory=lambda _params: inner_obj)
+    # lr: only the default inner AdamW's, which inner_factory replaces (a scheduler may hold 0 now).
+    outer = build_optimizer(config, [], lr=1.0, transport=transport, inner_factory=lambda _params: inner_obj)
     return MegatronLowcomm(optimizer, outer, inner)
 
 

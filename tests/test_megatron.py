@@ -2,6 +2,7 @@
 real processes (gloo, CPU shim), two replicas = Megatron's two data-parallel ranks, TP 1, PP 1."""
 
 import argparse
+import io
 import json
 import os
 import subprocess
@@ -102,6 +103,10 @@ def _worker(rank, world):
     out["diloco_inner"] = seen
     out["diloco_final"] = [p.detach().clone() for p in model.parameters()]
     out["diloco_outer_steps"] = opt.outer.outer_steps
+    buf = io.BytesIO()  # the wrapper's state (outer + Megatron's) saves and loads back
+    torch.save(opt.state_dict(), buf)
+    opt.load_state_dict(torch.load(io.BytesIO(buf.getvalue()), weights_only=False))
+    out["diloco_state_keys"] = sorted(opt.state_dict()["lowcomm"])
 
     # (b) SparseLoCo learns over 10 steps with 2 compressed syncs.
     _, opt, losses = _train(rank, {"method": "sparseloco", "sync_every": 5, "topk": 16, "chunk": 16},
@@ -129,6 +134,7 @@ def results():
 def test_diloco_sync_is_the_mean_of_the_replicas(results):
     r0, r1 = results
     assert r0["diloco_outer_steps"] == r1["diloco_outer_steps"] == 1
+    assert "inner" in r0["diloco_state_keys"]
     # Megatron DDP's gradient all-reduce is off: after the first step the replicas differ.
     first0, first1 = r0["diloco_inner"][0], r1["diloco_inner"][0]
     assert any(not torch.allclose(a, b) for a, b in zip(first0, first1))
