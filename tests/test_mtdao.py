@@ -2,6 +2,7 @@
 from its definition on 2 real gloo processes, and its compressed syncs against its dense ones."""
 
 import numpy as np
+import pytest
 import torch
 
 from ds_lowcomm.workers import run_local_workers
@@ -89,8 +90,26 @@ def _replay(world):
     return params
 
 
-def test_mtdao_matches_replay_with_its_sync_periods():
-    results = run_local_workers(_worker, 2, {})
+CODECS = {
+    "dense": {},
+    "lossless": dict(sync_codec="topk", topk=64, chunk=8, transform="dct", value_dtype="fp32", average="world"),
+    "lossy": dict(sync_codec="topk", topk=4, chunk=8, value_dtype="bf16"),
+}
+
+
+def _codecs_worker(rank, world):
+    """Every codec's run in one launch of 2 processes (a launch costs more than the runs)."""
+    return {name: _worker(rank, world, codec) for name, codec in CODECS.items()}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    results = run_local_workers(_codecs_worker, 2)
+    return {name: [r[name] for r in results] for name in CODECS}
+
+
+def test_mtdao_matches_replay_with_its_sync_periods(runs):
+    results = runs["dense"]
     replay = _replay(2)
     for r, res in enumerate(results):
         for got, want in zip(res["final"], replay[r]):
@@ -101,18 +120,15 @@ def test_mtdao_matches_replay_with_its_sync_periods():
     assert results[0]["by_op"]["mtdao_all_reduce"]["calls"] == STEPS
 
 
-def test_compressed_syncs_sending_everything_equal_dense_syncs():
-    dense = run_local_workers(_worker, 2, {})
-    lossless = run_local_workers(_worker, 2, dict(sync_codec="topk", topk=64, chunk=8, transform="dct",
-                                                  value_dtype="fp32", average="world"))
+def test_compressed_syncs_sending_everything_equal_dense_syncs(runs):
+    dense, lossless = runs["dense"], runs["lossless"]
     for a, b in zip(dense, lossless):
         for x, y in zip(a["final"], b["final"]):
             np.testing.assert_allclose(x.numpy(), y.numpy(), atol=1e-5)
 
 
-def test_compressed_syncs_send_less_and_keep_replicas_equal_after_parameter_syncs():
-    dense = run_local_workers(_worker, 2, {})
-    lossy = run_local_workers(_worker, 2, dict(sync_codec="topk", topk=4, chunk=8, value_dtype="bf16"))
+def test_compressed_syncs_send_less_and_keep_replicas_equal_after_parameter_syncs(runs):
+    dense, lossy = runs["dense"], runs["lossy"]
     assert sum(lossy[0]["sent"]) < sum(dense[0]["sent"]) / 4
     for s in range(STEPS):
         if (s + 1) % CASE["sync_every"] == 0:
