@@ -3,9 +3,20 @@ one plain SGD step for single-process replays, and the DCT written from its defi
 
 import hashlib
 import math
+import os
+import sys
 
 import numpy as np
 import torch
+
+# The venv's tools first, as in an activated venv, for every process the tests start (spawned
+# workers and launchers alike). DeepSpeed JIT-builds its shared-memory comm op with whichever
+# `ninja` is first on PATH; the launcher tests put the venv's first, the spawned workers found the
+# system's, and two ninja versions read each other's build log as stale: every switch between them
+# rebuilt the op (about 40 s on two cores) several times per suite.
+_VENV_BIN = os.path.dirname(sys.executable)
+if os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
+    os.environ["PATH"] = _VENV_BIN + os.pathsep + os.environ.get("PATH", "")
 
 
 def tiny_model():
