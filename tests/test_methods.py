@@ -16,6 +16,37 @@ from ds_lowcomm.optim import DCTDiLoCo, DeMo, DiLoCo
 from .conftest import dct_by_definition, params_digest, tiny_batch, tiny_loss, tiny_model
 
 
+# --- one launch per world size for the successful runs below (a launch costs more than a run) ---
+
+def _jobs_worker(rank, world, jobs):
+    """Run each ``(name, fn, args)`` of ``jobs`` in turn on this rank; every rank runs them in the same order."""
+    return {name: fn(rank, world, *args) for name, fn, args in jobs}
+
+
+def _jobs(world):
+    jobs = [("demo", _demo_worker, (5,)), ("diloco_h1", _diloco_averaging_worker, ())]
+    if world == 2:
+        jobs += [("sync_diloco", _sync_schedule_worker, ("diloco",)),
+                 ("sync_dct_diloco", _sync_schedule_worker, ("dct_diloco",)),
+                 ("dct_lossless", _dct_lossless_worker, ()), ("bf16_state", _bf16_state_worker, ()),
+                 ("zero_first", _zero_first_gradients_worker, ())]  # last: it builds groups of its own
+    return jobs
+
+
+@pytest.fixture(scope="module")
+def launches():
+    """world size -> job name -> the per-rank results, each world size launched once, when first asked for."""
+    done = {}
+
+    def get(world, name):
+        if world not in done:
+            results = run_local_workers(_jobs_worker, world, _jobs(world))
+            done[world] = {job: [r[job] for r in results] for job, _, _ in _jobs(world)}
+        return done[world][name]
+
+    return get
+
+
 # --- DeMo against a replay written from the algorithm's definition -------------------------
 
 DEMO = dict(lr=0.01, decay=0.9, topk=8, chunk=8, weight_decay=0.1)
@@ -74,8 +105,8 @@ def _replay_demo(initial, grads_by_rank):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_demo_matches_single_process_replay_and_replicas_agree(world):
-    results = run_local_workers(_demo_worker, world, 5)
+def test_demo_matches_single_process_replay_and_replicas_agree(world, launches):
+    results = launches(world, "demo")
     assert len({r["digest"] for r in results}) == 1  # bit-identical replicas
     replay = _replay_demo(results[0]["initial"], [r["grads"] for r in results])
     for got, want in zip(results[0]["final"], replay):
@@ -111,8 +142,8 @@ def _diloco_averaging_worker(rank, world):
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_diloco_h1_is_parameter_averaging(world):
-    results = run_local_workers(_diloco_averaging_worker, world)
+def test_diloco_h1_is_parameter_averaging(world, launches):
+    results = launches(world, "diloco_h1")
     assert all(worst < 1e-6 for worst, _ in results)
     assert len({d for _, d in results}) == 1
 
@@ -135,8 +166,8 @@ def _sync_schedule_worker(rank, world, method):
 
 
 @pytest.mark.parametrize("method", ["diloco", "dct_diloco"])
-def test_outer_methods_sync_every_h_steps_and_replicas_agree_after(method):
-    results = run_local_workers(_sync_schedule_worker, 2, method)
+def test_outer_methods_sync_every_h_steps_and_replicas_agree_after(method, launches):
+    results = launches(2, f"sync_{method}")
     (d0, sent0, outer0), (d1, _, _) = results
     for s in range(6):
         synced = (s + 1) % 3 == 0
@@ -159,8 +190,8 @@ def _dct_lossless_worker(rank, world):
     return max((x - y).abs().max().item() for x, y in zip(a.parameters(), b.parameters()))
 
 
-def test_dct_diloco_with_everything_sent_equals_diloco():
-    assert all(d < 1e-5 for d in run_local_workers(_dct_lossless_worker, 2))
+def test_dct_diloco_with_everything_sent_equals_diloco(launches):
+    assert all(d < 1e-5 for d in launches(2, "dct_lossless"))
 
 
 # --- start-up checks ---------------------------------------------------------------------------
@@ -197,8 +228,8 @@ def _bf16_state_worker(rank, world):
     return all(b.dtype == torch.float32 and torch.equal(a, b) for a, b in moms), other.ledger.sent == opt.ledger.sent
 
 
-def test_fp32_state_of_bf16_params_survives_load():
-    for ok, ledger_ok in run_local_workers(_bf16_state_worker, 2):
+def test_fp32_state_of_bf16_params_survives_load(launches):
+    for ok, ledger_ok in launches(2, "bf16_state"):
         assert ok and ledger_ok
 
 
@@ -227,10 +258,10 @@ def _zero_first_gradients_worker(rank, world):
     return out
 
 
-def test_a_rank_with_zero_first_gradients_takes_part_in_every_sync():
+def test_a_rank_with_zero_first_gradients_takes_part_in_every_sync(launches):
     """Whether a step is real is never decided from one rank's gradients: both ranks issue the
     same collectives (before: every method hung), count 3 steps, and agree after the sync."""
-    a, b = run_local_workers(_zero_first_gradients_worker, 2)
+    a, b = launches(2, "zero_first")
     for method in ZERO_FIRST_METHODS:
         assert a[method] == b[method], method
         assert a[method][1] == 3, method
