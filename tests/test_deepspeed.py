@@ -71,9 +71,33 @@ def _stage_worker(rank, world, stage, workdir):
     return out
 
 
+def _two_rank_worker(rank, world, workdir):
+    """One launch of 2 processes for the 2-rank training tests below (a launch costs seconds);
+    each run writes its own config and checkpoint names."""
+    out = {("stage", stage): _stage_worker(rank, world, stage, workdir) for stage in (0, 1, 2)}
+    out["foundation"] = _foundation_match_worker(rank, world, workdir)
+    out["bf16"] = _bf16_worker(rank, world, workdir)
+    return out
+
+
+@pytest.fixture(scope="module")
+def two_ranks(tmp_path_factory):
+    return run_local_workers(_two_rank_worker, 2, str(tmp_path_factory.mktemp("two_ranks")))
+
+
+def _four_rank_worker(rank, world, workdir):
+    """One launch of 4 processes for the replica tests at every ZeRO stage."""
+    return {stage: _replica_worker(rank, world, stage, workdir) for stage in (0, 1, 2)}
+
+
+@pytest.fixture(scope="module")
+def four_ranks(tmp_path_factory):
+    return run_local_workers(_four_rank_worker, 4, str(tmp_path_factory.mktemp("four_ranks")))
+
+
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_every_method_at_every_zero_stage(stage, tmp_path):
-    results = run_local_workers(_stage_worker, 2, stage, str(tmp_path))[0]
+def test_every_method_at_every_zero_stage(stage, two_ranks):
+    results = two_ranks[0][("stage", stage)]
     for method, r in results.items():
         m = r["metrics"]
         hist = m["history"]
@@ -115,8 +139,8 @@ def _foundation_match_worker(rank, world, workdir):
     return out
 
 
-def test_deepspeed_path_matches_plain_torch_distributed(tmp_path):
-    for rank_result in run_local_workers(_foundation_match_worker, 2, str(tmp_path)):
+def test_deepspeed_path_matches_plain_torch_distributed(two_ranks):
+    for rank_result in (r["foundation"] for r in two_ranks):
         for method, (ds_digest, plain_digest, ds_bytes, plain_bytes) in rank_result.items():
             assert ds_digest == plain_digest, method
             assert ds_bytes == plain_bytes > 0, method
@@ -131,9 +155,8 @@ def _replica_worker(rank, world, stage, workdir):
 
 
 @pytest.mark.parametrize("stage", [0, 1, 2])
-def test_replicas_of_two_ranks_with_zero_inside(stage, tmp_path):
-    results = run_local_workers(_replica_worker, 4, stage, str(tmp_path))
-    replicas, single = results[0]
+def test_replicas_of_two_ranks_with_zero_inside(stage, four_ranks):
+    replicas, single = four_ranks[0][stage]
     for method, m in replicas.items():
         assert m["world_size"] == 4 and m["replica_size"] == 2
         assert len(set(m["params_digests"])) == 1, method  # all four ranks agree after 2 syncs
@@ -155,8 +178,8 @@ def _bf16_worker(rank, world, workdir):
     return out
 
 
-def test_bf16_engines(tmp_path):
-    for method, m in run_local_workers(_bf16_worker, 2, str(tmp_path))[0].items():
+def test_bf16_engines(two_ranks):
+    for method, m in two_ranks[0]["bf16"].items():
         assert len(set(m["params_digests"])) == 1, method
         assert m["history"][-1]["train_loss"] < m["history"][0]["train_loss"], method
         steps = m["ledgers"][0]["method"]["steps"]
