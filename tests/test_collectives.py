@@ -47,10 +47,31 @@ def _sparse_vs_dense_worker(rank, world, average):
     return out
 
 
+def _cases_worker(rank, world):
+    """Both averages (and, at 2 ranks, the dense mean) in one launch per world size."""
+    out = {average: _sparse_vs_dense_worker(rank, world, average) for average in ("world", "senders")}
+    if world == 2:
+        out["dense"] = _dense_worker(rank, world)
+    return out
+
+
+@pytest.fixture(scope="module")
+def launches():
+    """world size -> case -> the per-rank results, each world size launched once, when first asked for."""
+    done = {}
+
+    def get(world, case):
+        if world not in done:
+            done[world] = run_local_workers(_cases_worker, world)
+        return [r[case] for r in done[world]]
+
+    return get
+
+
 @pytest.mark.parametrize("world", [2, 4])
 @pytest.mark.parametrize("average", ["world", "senders"])
-def test_sparse_all_gather_equals_dense_all_reduce(world, average):
-    results = run_local_workers(_sparse_vs_dense_worker, world, average)
+def test_sparse_all_gather_equals_dense_all_reduce(world, average, launches):
+    results = launches(world, average)
     for r in results:
         assert r["max_err"] < 1e-5
         assert r["ef_err"] < 1e-5
@@ -74,8 +95,8 @@ def _dense_worker(rank, world):
     return [t.tolist() for t in tensors], transport.ledger.summary()["by_op"]
 
 
-def test_dense_all_reduce_mean():
-    (r0, ledger), (r1, _) = run_local_workers(_dense_worker, 2)
+def test_dense_all_reduce_mean(launches):
+    (r0, ledger), (r1, _) = launches(2, "dense")
     assert r0 == r1
     assert r0[0] == [[0.5] * 4] * 3
     assert r0[1] == [0.0, 1.5, 3.0, 4.5, 6.0]

@@ -60,9 +60,23 @@ def _replay(world, delay, mix):
     return [[p.detach().double().numpy() for p in m.parameters()] for m in models]
 
 
-@pytest.mark.parametrize("delay,mix", [(0, 0.0), (1, 0.5), (3, 0.0)])
-def test_streaming_diloco_matches_replay(delay, mix):
-    results = run_local_workers(_worker, 2, delay, mix)
+CASES = [(0, 0.0), (1, 0.5), (3, 0.0)]
+
+
+def _cases_worker(rank, world):
+    """Every case in one launch of 2 processes (a launch costs more than the runs)."""
+    return {case: _worker(rank, world, *case) for case in CASES}
+
+
+@pytest.fixture(scope="module")
+def runs():
+    results = run_local_workers(_cases_worker, 2)
+    return {case: [r[case] for r in results] for case in CASES}
+
+
+@pytest.mark.parametrize("delay,mix", CASES)
+def test_streaming_diloco_matches_replay(delay, mix, runs):
+    results = runs[(delay, mix)]
     replay = _replay(2, delay, mix)
     assert results[0]["fragments"] == FRAGMENTS
     for r, res in enumerate(results):
