@@ -3,7 +3,6 @@ the data-parallel rank and size across replicas for loaders users build themselv
 ``replica_layout`` (this rank's replica when replicas differ in shape, ``lowcomm.replicas``)."""
 
 from .data import data_parallel_rank, data_parallel_world_size
-from .engine import LowcommRun, initialize
-from .hetero import replica_layout
+from .engine import LowcommRun, initialize, replica_layout
 
 __all__ = ["LowcommRun", "data_parallel_rank", "data_parallel_world_size", "initialize", "replica_layout"]

@@ -234,6 +234,20 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     return engine, ds_opt, loader, sched
 
 
+def replica_layout(config) -> hetero.ReplicaPlace:
+    """This rank's replica under ``lowcomm.replicas`` (replicas of different shapes; see
+    ``hetero.py``). Call it before building the model: it checks the layout against the world size
+    and makes DeepSpeed see this replica's ranks as its world."""
+    import deepspeed
+
+    split = split_config(load_config(config))
+    if not split.replicas:
+        raise ConfigError("replica_layout: the config has no lowcomm.replicas (replicas of one shape need no "
+                          "layout call: lowcomm.replica_size)")
+    deepspeed.init_distributed(dist_backend=_default_backend())
+    return hetero.enter_replica(split.replicas, split.lowcomm.comm.timeout_s)
+
+
 def _patch_engine(engine, run: LowcommRun) -> None:
     def end_step():
         run.optimizer.ledger.end_step()

@@ -151,34 +151,25 @@ class ReplicaPlace:
 _PLACE: list[ReplicaPlace] = []
 
 
-def replica_layout(config) -> ReplicaPlace:
-    """This rank's replica under ``lowcomm.replicas`` (call before building the model): checks
-    the layout against the world size and makes DeepSpeed see this replica as its world."""
-    import deepspeed
-
-    from .config import load_config, split_config
-    from .engine import _default_backend
+def enter_replica(specs: tuple[ReplicaSpec, ...], timeout_s: float | None) -> ReplicaPlace:
+    """This rank's replica under ``specs`` (torch.distributed up): checks the layout against the
+    world size and makes DeepSpeed see this replica as its world (``engine.replica_layout``)."""
     from .subworld import enter_subworld
 
-    split = split_config(load_config(config))
-    if not split.replicas:
-        raise ConfigError("replica_layout: the config has no lowcomm.replicas (replicas of one shape need no "
-                          "layout call: lowcomm.replica_size)")
-    deepspeed.init_distributed(dist_backend=_default_backend())
     world, rank = dist.get_world_size(), dist.get_rank()
-    total = sum(spec.ranks for spec in split.replicas)
+    total = sum(spec.ranks for spec in specs)
     if total != world:
         raise ConfigError(f"lowcomm.replicas: the replicas' ranks add up to {total} "
-                          f"({' + '.join(str(s.ranks) for s in split.replicas)}) but the job has {world} ranks")
+                          f"({' + '.join(str(s.ranks) for s in specs)}) but the job has {world} ranks")
     at = 0
-    for index, spec in enumerate(split.replicas):
+    for index, spec in enumerate(specs):
         if at <= rank < at + spec.ranks:
-            place = ReplicaPlace(index, tuple(range(at, at + spec.ranks)), spec, split.replicas)
+            place = ReplicaPlace(index, tuple(range(at, at + spec.ranks)), spec, specs)
             break
         at += spec.ranks
     if _PLACE and _PLACE[0] != place:
         raise ConfigError("replica_layout: called again with another layout; one layout per process")
-    enter_subworld(list(place.ranks), timeout_s=split.lowcomm.comm.timeout_s)
+    enter_subworld(list(place.ranks), timeout_s=timeout_s)
     _PLACE[:] = [place]
     return place
 
