@@ -96,6 +96,8 @@ def build_specs(methods: list[str], base: TrainSpec, overrides: dict, workers: i
 
 def run_compare(args) -> list[dict]:
     methods = [m.strip() for m in args.methods.split(",") if m.strip()]
+    if not methods:
+        raise ConfigError(f"--methods must name at least one of {', '.join(METHODS)}; got {args.methods!r}")
     specs = build_specs(methods, TrainSpec.from_args(args), load_overrides(args.config), args.workers)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

@@ -195,6 +195,8 @@ class SparseSpec:
     def build(cls, shape, *, chunk: int, topk: int, value_dtype: str, transform: str = "dct") -> "SparseSpec":
         if transform not in TRANSFORMS:
             raise ValueError(f"transform must be one of {', '.join(TRANSFORMS)}; got {transform!r}")
+        if math.prod(shape) == 0:
+            raise ValueError(f"cannot code an empty tensor (shape {tuple(shape)}): leave it out of the exchange")
         plan = ChunkPlan.for_shape(shape, chunk)
         return cls(plan, topk_count(plan, topk, chunk), ValueFormat(value_dtype), transform)
 

@@ -103,8 +103,8 @@ class LowcommOptimizer(torch.optim.Optimizer):
 
     def _current_params(self) -> list[torch.Tensor]:
         """The tensors the method steps now; frozen ones (``requires_grad=False``, e.g. passed in
-        with ``model.parameters()``) take no part: not decayed, not exchanged."""
-        return [p for p in ordered_params(self.param_groups) if p.requires_grad]
+        with ``model.parameters()``) and empty ones (nothing to send) take no part."""
+        return [p for p in ordered_params(self.param_groups) if p.requires_grad and p.numel()]
 
     def set_pieces(self, flat: torch.Tensor, pieces: Pieces) -> None:
         """Declare that ``flat`` (a tensor the optimizer steps, e.g. a ZeRO partition) is made of

@@ -48,7 +48,7 @@ class DeMo(LowcommOptimizer):
         for group in self.param_groups:
             lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:
-                if not p.requires_grad:  # frozen: not decayed, not exchanged (as _current_params)
+                if not p.requires_grad or not p.numel():  # frozen or empty: not decayed, not exchanged (as _current_params)
                     continue
                 if id(p) not in owned:  # another rank of this replica syncs it and sends it here
                     continue

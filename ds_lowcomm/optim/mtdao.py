@@ -107,7 +107,7 @@ class MTDAO(LowcommOptimizer):
         for group in self.param_groups:
             lr, wd, eps, beta2 = group["lr"], group["weight_decay"], group["eps"], group["beta2"]
             for p in group["params"]:
-                if not p.requires_grad:  # frozen: not decayed, not exchanged (as _current_params)
+                if not p.requires_grad or not p.numel():  # frozen or empty: not decayed, not exchanged (as _current_params)
                     continue
                 state = self.state[p]
                 if "step" not in state:
