@@ -13,20 +13,9 @@ import torch
 
 from ds_lowcomm.workers import run_local_workers
 
+from .test_deepspeed_pipeline import Regression  # the same data as the homogeneous pipeline tests
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
-
-
-class Regression(torch.utils.data.Dataset):
-    def __init__(self, n=512):
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 8, generator=g)
-        self.y = torch.tanh(self.x @ torch.randn(8, 1, generator=g))
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return self.x[i], self.y[i]
 
 
 def layers(seed):

@@ -31,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ..settings import ConfigError
-from .collectives import Pieces, SparseAllGather, start_all_reduce_mean_
+from .collectives import Pieces, SparseAllGather, _numel, start_all_reduce_mean_
 from .consistency import assert_same_across_ranks
 from .ledger import ByteLedger
 from .transport import Pending, TorchDistTransport
@@ -51,10 +51,8 @@ class Piece:
 
 def whole(name: str, shape: Sequence[int]) -> Piece:
     """A tensor that is the whole parameter ``name``."""
-    numel = 1
-    for d in shape:
-        numel *= int(d)
-    return Piece(name, tuple(int(d) for d in shape), 0, numel, 0)
+    shape = tuple(int(d) for d in shape)
+    return Piece(name, shape, 0, _numel(shape), 0)
 
 
 @dataclass
@@ -93,13 +91,6 @@ class Route:
             view = tensors[i].view(-1)[o : o + n]
             view.copy_(flat[at : at + n].to(view.dtype))
             at += n
-
-
-def _numel(shape: Sequence[int]) -> int:
-    n = 1
-    for d in shape:
-        n *= int(d)
-    return n
 
 
 class Routes:
