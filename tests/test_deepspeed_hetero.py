@@ -215,3 +215,19 @@ def test_every_method_syncs_by_name_across_shapes():
         for which in range(2):
             assert len(_agree(per_rank, which)) == 8, name
         assert all(r["eval"][1] < 0.8 * r["eval"][0] for r in per_rank), (name, [r["eval"] for r in per_rank])
+
+
+def _mismatch_worker(rank, world):
+    import ds_lowcomm.deepspeed as dl
+
+    layout = [{"ranks": 1}, {"ranks": 1}] if rank == 0 else [{"ranks": 2}]
+    try:
+        dl.replica_layout(config({"method": "diloco", "sync_every": 2}, layout))
+    except ValueError as err:
+        return str(err)
+    return None
+
+
+def test_a_layout_that_differs_on_one_rank_is_refused_on_every_rank():
+    for message in run_local_workers(_mismatch_worker, 2):
+        assert message is not None and "lowcomm.replicas" in message and "differ across ranks" in message

@@ -245,6 +245,8 @@ def replica_layout(config) -> hetero.ReplicaPlace:
         raise ConfigError("replica_layout: the config has no lowcomm.replicas (replicas of one shape need no "
                           "layout call: lowcomm.replica_size)")
     deepspeed.init_distributed(dist_backend=_default_backend())
+    # Before any rank enters its replica: a rank with another layout would wait in other groups.
+    assert_same_across_ranks(TorchDistTransport(), {"lowcomm.replicas": [spec.describe() for spec in split.replicas]})
     return hetero.enter_replica(split.replicas, split.lowcomm.comm.timeout_s)
 
 
