@@ -1,13 +1,18 @@
 #!/usr/bin/env python
 """Train a Megatron-Core GPTModel on the reference corpus (bytes; ds_lowcomm/task/data.py) with
-Megatron's tensor/pipeline parallelism, Megatron's schedules and optimizer, and, with any
-``--lowcomm-*`` option, ds_lowcomm's outer loop across the data-parallel replicas
-(megatron_patches/outer.py: diloco, dct_diloco, sparseloco)::
+Megatron's tensor/pipeline parallelism, Megatron's schedules, DDP and optimizer, and, with any
+``--lowcomm-*`` option, a ds_lowcomm method across the data-parallel replicas
+(``megatron_patches.apply``: adamw, demo, mtdao, diloco, dct_diloco, sparseloco)::
 
     torchrun --nproc_per_node 2 launch/pretrain_gpt.py --tensor-model-parallel-size 2 --train-iters 20
     torchrun --nproc_per_node 2 launch/pretrain_gpt.py --pipeline-model-parallel-size 2 --train-iters 20
     torchrun --nproc_per_node 2 launch/pretrain_gpt.py --train-iters 40 \\
         --lowcomm-method sparseloco --lowcomm-sync-every 10
+    torchrun --nproc_per_node 2 launch/pretrain_gpt.py --overlap-grad-reduce --lowcomm-method demo
+
+Checkpoints: ``--save DIR --save-interval N`` writes one file per rank (model, Megatron's
+optimizer, the method's state) and then ``DIR/latest_checkpointed_iteration.txt``;
+``--load DIR`` resumes from it, exactly (megatron_patches/checkpoint.py).
 
 Without ``--lowcomm-*`` it is plain Megatron data-parallel training (gradient all-reduce).
 On a machine without a GPU it runs on the CPU over gloo (megatron_patches/cpu_shim.py).
@@ -28,8 +33,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from ds_lowcomm.settings import ConfigError  # noqa: E402
-from megatron_patches.args import add_lowcomm_args, lowcomm_config  # noqa: E402
-from megatron_patches.outer import OUTER_METHODS  # noqa: E402  (megatron itself is imported in main)
+from megatron_patches.args import add_lowcomm_args, lowcomm_config  # noqa: E402  (megatron itself is imported in main)
 
 VOCAB = 256  # bytes
 
@@ -47,12 +51,19 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--global-batch-size", type=int, default=None,
                    help="sequences per iteration over all replicas (default: micro batch x data-parallel size)")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--weight-decay", type=float, default=0.01, help="Megatron's default")
+    p.add_argument("--bf16", action="store_true", help="bf16 parameters with fp32 main params/grads (Megatron's)")
+    p.add_argument("--overlap-grad-reduce", action="store_true", help="start each bucket's sync during backward")
+    p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--clip-grad", type=float, default=0.0, help="Megatron's grad clipping (needs CUDA; 0 on CPU)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--data", default=None, help="text file or directory (default: the Python standard library)")
     p.add_argument("--eval-iters", type=int, default=2, help="held-out micro batches evaluated at the end")
     p.add_argument("--log-interval", type=int, default=1)
     p.add_argument("--metrics-out", default=None, help="JSON file the first replica's last stage writes")
+    p.add_argument("--save", default=None, help="checkpoint directory")
+    p.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
+    p.add_argument("--load", default=None, help="resume from the latest checkpoint in this directory")
     add_lowcomm_args(p)
     return p.parse_args(argv)
 
@@ -60,9 +71,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
     lowcomm = lowcomm_config(args)  # configuration errors before any rank starts work
-    if lowcomm is not None and lowcomm.method not in OUTER_METHODS:
-        raise ConfigError(f"lowcomm.method {lowcomm.method!r} is not supported with Megatron-Core yet; "
-                          f"allowed: {', '.join(OUTER_METHODS)}")
+    if args.save_interval is not None and (args.save is None or args.save_interval < 1):
+        raise ConfigError("--save-interval takes a positive number of iterations and needs --save DIR")
     if not torch.cuda.is_available():
         import megatron_patches.cpu_shim  # noqa: F401  before megatron
     from megatron.core import parallel_state as ps
@@ -73,10 +83,11 @@ def main(argv=None) -> dict | None:
     from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+    from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     from ds_lowcomm.task.data import ByteCorpus
-    from megatron_patches.outer import apply  # noqa: E402
+    from megatron_patches import apply, checkpoint
 
     gpu = torch.cuda.is_available()
     if gpu:
@@ -95,22 +106,35 @@ def main(argv=None) -> dict | None:
     num_micro = gbs // (args.micro_batch_size * dp_size)
 
     torch.manual_seed(args.seed)  # every replica and every TP rank alike (CPU initialisation)
+    dtype = torch.bfloat16 if args.bf16 else torch.float32
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size, pipeline_dtype=torch.float32,
-        use_cpu_initialization=True, params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0)
+        pipeline_model_parallel_size=args.pipeline_model_parallel_size, pipeline_dtype=dtype,
+        use_cpu_initialization=True, params_dtype=dtype, bf16=args.bf16, hidden_dropout=0.0, attention_dropout=0.0)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
                      max_sequence_length=args.seq_length, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage())
     if gpu:
         model.cuda()
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
+    if args.bf16:  # as Megatron-LM's get_model: bf16 inside, fp32 inputs and outputs
+        model = Float16Module(config, model)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=args.overlap_grad_reduce,
+                                               use_distributed_optimizer=args.use_distributed_optimizer)
+    model = DistributedDataParallel(config, ddp_config, model)
     config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, clip_grad=args.clip_grad),
+    if args.overlap_grad_reduce:  # as Megatron-LM's training loop: the schedules drive the bucket syncs
+        config.no_sync_func = model.no_sync
+        config.grad_sync_func = model.start_grad_sync
+    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
+                                                       clip_grad=args.clip_grad, bf16=args.bf16,
+                                                       use_distributed_optimizer=args.use_distributed_optimizer),
                                        [model])
     if lowcomm is not None:
         optimizer = apply([model], optimizer, lowcomm)
+    first = 0
+    if args.load:
+        first = checkpoint.load(args.load, [model], optimizer)
 
     corpus = ByteCorpus(args.data)
     device = torch.device("cuda") if gpu else torch.device("cpu")
@@ -136,7 +160,7 @@ def main(argv=None) -> dict | None:
 
     reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and dp_rank == 0
     losses, start = [], time.time()
-    for it in range(args.train_iters):
+    for it in range(first, args.train_iters):
         # Every rank of one replica sees the same micro batches; each replica its own shard.
         batches = [corpus.train_batch(dp_rank, dp_size, it * num_micro + m, args.micro_batch_size, args.seq_length,
                                       seed=args.seed) for m in range(num_micro)]
@@ -148,6 +172,8 @@ def main(argv=None) -> dict | None:
             losses.append(loss)
             if reporter and (it + 1) % args.log_interval == 0:
                 print(f"iteration {it + 1}/{args.train_iters} lm loss {loss:.4f}", flush=True)
+        if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
+            checkpoint.save(args.save, it + 1, [model], optimizer)
     val = None
     if args.eval_iters:
         model.eval()
@@ -160,7 +186,10 @@ def main(argv=None) -> dict | None:
                    "tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size, "dp": dp_size,
                    "lowcomm": lowcomm.effective() if lowcomm is not None else None}
         if lowcomm is not None:
-            metrics["outer_steps"] = optimizer.outer.outer_steps
+            ledger = optimizer.ledger
+            metrics["outer_steps"] = getattr(getattr(optimizer, "outer", None), "outer_steps", None)
+            metrics["bytes_sent_per_step"] = [ledger.step_bytes(i)[0] for i in range(ledger.steps)]
+        metrics["params_digest"] = checkpoint.params_digest([model])
         print(f"validation lm loss {val:.4f}" if val is not None else "done", flush=True)
         if args.metrics_out:
             Path(args.metrics_out).write_text(json.dumps(metrics, indent=1))

@@ -2,9 +2,21 @@
 
 - :mod:`.cpu_shim`: import before megatron on a machine without a GPU (a no-op with one).
 - :mod:`.args`: ``add_lowcomm_args`` (Megatron's ``extra_args_provider``) and ``lowcomm_config``.
-- :mod:`.outer`: ``apply(model_chunks, optimizer, config)``: the outer-loop methods across
-  Megatron's data-parallel replicas.
+- :func:`apply` (:mod:`.install`): ``apply(model_chunks, optimizer, config)`` installs any method
+  across Megatron's data-parallel replicas: in place of DDP's bucket-level gradient all-reduce
+  (:mod:`.grad_sync`: adamw, demo), or around Megatron's optimizer step (:mod:`.outer`: diloco,
+  dct_diloco, sparseloco; mtdao in place of its inner Adam).
 
 See ``launch/pretrain_gpt.py`` for a whole training script. Nothing here imports megatron at
-import time except :mod:`.outer`'s ``apply``.
+import time.
 """
+
+
+def apply(model_chunks, optimizer, config):
+    """See :func:`megatron_patches.install.apply`."""
+    from .install import apply as _apply
+
+    return _apply(model_chunks, optimizer, config)
+
+
+__all__ = ["apply"]

@@ -12,7 +12,10 @@ for things unconditionally even when the model is built with ``use_cpu_initializ
   forks therefore draw from the CPU generator: dropout stays random, not per-TP-rank reproducible;
 - ``device="cuda"`` (e.g. in ``pipeline_parallel/schedules.py``) -> CPU, by a
   ``TorchFunctionMode`` that stays entered for the process;
-- ``Tensor.cuda()`` -> the tensor itself.
+- ``Tensor.cuda()`` -> the tensor itself;
+- ``Tensor.type()`` (no argument: the type's name) -> the CUDA name (``torch.cuda.BFloat16Tensor``)
+  for a CPU tensor: Megatron's mixed-precision optimizer and gradient clipping test parameters by
+  these names and refuse anything else. ``Tensor.type(dtype)`` (a conversion) is unchanged.
 
 Nothing else is changed: the model, the collectives (gloo) and the schedules are Megatron's own.
 """
@@ -47,6 +50,18 @@ class _CudaToCpu(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+_tensor_type = torch.Tensor.type
+
+
+def _type_named_as_cuda(self, dtype=None, non_blocking=False, **kwargs):
+    if dtype is None and not kwargs:
+        name = _tensor_type(self)
+        if self.device.type == "cpu" and name.startswith("torch.") and not name.startswith("torch.cuda."):
+            return "torch.cuda." + name[len("torch."):]
+        return name
+    return _tensor_type(self, dtype, non_blocking, **kwargs)
+
+
 def install() -> bool:
     """Apply the patches once (a no-op with a GPU). Returns whether they are in place."""
     global _installed, _mode
@@ -63,6 +78,7 @@ def install() -> bool:
         mod.manual_seed = lambda seed: None
         mod.manual_seed_all = lambda seed: None
     torch.Tensor.cuda = lambda self, *a, **k: self
+    torch.Tensor.type = _type_named_as_cuda
     _mode = _CudaToCpu()
     _mode.__enter__()  # for the whole process
     _installed = True

@@ -39,7 +39,7 @@ def _train(rank, lowcomm, steps, lr, on_inner_step=None):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from megatron_patches.outer import apply
+    from megatron_patches import apply
 
     torch.manual_seed(1234)  # the same initial parameters in both replicas
     config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..codec import CodecSettings
-from ..comm import ReplicaShard, Transport
+from ..comm import Pending, ReplicaShard, Transport
 from ..settings import check_fraction
 from .adamw import AdamSettings
 from .base import LowcommOptimizer, StatefulSettings
@@ -44,29 +44,45 @@ class DeMo(LowcommOptimizer):
 
     def _update(self, params):
         owned = {id(p) for p in self._owned(params)}
-        synced, momenta, lrs = [], [], []
+        synced, grads, lrs, decays = [], [], [], []
         for group in self.param_groups:
-            lr, wd = group["lr"], group["weight_decay"]
             for p in group["params"]:
                 if not p.requires_grad or not p.numel():  # frozen or empty: not decayed, not exchanged (as _current_params)
                     continue
                 if id(p) not in owned:  # another rank of this replica syncs it and sends it here
                     continue
-                state = self.state[p]
-                if "momentum" not in state:
-                    state["momentum"] = torch.zeros_like(p, dtype=self.state_dtype)
-                m = state["momentum"]
-                if wd:
-                    p.mul_(1.0 - lr * wd)
-                m.mul_(self.settings.decay)
-                if p.grad is not None:  # a parameter without a gradient still takes part in the exchange
-                    m.add_(p.grad.to(m.dtype), alpha=lr)
                 synced.append(p)
-                momenta.append(m)
-                lrs.append(lr)
+                grads.append(p.grad)  # a parameter without a gradient still takes part in the exchange
+                lrs.append(group["lr"])
+                decays.append(group["weight_decay"])
         if synced:
-            # Sends each momentum's top-k DCT components and removes them from it (error feedback).
-            means = self._sync_for(synced, "sparse_all_gather").exchange(momenta)
-            for p, lr, q in zip(synced, lrs, means):
-                p.add_(q.sign().to(p.dtype), alpha=-lr)
+            means = self.start_momentum_sync(synced, grads, lrs).wait()
+            for p, q, lr, wd in zip(synced, means, lrs, decays):
+                sign_step_(p, q, lr, wd)
         self._share(params)
+
+    def start_momentum_sync(self, params: list[torch.Tensor], grads: list[torch.Tensor | None],
+                            lrs: list[float]) -> Pending:
+        """Fold each gradient into its parameter's momentum (scaled by the lr, as DeMo does), send
+        the momenta's top-k DCT components and remove them from the momenta (error feedback).
+        ``wait()`` returns, per parameter, the mean over ranks of the sent components. Used by
+        :meth:`step`, and by integrations that run the exchange in the framework's gradient
+        sync (megatron_patches: per gradient bucket, during the backward pass)."""
+        momenta = []
+        for p, g, lr in zip(params, grads, lrs):
+            state = self.state[p]
+            if "momentum" not in state:
+                state["momentum"] = torch.zeros_like(p, dtype=self.state_dtype)
+            m = state["momentum"]
+            m.mul_(self.settings.decay)
+            if g is not None:
+                m.add_(g.to(m.dtype), alpha=lr)
+            momenta.append(m)
+        return self._sync_for(list(params), "sparse_all_gather").start(momenta)
+
+
+def sign_step_(p: torch.Tensor, direction: torch.Tensor, lr: float, weight_decay: float) -> None:
+    """DeMo's parameter update: decoupled weight decay, then a step of ``lr`` along the sign."""
+    if weight_decay:
+        p.mul_(1.0 - lr * weight_decay)
+    p.add_(direction.sign().to(p.dtype), alpha=-lr)

@@ -1,0 +1,103 @@
+"""Checkpoints for a Megatron-Core model trained with ds_lowcomm: one file per rank holding the
+model chunks, Megatron's optimizer and the method's state (what the object ``apply`` returned
+gives in ``state_dict()``: momenta, outer-loop anchors, ledger), so a resume is exact.
+
+Layout (Megatron-LM's names): ``DIR/iter_0000020/rank_003.pt`` and
+``DIR/latest_checkpointed_iteration.txt``. Every file is written under a temporary name, flushed
+to disk and renamed; the tracker names an iteration only after every rank's file is in place, so
+a crash mid-save leaves the previous checkpoint as the latest. Files load with
+``torch.load(weights_only=True)`` (no code runs from a checkpoint) and carry the layout they were
+written with (TP, PP, DP sizes), checked at load.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+
+TRACKER = "latest_checkpointed_iteration.txt"
+
+
+def _layout() -> dict[str, int]:
+    from megatron.core import parallel_state as ps
+
+    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
+            "dp": ps.get_data_parallel_world_size(), "world": dist.get_world_size()}
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _atomic_write(path: Path, write) -> None:
+    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def rank_file(directory: str | os.PathLike, iteration: int, rank: int | None = None) -> Path:
+    rank = dist.get_rank() if rank is None else rank
+    return Path(directory) / f"iter_{iteration:07d}" / f"rank_{rank:03d}.pt"
+
+
+def save(directory: str | os.PathLike, iteration: int, model_chunks: Sequence[torch.nn.Module], optimizer) -> None:
+    """Every rank writes its file; then rank 0 moves the tracker to ``iteration``. Collective."""
+    path = rank_file(directory, iteration)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    state = {"iteration": iteration, "layout": _layout(), "model": [c.state_dict() for c in model_chunks],
+             "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}
+    _atomic_write(path, lambda f: torch.save(state, f))
+    dist.barrier()  # every rank's file is complete before the tracker names it
+    if dist.get_rank() == 0:
+        _atomic_write(Path(directory) / TRACKER, lambda f: f.write(f"{iteration}\n".encode()))
+    dist.barrier()
+
+
+def latest_iteration(directory: str | os.PathLike) -> int:
+    tracker = Path(directory) / TRACKER
+    try:
+        return int(tracker.read_text().strip())
+    except FileNotFoundError:
+        raise FileNotFoundError(f"--load {directory}: no {TRACKER} (no complete checkpoint there)") from None
+
+
+def load(directory: str | os.PathLike, model_chunks: Sequence[torch.nn.Module], optimizer) -> int:
+    """Load this rank's part of the latest checkpoint; returns the iteration to resume at."""
+    iteration = latest_iteration(directory)
+    path = rank_file(directory, iteration)
+    state = torch.load(path, map_location="cpu", weights_only=True)
+    if state["layout"] != _layout():
+        raise ValueError(f"{path} was written with layout {state['layout']}; this run has {_layout()}")
+    for chunk, sd in zip(model_chunks, state["model"]):
+        chunk.load_state_dict(sd)
+    # Megatron's mixed-precision optimizer restores its fp32 main params from its own state
+    # (so no reload_model_params, which would round them through the bf16 model params).
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"])
+    return int(state["iteration"])
+
+
+def params_digest(model_chunks: Sequence[torch.nn.Module]) -> str:
+    """sha256 over this rank's parameters, in order (to compare runs bit for bit)."""
+    h = hashlib.sha256()
+    for chunk in model_chunks:
+        for name, p in chunk.named_parameters():
+            h.update(name.encode())
+            h.update(p.detach().float().cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
+__all__ = ["save", "load", "latest_iteration", "params_digest", "rank_file", "TRACKER"]

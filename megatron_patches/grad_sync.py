@@ -1,0 +1,128 @@
+"""ds_lowcomm in place of Megatron DDP's data-parallel gradient all-reduce, per bucket group.
+
+Megatron-Core's ``DistributedDataParallel`` keeps gradients in contiguous buffers cut into
+buckets; each ``_ParamAndGradBucketGroup`` reduces its buckets in ``start_grad_sync`` (called
+from the backward hooks as soon as the group's gradients are ready when ``overlap_grad_reduce``
+is on) and ``finish_grad_sync`` (called by ``finalize_model_grads`` before the optimizer step;
+without overlap it starts and finishes the reduction there). :func:`install_grad_sync` gives
+each bucket group instance a :class:`BucketGroupSync` whose two methods stand in for those (the
+class and every other group are untouched), so ds_lowcomm's exchange runs exactly where
+Megatron's all-reduce ran: with overlap, started during the backward pass and waited for before
+the step. What follows in ``finalize_model_grads`` (tensor-parallel layernorm grads, the
+pipeline's tied embedding grads) stays Megatron's.
+
+An exchange (``start(params, grads) -> Pending``) leaves in each ``param.main_grad`` what the
+optimizer should see: :class:`DenseMean` the mean gradient (the ``adamw`` baseline: exactly
+Megatron's all-reduce, counted in the ledger), :class:`DeMoExchange` the mean of everyone's
+sent top-k DCT momentum components (DeMo; Megatron's optimizer then takes the sign step).
+:func:`switch_off_grad_sync` makes both methods no-ops instead (each replica keeps its own
+gradients: the outer-loop methods and MT-DAO).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Protocol, Sequence
+
+import torch
+
+from ds_lowcomm.comm import Pending, Transport, start_all_reduce_mean_
+from ds_lowcomm.optim.demo import DeMo
+
+
+class Exchange(Protocol):
+    def start(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> Pending:
+        """Start syncing ``grads`` (laid out as ``params``); after ``wait()`` they hold the result."""
+
+
+def bucket_groups(model_chunks: Sequence[torch.nn.Module]) -> list:
+    """Every gradient bucket group of these Megatron DDP chunks (dense and expert-parallel)."""
+    groups = []
+    for chunk in model_chunks:
+        groups += list(getattr(chunk, "bucket_groups", [])) + list(getattr(chunk, "expert_parallel_bucket_groups", []))
+    return groups
+
+
+def _no_sync(*args, **kwargs) -> None:
+    return None
+
+
+def switch_off_grad_sync(model_chunks: Sequence[torch.nn.Module]) -> int:
+    """Make Megatron DDP's data-parallel gradient reduction a no-op on these chunks (each
+    replica keeps its own gradients). Returns how many bucket groups were switched off."""
+    groups = bucket_groups(model_chunks)
+    for group in groups:
+        group.start_grad_sync = _no_sync
+        group.finish_grad_sync = _no_sync
+    return len(groups)
+
+
+class BucketGroupSync:
+    """One bucket group's ``start_grad_sync``/``finish_grad_sync``, running ``exchange`` on the
+    group's parameters' ``main_grad`` views, in the group's parameter order."""
+
+    def __init__(self, group, exchange: Exchange):
+        self.group = group
+        self.exchange = exchange
+        self.params = [p for bucket in group.buckets for p in bucket.params_list if p.numel()]
+        self.pending: Pending | None = None
+
+    def start_grad_sync(self, force_all_reduce: bool = False) -> None:
+        if self.pending is not None:
+            if self.group.is_first_batch:  # as Megatron: finish_grad_sync started it already this batch
+                return
+            raise RuntimeError("a gradient exchange is already in flight for this bucket group")
+        self.pending = self.exchange.start(self.params, [p.main_grad for p in self.params])
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        self.group.param_gather_dispatched = False
+        if self.pending is None:  # no overlap (or its first batch): start it here
+            self.start_grad_sync()
+        pending, self.pending = self.pending, None
+        pending.wait()
+
+
+def install_grad_sync(model_chunks: Sequence[torch.nn.Module], exchange: Exchange) -> list[BucketGroupSync]:
+    """Put ``exchange`` in place of the data-parallel gradient reduction of every bucket group."""
+    syncs = []
+    for group in bucket_groups(model_chunks):
+        sync = BucketGroupSync(group, exchange)
+        group.start_grad_sync = sync.start_grad_sync
+        group.finish_grad_sync = sync.finish_grad_sync
+        syncs.append(sync)
+    return syncs
+
+
+class DenseMean:
+    """The ``adamw`` baseline: the mean gradient over the data-parallel group, dense (what
+    Megatron's all-reduce computes), through ds_lowcomm's transport and ledger."""
+
+    def __init__(self, transport: Transport):
+        self.transport = transport
+
+    def start(self, params, grads) -> Pending:
+        return start_all_reduce_mean_(grads, self.transport, op="all_reduce")
+
+
+class DeMoExchange:
+    """DeMo's exchange on the gradients Megatron hands over: each gradient goes into its
+    parameter's momentum (held by ``demo``, a :class:`~ds_lowcomm.optim.demo.DeMo` over the
+    model's parameters, scaled by the parameter's current lr from ``lr_of``), the momenta's
+    top-k DCT components travel, and ``main_grad`` becomes everyone's mean of them."""
+
+    def __init__(self, demo: DeMo, lr_of: Callable[[torch.Tensor], float]):
+        self.demo = demo
+        self.lr_of = lr_of
+
+    def start(self, params, grads) -> Pending:
+        pending = self.demo.start_momentum_sync(params, grads, [self.lr_of(p) for p in params])
+
+        def finish():
+            for grad, mean in zip(grads, pending.wait()):
+                grad.copy_(mean)
+            return grads
+
+        return Pending(finish, None)
+
+
+__all__ = ["BucketGroupSync", "DeMoExchange", "DenseMean", "bucket_groups", "install_grad_sync",
+           "switch_off_grad_sync"]

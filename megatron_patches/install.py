@@ -1,0 +1,251 @@
+"""``apply(model_chunks, optimizer, config)``: any ds_lowcomm method inside a Megatron-Core model
+and optimizer.
+
+**Replicas are Megatron's data-parallel ranks.** A replica is one model-parallel group (its
+TP x PP ranks); rank r of replica a holds the same parameter shards as rank r of replica b, so
+each (TP, PP) position's data-parallel group is the set of peers it exchanges with, and the
+method's transport runs over ``parallel_state.get_data_parallel_group()``. Tensor-parallel,
+sequence-parallel and pipeline traffic, and the layernorm and tied-embedding reductions, stay
+Megatron's own.
+
+How each method goes in:
+
+=============================  ================================================================
+adamw (the dense baseline)     Megatron DDP's bucket-level gradient all-reduce is replaced by
+                               ds_lowcomm's dense mean (grad_sync.py; same numbers, counted in the
+                               ledger); Megatron's optimizer steps as usual.
+demo                           The bucket-level sync becomes DeMo's exchange (momentum, top-k DCT
+                               components, decode-mean), with and without ``overlap_grad_reduce``;
+                               Megatron's inner Adam is replaced by DeMo's sign step (lr and weight
+                               decay from Megatron's param groups and scheduler).
+mtdao                          No gradient sync; Megatron's inner Adam is replaced by MT-DAO, which
+                               averages parameters and momenta every ``sync_every`` steps.
+diloco, dct_diloco, sparseloco No gradient sync; Megatron's whole optimizer step is the inner step
+                               of ds_lowcomm's outer loop (outer.py).
+=============================  ================================================================
+
+In every case Megatron's own mixed precision stays: the methods step the fp32 main parameters
+Megatron's optimizer keeps and Megatron copies them into the bf16 model parameters.
+
+Refused with a :class:`~ds_lowcomm.settings.ConfigError`, before any exchange: the distributed
+optimizer, Megatron FSDP, virtual pipeline stages (several model chunks), context parallelism > 1,
+expert-parallel parameters, ``calculate_per_token_loss``, fp16 with demo or mtdao (a dynamic loss
+scale would enter DeMo's momenta; an overflow skips the step on one replica only: use bf16), the
+mpi transport, and a ``replica_size`` other than 1 or the model-parallel size.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ds_lowcomm.comm import Transport, assert_same_across_ranks, build_transport
+from ds_lowcomm.optim.demo import DeMo, sign_step_
+from ds_lowcomm.optim.mtdao import MTDAO
+from ds_lowcomm.optim.registry import LowcommConfig, build_optimizer
+from ds_lowcomm.settings import ConfigError
+
+from .grad_sync import DeMoExchange, DenseMean, install_grad_sync, switch_off_grad_sync
+from .outer import OUTER_METHODS, OuterLoopOptimizer, _MegatronInner
+from .wrapper import MegatronLowcomm, chained
+
+GRAD_SYNC_METHODS = ("adamw", "demo")  # replace the bucket-level gradient all-reduce
+
+
+class SignDescent(torch.optim.Optimizer):
+    """DeMo's update as Megatron's inner optimizer: the gradient it is given is already the
+    exchanged mean of the momenta's components (grad_sync.DeMoExchange). Takes Megatron's
+    param_group dicts as they are, so Megatron's scheduler keeps setting their lr."""
+
+    def __init__(self, param_groups: list[dict]):
+        super().__init__(param_groups, {"lr": 0.0, "weight_decay": 0.0})
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        for group in self.param_groups:
+            for p in group["params"]:
+                if p.grad is not None:
+                    sign_step_(p, p.grad, group["lr"], group["weight_decay"])
+
+
+class PerStepOptimizer(MegatronLowcomm):
+    """Megatron's optimizer with a per-step method in it (adamw, demo, mtdao); ``step()`` is
+    Megatron's, closing a ledger step. ``demo`` holds DeMo's momenta (its exchange runs in the
+    gradient sync)."""
+
+    def __init__(self, optimizer, config: LowcommConfig, transport: Transport, demo: DeMo | None = None):
+        super().__init__(optimizer)
+        self.method = config.method
+        self.config = config
+        self.transport = transport
+        self.demo = demo
+
+    def step(self, *args, **kwargs):
+        result = self.optimizer.step()
+        self.ledger.end_step()
+        return result
+
+    @property
+    def ledger(self):
+        return self.transport.ledger
+
+    def state_dict(self) -> dict:
+        """Megatron's optimizer's state (with MT-DAO's moments, where it is the inner optimizer)
+        and the method's: its settings, its ledger, DeMo's momenta."""
+        lowcomm: dict[str, Any] = {"settings": self.config.effective(), "ledger": self.ledger.state_dict()}
+        if self.demo is not None:
+            lowcomm["demo"] = self.demo.state_dict()
+        return {"optimizer": self.optimizer.state_dict(), "lowcomm": lowcomm}
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        saved, mine = state_dict["lowcomm"]["settings"], self.config.effective()
+        if saved != mine:
+            diffs = [k for k in sorted(set(saved) | set(mine)) if saved.get(k) != mine.get(k)]
+            raise ValueError("checkpoint was saved with other lowcomm settings: "
+                             + "; ".join(f"{k}: saved {saved.get(k)!r}, now {mine.get(k)!r}" for k in diffs))
+        self.optimizer.load_state_dict(state_dict["optimizer"])
+        if self.demo is not None:
+            self.demo.load_state_dict(state_dict["lowcomm"]["demo"])
+        self.ledger.load_state_dict(state_dict["lowcomm"]["ledger"])
+
+
+def _is_megatron_optimizer(optimizer) -> bool:
+    return all(hasattr(opt, "optimizer") and hasattr(opt, "config") for opt in chained(optimizer))
+
+
+def _check_supported(model_chunks, optimizer, cfg: LowcommConfig) -> None:
+    from megatron.core import parallel_state as ps
+    from megatron.core.distributed import DistributedDataParallel
+
+    if cfg.comm.transport != "torch":
+        raise ConfigError("lowcomm.transport must be torch with Megatron-Core (the data-parallel group's "
+                          f"collectives); got {cfg.comm.transport!r}")
+    mp_size = ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
+    if cfg.comm.replica_size not in (1, mp_size):
+        raise ConfigError(f"lowcomm.replica_size must be 1 (or {mp_size}, the model-parallel size) with "
+                          "Megatron-Core: a replica is one model-parallel group; "
+                          f"got {cfg.comm.replica_size!r}")
+    if ps.get_context_parallel_world_size() != 1:
+        raise ConfigError("Megatron-Core with context parallelism > 1 is not supported by ds_lowcomm yet")
+    if len(model_chunks) != 1:
+        raise ConfigError(f"Megatron-Core with virtual pipeline stages ({len(model_chunks)} model chunks) is not "
+                          "supported by ds_lowcomm yet: leave --num-layers-per-virtual-pipeline-stage unset")
+    for chunk in model_chunks:
+        if hasattr(chunk, "ddp_config") and not isinstance(chunk, DistributedDataParallel):
+            raise ConfigError(f"{type(chunk).__name__} (Megatron FSDP or another data-parallel wrapper) is not "
+                              "supported by ds_lowcomm yet: use megatron.core.distributed.DistributedDataParallel")
+        if cfg.method in GRAD_SYNC_METHODS and not isinstance(chunk, DistributedDataParallel):
+            raise ConfigError(f"lowcomm.method {cfg.method!r} replaces Megatron DDP's gradient sync: wrap the model "
+                              "in megatron.core.distributed.DistributedDataParallel")
+        ddp_config = getattr(chunk, "ddp_config", None)
+        if ddp_config is not None and getattr(ddp_config, "use_distributed_optimizer", False):
+            raise ConfigError("Megatron's distributed optimizer is not supported by ds_lowcomm yet: "
+                              "build the model with use_distributed_optimizer=False (--use-distributed-optimizer off)")
+        if getattr(getattr(chunk, "config", None), "calculate_per_token_loss", False):
+            raise ConfigError("calculate_per_token_loss is not supported by ds_lowcomm yet (gradients are summed, "
+                              "not averaged, across data-parallel ranks): leave it off")
+        for name, p in chunk.named_parameters():
+            if p.requires_grad and not getattr(p, "allreduce", True):
+                raise ConfigError(f"expert-parallel parameter {name} is not supported by ds_lowcomm yet")
+    for opt in chained(optimizer):
+        if type(opt).__name__ == "DistributedOptimizer":
+            raise ConfigError("Megatron's DistributedOptimizer is not supported by ds_lowcomm yet")
+        if cfg.method in ("demo", "mtdao") and getattr(getattr(opt, "config", None), "fp16", False):
+            raise ConfigError(f"lowcomm.method {cfg.method!r} with fp16 is not supported: a dynamic loss scale "
+                              "would enter the method's state and an overflow skips a step on one replica only; "
+                              "use bf16")
+    if cfg.method in ("demo", "mtdao") and not _is_megatron_optimizer(optimizer):
+        raise ConfigError(f"lowcomm.method {cfg.method!r} replaces the Adam inside Megatron's optimizer: pass "
+                          "the optimizer get_megatron_optimizer built")
+
+
+def _groups_by_model_param(optimizer) -> dict[int, dict]:
+    """id(model parameter) -> the param group (lr, weight_decay) Megatron's optimizer steps it in
+    (through its fp32 main copy under mixed precision)."""
+    out: dict[int, dict] = {}
+    for opt in chained(optimizer):
+        model_groups = getattr(opt, "float16_groups", None)
+        for i, group in enumerate(opt.optimizer.param_groups):
+            for p in group["params"] + (list(model_groups[i]) if model_groups else []):
+                out[id(p)] = group
+    return out
+
+
+def _replace_inner(optimizer, build) -> None:
+    """Put ``build(param_groups)`` in place of the torch optimizer inside each of Megatron's."""
+    for opt in chained(optimizer):
+        opt.optimizer = build(opt.optimizer.param_groups)
+
+
+def _mark_main_params_trainable(optimizer) -> None:
+    """Megatron's fp32 main copies of bf16/fp16 parameters are made with ``detach()``, so they
+    have ``requires_grad=False``; ds_lowcomm's optimizers leave such tensors out (frozen). Every
+    tensor in Megatron's param groups is trainable (Megatron leaves frozen ones out of them)."""
+    for opt in chained(optimizer):
+        for group in getattr(opt, "optimizer", opt).param_groups:
+            for p in group["params"]:
+                if not p.requires_grad:
+                    p.requires_grad_(True)
+
+
+def _model_params(model_chunks) -> list[torch.Tensor]:
+    return [p for chunk in model_chunks for p in chunk.parameters() if p.requires_grad and p.numel()]
+
+
+def apply(model_chunks, optimizer, config: LowcommConfig | dict | None) -> MegatronLowcomm:
+    """Install ``config.method`` (see the module docstring) into ``model_chunks`` (Megatron DDP
+    chunks; a plain module for the outer-loop methods) and ``optimizer`` (Megatron's, from
+    ``get_megatron_optimizer``; a torch one for the outer-loop methods). Call after
+    ``initialize_model_parallel`` and after building both; use the returned object in place of
+    ``optimizer`` (its ``step()``, ``zero_grad()``, ``param_groups``, ``state_dict()``).
+    ``config``: a :class:`LowcommConfig` or a flat "lowcomm" section. The learning rate stays
+    Megatron's (and its scheduler's). Every rank must start from the same parameters (checked)."""
+    from megatron.core import parallel_state as ps
+
+    if not isinstance(config, LowcommConfig):
+        config = LowcommConfig.from_dict(config, where="lowcomm")
+    config.validate()
+    if isinstance(model_chunks, torch.nn.Module):
+        model_chunks = [model_chunks]
+    _check_supported(model_chunks, optimizer, config)
+    transport = build_transport("torch", group=ps.get_data_parallel_group())
+    _mark_main_params_trainable(optimizer)
+
+    if config.method in OUTER_METHODS:
+        switch_off_grad_sync(model_chunks)
+        inner = None if isinstance(optimizer, torch.optim.Optimizer) else _MegatronInner(optimizer)
+        # lr: only the default inner AdamW's, which inner_factory replaces (a scheduler may hold 0 now).
+        outer = build_optimizer(config, [], lr=1.0, transport=transport,
+                                inner_factory=lambda _params: inner if inner is not None else optimizer)
+        return OuterLoopOptimizer(optimizer, outer, inner)
+
+    if config.method == "adamw":
+        assert_same_across_ranks(transport, {"method": "adamw", "world_size": transport.world_size},
+                                 _model_params(model_chunks))
+        install_grad_sync(model_chunks, DenseMean(transport))
+        return PerStepOptimizer(optimizer, config, transport)
+
+    if config.method == "demo":
+        groups = _groups_by_model_param(optimizer)
+        demo = DeMo(_model_params(model_chunks), lr=1.0, settings=config.settings, transport=transport,
+                    ledger_steps=False)  # its momenta and exchange; lr per step from Megatron's groups
+        install_grad_sync(model_chunks, DeMoExchange(demo, lambda p: groups[id(p)]["lr"]))
+        _replace_inner(optimizer, SignDescent)
+        return PerStepOptimizer(optimizer, config, transport, demo=demo)
+
+    assert config.method == "mtdao", config.method
+    switch_off_grad_sync(model_chunks)
+
+    def mtdao(groups):
+        # lr, weight decay and eps stay in Megatron's group dicts (its scheduler sets them); the
+        # arguments here are only defaults for keys a group lacks. beta2 is Megatron's Adam's.
+        adam = groups[0]
+        return MTDAO(groups, lr=1.0, beta2=adam.get("betas", (0.9, 0.999))[1], eps=adam.get("eps", 1e-8),
+                     settings=config.settings, transport=transport, ledger_steps=False)
+
+    _replace_inner(optimizer, mtdao)
+    return PerStepOptimizer(optimizer, config, transport)
+
+
+__all__ = ["apply", "GRAD_SYNC_METHODS", "PerStepOptimizer", "SignDescent"]
