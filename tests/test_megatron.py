@@ -18,70 +18,7 @@ from ds_lowcomm.settings import ConfigError  # noqa: E402
 from ds_lowcomm.workers import run_local_workers  # noqa: E402
 from megatron_patches.args import add_lowcomm_args, lowcomm_config  # noqa: E402
 
-VOCAB, SEQ, BATCH = 32, 16, 4
-
-
-def _batch(gen):
-    """Sequences counting up mod VOCAB from a random start: learnable in a few steps."""
-    start = torch.randint(0, VOCAB, (BATCH, 1), generator=gen)
-    tokens = (start + torch.arange(SEQ + 1)) % VOCAB
-    return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def _train(rank, lowcomm, steps, lr, on_inner_step=None):
-    """A tiny GPTModel under Megatron DDP + Megatron's Adam with ds_lowcomm's outer loop, stepped
-    by Megatron's own forward_backward_func and finalize_model_grads; per-step losses."""
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.models.gpt.gpt_model import GPTModel
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from megatron_patches import apply
-
-    torch.manual_seed(1234)  # the same initial parameters in both replicas
-    config = TransformerConfig(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True,
-                               params_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0)
-    model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
-                     max_sequence_length=SEQ)
-    model = DistributedDataParallel(config, DistributedDataParallelConfig(), model)
-    config.finalize_model_grads_func = finalize_model_grads  # as Megatron-LM's training loop sets it
-    megatron_opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=lr, clip_grad=0.0), [model])
-    opt = apply([model], megatron_opt, lowcomm)
-    if on_inner_step is not None:  # observe the parameters right after Megatron's own step
-        megatron_step = megatron_opt.step
-
-        def step():
-            out = megatron_step()
-            on_inner_step([p.detach().clone() for p in model.parameters()])
-            return out
-        megatron_opt.step = step
-
-    gen = torch.Generator().manual_seed(100 + rank)  # each replica its own data
-    positions = torch.arange(SEQ).expand(BATCH, SEQ)
-
-    def forward_step(data_iterator, model):
-        tokens, labels = next(data_iterator)
-        out = model(tokens, positions, None, labels=labels)
-
-        def loss_func(per_token):
-            loss = per_token.float().mean()
-            return loss, {"lm loss": loss.detach().clone()}  # Megatron divides loss in place
-        return out, loss_func
-
-    forward_backward = get_forward_backward_func()
-    losses = []
-    for _ in range(steps):
-        model.zero_grad_buffer()
-        opt.zero_grad()
-        out = forward_backward(forward_step_func=forward_step, data_iterator=iter([_batch(gen)]), model=[model],
-                               num_microbatches=1, seq_length=SEQ, micro_batch_size=BATCH)
-        losses.append(float(out[0]["lm loss"]))
-        ok, _, _ = opt.step()
-        assert ok
-    return model, opt, losses
+from tests.megatron_train import train  # noqa: E402
 
 
 def _worker(rank, world):
@@ -98,8 +35,8 @@ def _worker(rank, world):
     # (a) DiLoCo, H = 2, outer lr 1, no momentum: the sync sets both replicas to the mean of what
     # each held after its second inner step; before it they differ (no gradient all-reduce).
     seen = []
-    model, opt, _ = _train(rank, {"method": "diloco", "sync_every": 2, "outer_lr": 1.0, "outer_momentum": 0.0},
-                           steps=2, lr=1e-2, on_inner_step=seen.append)
+    model, opt, _, _ = train({"method": "diloco", "sync_every": 2, "outer_lr": 1.0, "outer_momentum": 0.0},
+                             steps=2, on_inner_step=seen.append)
     out["diloco_inner"] = seen
     out["diloco_final"] = [p.detach().clone() for p in model.parameters()]
     out["diloco_outer_steps"] = opt.outer.outer_steps
@@ -109,8 +46,7 @@ def _worker(rank, world):
     out["diloco_state_keys"] = sorted(opt.state_dict()["lowcomm"])
 
     # (b) SparseLoCo learns over 10 steps with 2 compressed syncs.
-    _, opt, losses = _train(rank, {"method": "sparseloco", "sync_every": 5, "topk": 16, "chunk": 16},
-                            steps=10, lr=1e-2)
+    _, opt, losses, _ = train({"method": "sparseloco", "sync_every": 5, "topk": 16, "chunk": 16}, steps=10)
     out["sparseloco_losses"] = losses
     out["sparseloco_outer_steps"] = opt.outer.outer_steps
     ps.destroy_model_parallel()
