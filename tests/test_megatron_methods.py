@@ -30,6 +30,7 @@ ROOT = Path(__file__).resolve().parents[1]
 DEMO = {"method": "demo", "topk": 8, "chunk": 16, "decay": 0.9, "value_dtype": "int8"}
 MTDAO = {"method": "mtdao", "sync_every": 2}
 DCT_DILOCO = {"method": "dct_diloco", "sync_every": 3, "topk": 32, "chunk": 16}
+STREAMING = {"method": "diloco", "sync_every": 4, "fragments": 2, "sync_delay": 1}
 
 
 def _init(tp, pp):
@@ -66,6 +67,8 @@ def _layout_worker(rank, world, tp, pp):
         _, opt, out["mtdao"], out["mtdao_digests"] = train(MTDAO, 6)
         out["mtdao_bytes"] = _bytes(opt)
         _, opt, out["dct_diloco"], out["dct_diloco_digests"] = train(DCT_DILOCO, 6)
+        _, opt, out["streaming"], _ = train(STREAMING, 8)
+        out["streaming_bytes"] = _bytes(opt)
         out["deepspeed_bytes"] = {m: _deepspeed_bytes(cfg) for m, cfg in (("adamw", {"method": "adamw"}),
                                                                            ("demo", DEMO))}
     ps.destroy_model_parallel()
@@ -171,7 +174,7 @@ def test_bytes_equal_the_deepspeed_path(layout):
         assert r["deepspeed_bytes"]["demo"] == r["demo_bytes"][:1]
 
 
-def test_mtdao_and_dct_diloco(layout):
+def test_mtdao_dct_diloco_and_streaming_diloco(layout):
     (tp, pp), results = layout
     if (tp, pp) != (1, 1):
         pytest.skip("the outer methods' layouts are covered at TP 1, PP 1 and by test_megatron.py")
@@ -184,6 +187,10 @@ def test_mtdao_and_dct_diloco(layout):
         assert r0[key][-1] < r0[key][0], r0[key]
     # MT-DAO averages parameters + first moment + second moment every 2 steps: 3 fp32 copies.
     assert r0["mtdao_bytes"] == [0, 12 * r0["numel"]] * 3
+    # Streaming DiLoCo, 2 fragments, H = 4: one fragment on the wire every 2 steps, both make the model.
+    sent = r0["streaming_bytes"]
+    assert [b > 0 for b in sent] == [False, True] * 4 and sent[1] + sent[3] == 4 * r0["numel"], sent
+    assert r0["streaming"][-1] < r0["streaming"][0]
 
 
 def _refusal_worker(rank, world):

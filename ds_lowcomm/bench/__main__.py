@@ -6,7 +6,8 @@ import importlib
 import sys
 
 # name -> module of ds_lowcomm.bench with a main(argv) that writes CSV + PNG under --out
-BENCHMARKS = {name: name for name in ("network", "peers", "codec", "scaling", "vision", "streaming", "hetero")}
+BENCHMARKS = {name: name for name in ("network", "peers", "codec", "scaling", "vision", "streaming", "hetero",
+                                      "megatron")}
 
 
 def main() -> None:
