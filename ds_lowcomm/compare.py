@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from .comm.ledger import SETUP_OP
 from .config import METHODS, ConfigError
 from .task.spec import TrainSpec
 from .task.train import train_worker
@@ -46,6 +47,7 @@ RECIPES: dict[str, dict] = {
 RESULT_COLUMNS = [
     "method", "workers", "steps", "final_train_loss", "final_val_loss", "bytes_sent_per_worker",
     "bytes_received_per_worker", "compression_vs_adamw", "compression_vs_diloco", "wall_s", "codec_share",
+    "synced", "replicas_identical",
 ]
 
 
@@ -99,8 +101,7 @@ def run_compare(args) -> list[dict]:
     if not methods:
         raise ConfigError(f"--methods must name at least one of {', '.join(METHODS)}; got {args.methods!r}")
     specs = build_specs(methods, TrainSpec.from_args(args), load_overrides(args.config), args.workers)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    out = writable_dir(args.out)
     rows = []
     for spec in specs:
         start = time.perf_counter()
@@ -128,15 +129,33 @@ def run_compare(args) -> list[dict]:
             "num_params": r0["num_params"],
             "history": r0["history"],
             "ledger": r0["ledger"],
+            # Did the method exchange anything beyond the start-up checks (an outer method with
+            # sync_every > steps never does: its bytes are not a compression ratio)?
+            "synced": all(any(op != SETUP_OP and v["sent"] for op, v in r["ledger"]["by_op"].items())
+                          for r in per_rank),
         })
     for baseline in ("adamw", "diloco"):
-        base = next((r["bytes_sent_per_worker"] for r in rows if r["method"] == baseline), None)
+        base = next((r["bytes_sent_per_worker"] for r in rows if r["method"] == baseline and r["synced"]), None)
         for r in rows:
             sent = r["bytes_sent_per_worker"]
-            r[f"compression_vs_{baseline}"] = base / sent if base and sent else float("nan")
+            ok = r["synced"] and base and sent
+            r[f"compression_vs_{baseline}"] = base / sent if ok else float("nan")
     write_outputs(out, rows)
     print_table(rows)
     return rows
+
+
+def writable_dir(path: str) -> Path:
+    """``--out``, created and checked writable before any worker starts."""
+    out = Path(path)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        probe = out / ".ds_lowcomm_write_test"
+        probe.write_text("")
+        probe.unlink()
+    except OSError as err:
+        raise ConfigError(f"--out {path}: cannot write results there ({err.strerror or err})") from None
+    return out
 
 
 def write_outputs(out: Path, rows: list[dict]) -> None:
@@ -195,7 +214,19 @@ def print_table(rows: list[dict]) -> None:
             f"{'wall s':>9}{'codec %':>9}")
     print(head)
     print("-" * len(head))
+
+    def ratio(x: float, width: int) -> str:
+        return f"{x:>{width - 1}.1f}x" if x == x else f"{'n/a':>{width}}"  # NaN: no ratio
+
     for r in rows:
         print(f"{r['method']:<12}{r['final_val_loss']:>10.4f}{r['final_train_loss']:>12.4f}"
-              f"{r['bytes_sent_per_worker'] / 1e6:>16.3f}{r['compression_vs_adamw']:>9.1f}x{r['compression_vs_diloco']:>10.1f}x"
+              f"{r['bytes_sent_per_worker'] / 1e6:>16.3f}{ratio(r['compression_vs_adamw'], 10)}"
+              f"{ratio(r['compression_vs_diloco'], 11)}"
               f"{r['wall_s']:>9.1f}{100 * r['codec_share']:>8.1f}%")
+    for r in rows:
+        if not r["synced"]:
+            print(f"{r['method']}: no sync ran in {r['steps']} steps (its bytes are start-up checks only): "
+                  "no compression ratio; use more --steps or a smaller sync_every")
+        if not r["replicas_identical"]:
+            print(f"{r['method']}: the replicas' parameters differ at the end (no sync since their last local "
+                  "steps); the held-out loss is rank 0's")

@@ -44,3 +44,19 @@ def _write_overrides(path):
     path.write_text('{"diloco": {"lowcomm": {"sync_every": 3}}, "dct_diloco": {"lowcomm": {"sync_every": 3}}, '
                     '"sparseloco": {"lowcomm": {"sync_every": 3}}, "mtdao": {"lowcomm": {"sync_every": 3}}}')
     return True
+
+
+def test_compare_reports_no_ratio_when_no_sync_ran_and_refuses_unwritable_out(tmp_path):
+    """Issue 15, item 5: 7 steps of a method that syncs every 20 showed 615-681x 'compression';
+    an unwritable --out gave a traceback after the runs."""
+    args = [sys.executable, "-m", "ds_lowcomm.cli", "compare", "--methods", "diloco", "--workers", "2", "--steps", "2",
+            "--batch", "4", "--seq-len", "32", "--n-layer", "1", "--n-embd", "32", "--eval-every", "2"]
+    blocked = tmp_path / "file"
+    blocked.write_text("")
+    proc = subprocess.run([*args, "--out", str(blocked / "run")], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "--out" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr
+    proc = subprocess.run([*args, "--out", str(tmp_path / "run")], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "diloco: no sync ran in 2 steps" in proc.stdout
+    row = next(csv.DictReader(open(tmp_path / "run" / "results.csv")))
+    assert row["synced"] == "False" and row["compression_vs_diloco"] == "nan"
