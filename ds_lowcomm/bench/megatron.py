@@ -3,7 +3,7 @@ Megatron data-parallel training, on the same GPTModel, data and iterations.
 
 Runs ``launch/pretrain_gpt.py`` under torchrun (2 replicas; ``--tp 2`` for 4 processes) once
 without ``--lowcomm-*`` (stock Megatron DDP: its gradient all-reduce) and once per method with
-the method's defaults. Bytes are the method's, per worker, counted where they are sent (the
+the method's reference recipe (``configs/<method>.json``). Bytes are the method's, per worker, counted where they are sent (the
 ledger); stock Megatron's are those of ``adamw``, which replaces DDP's all-reduce with the same
 dense mean and gives the same losses bit for bit (tests/test_megatron_methods.py). Reports bytes
 per step, the ratio to stock, the held-out loss and wall time.
@@ -21,15 +21,10 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-ENTRIES = {  # name -> --lowcomm-* arguments (the methods' own defaults otherwise)
-    "stock": [],
-    "adamw": ["--lowcomm-method", "adamw"],
-    "demo": ["--lowcomm-method", "demo"],
-    "mtdao": ["--lowcomm-method", "mtdao"],
-    "diloco": ["--lowcomm-method", "diloco"],
-    "dct_diloco": ["--lowcomm-method", "dct_diloco"],
-    "sparseloco": ["--lowcomm-method", "sparseloco"],
-}
+# name -> --lowcomm-* arguments: each method's reference recipe (configs/<method>.json, the
+# settings ``ds-lowcomm compare`` uses), so outer methods sync every 20 steps as there.
+ENTRIES = {"stock": [], **{m: ["--lowcomm-config", str(ROOT / "configs" / f"{m}.json")]
+                           for m in ("adamw", "demo", "mtdao", "diloco", "dct_diloco", "sparseloco")}}
 COLUMNS = ["tp", "entry", "iters", "bytes_per_step_per_worker", "x_fewer_than_stock", "val_loss", "wall_s"]
 
 
@@ -49,7 +44,7 @@ def run_entry(name: str, tp: int, iters: int, extra: list[str]) -> dict:
 
 def main(argv: list[str] | None = None) -> list[dict]:
     p = argparse.ArgumentParser(prog="python -m ds_lowcomm.bench megatron", description=__doc__.split("\n\n")[0])
-    p.add_argument("--iters", type=int, default=100)
+    p.add_argument("--iters", type=int, default=200)
     p.add_argument("--tp", type=int, nargs="+", default=[1, 2])
     p.add_argument("--entries", nargs="+", default=list(ENTRIES), choices=list(ENTRIES))
     p.add_argument("--out", default="runs/bench/megatron")
