@@ -17,9 +17,9 @@ from ds_lowcomm.codec import (
     dct_decode,
     dct_encode,
     index_bits,
-    pack_2bit,
+    pack_codes,
     pack_indices,
-    unpack_2bit,
+    unpack_codes,
     unpack_indices,
     pack_uint,
     topk_count,
@@ -146,12 +146,28 @@ def test_12bit_layout_is_the_documented_one():
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.integers(0, 3), min_size=1, max_size=33))
-def test_2bit_code_packing_round_trip(codes):
-    c = torch.tensor(codes)
-    packed = pack_2bit(c)
-    assert packed.numel() == (len(codes) + 3) // 4
-    assert torch.equal(unpack_2bit(packed, len(codes)), c)
+@given(st.lists(st.integers(0, 3), min_size=1, max_size=33), st.sampled_from([1, 2]))
+def test_code_packing_round_trip(codes, width):
+    c = torch.tensor(codes) % (1 << width)
+    packed = pack_codes(c, width)
+    assert packed.numel() == (len(codes) * width + 7) // 8
+    assert torch.equal(unpack_codes(packed, len(codes), width), c)
+
+
+def test_1bit_layout_is_the_documented_one():
+    assert pack_codes(torch.tensor([1, 0, 0, 1, 0, 0, 0, 0, 1]), 1).tolist() == [0b1001, 1]
+
+
+def test_sign_values_against_their_definition():
+    """One sign bit per value (the first in the lowest bit) after one fp32 scale, the mean |v|."""
+    torch.manual_seed(4)
+    x = torch.randn(2, 37)
+    fmt = ValueFormat("sign")
+    data, sent = fmt.pack(x)
+    assert data.numel() == fmt.nbytes(x.numel()) == 4 + (x.numel() + 7) // 8
+    scale = x.double().abs().mean().item()
+    np.testing.assert_allclose(sent.numpy(), np.where(x.numpy() < 0, -scale, scale), rtol=1e-6)
+    assert torch.equal(fmt.unpack(data, x.numel()), sent.reshape(-1))  # receivers decode the same bits
 
 
 def test_2bit_quantiser_against_its_definition():
@@ -171,7 +187,7 @@ def test_2bit_quantiser_against_its_definition():
     assert len(set(sent.tolist())) == 4
 
 
-@pytest.mark.parametrize("value_dtype", ["fp32", "bf16", "fp16", "int8", "2bit"])
+@pytest.mark.parametrize("value_dtype", ["fp32", "bf16", "fp16", "int8", "2bit", "sign"])
 def test_wire_round_trip_is_exact_for_every_value_dtype(value_dtype):
     torch.manual_seed(0)
     x = torch.randn(96, 64)
@@ -181,7 +197,7 @@ def test_wire_round_trip_is_exact_for_every_value_dtype(value_dtype):
     decoded = spec.decompress_mean(payload[None])
     # The receiver reconstructs bit for bit what the sender says it sent (error feedback relies on it).
     assert torch.equal(decoded, sent)
-    tol = {"fp32": 1e-6, "bf16": 2e-2, "fp16": 2e-3, "int8": 5e-2, "2bit": 0.5}[value_dtype]
+    tol = {"fp32": 1e-6, "bf16": 2e-2, "fp16": 2e-3, "int8": 5e-2, "2bit": 0.5, "sign": 1.0}[value_dtype]
     best = dct_decode(_keep_topk(dct_encode(x, spec.plan), spec.k), spec.plan)
     assert (decoded - best).abs().max() < tol * x.abs().max()
 
@@ -218,7 +234,7 @@ def test_blocks_are_row_major():
     assert blocks[1].tolist() == [[2.0, 3.0], [6.0, 7.0]]
 
 
-@pytest.mark.parametrize("value_dtype", ["fp32", "fp16", "int8", "2bit"])
+@pytest.mark.parametrize("value_dtype", ["fp32", "fp16", "int8", "2bit", "sign"])
 def test_single_rank_decode_of_an_unaligned_slice(value_dtype):
     """A world of one: the row is a slice at an odd offset of the flat payload (no copy is made
     by slicing one row), and decoding must still work."""

@@ -29,6 +29,7 @@ def _jobs(world):
         jobs += [("sync_diloco", _sync_schedule_worker, ("diloco",)),
                  ("sync_dct_diloco", _sync_schedule_worker, ("dct_diloco",)),
                  ("dct_lossless", _dct_lossless_worker, ()), ("bf16_state", _bf16_state_worker, ()),
+                 ("demo_sign", _demo_sign_worker, ()),
                  ("zero_first", _zero_first_gradients_worker, ())]  # last: it builds groups of its own
     return jobs
 
@@ -65,6 +66,41 @@ def _demo_worker(rank, world, steps):
     return {"initial": initial, "grads": grads, "final": [p.detach().clone() for p in model.parameters()],
             "digest": params_digest(model), "by_op": opt.ledger.summary()["by_op"], "steps": opt.ledger.steps,
             "payload": opt._sync_for(list(model.parameters()), "sparse_all_gather").payload_bytes}
+
+
+def _demo_sign_worker(rank, world):
+    """DeMo with 1-bit sign values: error feedback removes exactly what the receivers decode."""
+    from ds_lowcomm.codec import SparseSpec
+
+    model = tiny_model()
+    opt = DeMo(model.parameters(), **{**DEMO, "value_dtype": "sign"})
+    sync = None
+    fed_back = []
+    for s in range(4):
+        tiny_loss(model, rank, s).backward()
+        before = {p: opt.state[p]["momentum"].clone() * DEMO["decay"] + DEMO["lr"] * p.grad
+                  if "momentum" in opt.state[p] else DEMO["lr"] * p.grad for p in model.parameters()}
+        opt.step()
+        opt.zero_grad()
+        for p in model.parameters():  # what left the momentum = what a receiver decodes from its payload
+            spec = SparseSpec.build(p.shape, chunk=DEMO["chunk"], topk=DEMO["topk"], value_dtype="sign")
+            payload, sent = spec.compress(before[p])
+            fed_back.append(bool(torch.equal(spec.decompress_mean(payload[None]), sent))
+                            and torch.allclose(before[p] - sent, opt.state[p]["momentum"], atol=1e-7))
+        sync = opt._sync_for(list(model.parameters()), "sparse_all_gather")
+    specs = [SparseSpec.build(p.shape, chunk=DEMO["chunk"], topk=DEMO["topk"], value_dtype="sign")
+             for p in model.parameters()]
+    expected = sum(spec.index_bytes + 4 + (spec.count + 7) // 8 for spec in specs)
+    return {"digest": params_digest(model), "fed_back": fed_back, "payload": sync.payload_bytes,
+            "expected_payload": expected}
+
+
+def test_demo_with_sign_values(launches):
+    results = launches(2, "demo_sign")
+    assert len({r["digest"] for r in results}) == 1  # bit-identical replicas
+    for r in results:
+        assert all(r["fed_back"])
+        assert r["payload"] == r["expected_payload"]
 
 
 def _block_dct(x, plan, inverse=False):

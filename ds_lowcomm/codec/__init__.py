@@ -19,12 +19,12 @@ from .sparse import (
     SparseSpec,
     ValueFormat,
     index_bits,
-    pack_2bit,
+    pack_codes,
     pack_indices,
     pack_uint,
     packed_nbytes,
     topk_count,
-    unpack_2bit,
+    unpack_codes,
     unpack_indices,
     unpack_uint,
 )
@@ -34,6 +34,6 @@ __all__ = [
     "make_activation_codec",
     "AVERAGES", "CodecSettings", "FLOAT_DTYPES", "TRANSFORMS", "VALUE_DTYPES", "ChunkPlan", "SparseSpec", "ValueFormat",
     "dct_basis", "dct_decode", "dct_encode", "index_bits", "largest_divisor_at_most",
-    "pack_2bit", "pack_indices", "pack_uint", "packed_nbytes", "topk_count", "unpack_2bit", "unpack_indices",
+    "pack_codes", "pack_indices", "pack_uint", "packed_nbytes", "topk_count", "unpack_codes", "unpack_indices",
     "unpack_uint",
 ]

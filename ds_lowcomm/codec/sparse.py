@@ -21,7 +21,7 @@ from .dct import ChunkPlan, dct_decode, dct_encode, identity_decode, identity_en
 if sys.byteorder != "little":  # the index packing reinterprets int32 bytes
     raise ImportError("ds_lowcomm's wire format assumes a little-endian host")
 
-VALUE_DTYPES = ("fp32", "bf16", "fp16", "int8", "2bit")
+VALUE_DTYPES = ("fp32", "bf16", "fp16", "int8", "2bit", "sign")
 TRANSFORMS = ("dct", "none")
 AVERAGES = ("senders", "world")
 
@@ -90,20 +90,25 @@ def unpack_indices(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     return torch.stack([a, b], dim=-1).reshape(*data.shape[:-1], -1)[..., :count]
 
 
-def pack_2bit(codes: torch.Tensor) -> torch.Tensor:
-    """Codes in 0..3 -> flat uint8, four per byte, the first in the lowest bits."""
+def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
+    """Codes in 0..2**width-1 (width 1 or 2) -> flat uint8, 8 // width per byte, the first in
+    the lowest bits."""
+    per_byte = 8 // width
     flat = codes.reshape(-1).to(torch.uint8)
-    pad = (-flat.numel()) % 4
+    pad = (-flat.numel()) % per_byte
     if pad:
         flat = torch.cat([flat, flat.new_zeros(pad)])
-    q = flat.reshape(-1, 4)
-    return q[:, 0] | (q[:, 1] << 2) | (q[:, 2] << 4) | (q[:, 3] << 6)
+    q = flat.reshape(-1, per_byte)
+    out = q[:, 0].clone()
+    for j in range(1, per_byte):
+        out |= q[:, j] << (j * width)
+    return out
 
 
-def unpack_2bit(data: torch.Tensor, count: int) -> torch.Tensor:
-    """Inverse of :func:`pack_2bit` over the last dimension: (..., nbytes) uint8 -> (..., count) int64."""
-    shifts = torch.tensor([0, 2, 4, 6], dtype=torch.uint8, device=data.device)
-    codes = (data.unsqueeze(-1) >> shifts) & 3
+def unpack_codes(data: torch.Tensor, count: int, width: int) -> torch.Tensor:
+    """Inverse of :func:`pack_codes` over the last dimension: (..., nbytes) uint8 -> (..., count) int64."""
+    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=data.device)
+    codes = (data.unsqueeze(-1) >> shifts) & ((1 << width) - 1)
     return codes.reshape(*data.shape[:-1], -1)[..., :count].to(torch.int64)
 
 
@@ -114,7 +119,9 @@ TWO_BIT_SIGMAS = 3.0
 
 
 class ValueFormat:
-    """How kept coefficient values travel: a float dtype, or 8-bit min/max codes."""
+    """How kept coefficient values travel: a float dtype; 8-bit min/max codes (int8); 2-bit
+    codes with a per-tensor lookup (2bit); or one sign bit each with one per-tensor scale, the
+    mean magnitude of the kept values (sign: what DeMo steps along, about 1 bit a value)."""
 
     def __init__(self, name: str):
         if name not in VALUE_DTYPES:
@@ -126,6 +133,8 @@ class ValueFormat:
             return count + 8
         if self.name == "2bit":
             return 4 * TWO_BIT_BINS + packed_nbytes(count, 2)
+        if self.name == "sign":
+            return 4 + packed_nbytes(count, 1)
         return count * torch.finfo(FLOAT_DTYPES[self.name]).bits // 8
 
     def pack(self, values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -133,6 +142,11 @@ class ValueFormat:
         flat = values.reshape(-1).float()
         if self.name == "2bit":
             return self._pack_2bit(flat, values.shape)
+        if self.name == "sign":
+            scale = flat.abs().mean().reshape(1)
+            negative = flat < 0
+            sent = torch.where(negative, -scale, scale)
+            return torch.cat([scale.view(torch.uint8), pack_codes(negative, 1)]), sent.view_as(values)
         if self.name != "int8":
             sent = flat.to(FLOAT_DTYPES[self.name])
             return sent.view(torch.uint8), sent.float().view_as(values)
@@ -159,15 +173,19 @@ class ValueFormat:
         counts = torch.stack([m.sum() for m in in_bin]).float()
         centres = lo + (torch.arange(TWO_BIT_BINS, device=flat.device, dtype=torch.float32) + 0.5) * width
         lookup = torch.where(counts > 0, sums / counts.clamp(min=1), centres)  # empty bins are never decoded
-        return torch.cat([lookup.view(torch.uint8), pack_2bit(codes)]), lookup[codes].view(shape)
+        return torch.cat([lookup.view(torch.uint8), pack_codes(codes, 2)]), lookup[codes].view(shape)
 
     def unpack(self, data: torch.Tensor, count: int) -> torch.Tensor:
         """(..., nbytes) uint8 -> (..., count) fp32, vectorised over leading dims (one row per rank)."""
         if self.name == "2bit":
             header = 4 * TWO_BIT_BINS
             lookup = _view(data[..., :header], torch.float32)
-            codes = unpack_2bit(data[..., header:], count)
+            codes = unpack_codes(data[..., header:], count, 2)
             return torch.gather(lookup, -1, codes)
+        if self.name == "sign":
+            scale = _view(data[..., :4], torch.float32)
+            negative = unpack_codes(data[..., 4:], count, 1)
+            return scale * (1.0 - 2.0 * negative.float())
         if self.name != "int8":
             return _view(data, FLOAT_DTYPES[self.name]).float()
         header = _view(data[..., :8], torch.float32)
