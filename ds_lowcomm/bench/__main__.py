@@ -5,9 +5,9 @@ from __future__ import annotations
 import importlib
 import sys
 
-# name -> module of ds_lowcomm.bench with a main(argv) that writes CSV + PNG under --out
+# name -> module of ds_lowcomm.bench with a main(argv) that writes its CSV (most also a PNG) under --out
 BENCHMARKS = {name: name for name in ("network", "peers", "codec", "scaling", "vision", "streaming", "hetero",
-                                      "megatron")}
+                                      "megatron", "demo_sign")}
 
 
 def main() -> None:
