@@ -14,6 +14,9 @@ Checkpoints: ``--save DIR --save-interval N`` writes one file per rank (model, M
 optimizer, the method's state) and then ``DIR/latest_checkpointed_iteration.txt``;
 ``--load DIR`` resumes from it, exactly (megatron_patches/checkpoint.py).
 
+``--lowcomm-activations-forward int8`` (and ``-backward``, ...) codes what crosses the pipeline
+stages (megatron_patches/activations.py).
+
 Without ``--lowcomm-*`` it is plain Megatron data-parallel training (gradient all-reduce).
 On a machine without a GPU it runs on the CPU over gloo (megatron_patches/cpu_shim.py).
 """
@@ -33,7 +36,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from ds_lowcomm.settings import ConfigError  # noqa: E402
-from megatron_patches.args import add_lowcomm_args, lowcomm_config  # noqa: E402  (megatron itself is imported in main)
+from megatron_patches.args import activation_settings, add_lowcomm_args, lowcomm_config  # noqa: E402  (megatron itself is imported in main)
 
 VOCAB = 256  # bytes
 
@@ -71,6 +74,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def main(argv=None) -> dict | None:
     args = parse_args(argv)
     lowcomm = lowcomm_config(args)  # configuration errors before any rank starts work
+    activations = activation_settings(args)
+    if activations is not None and args.pipeline_model_parallel_size < 2:
+        raise ConfigError("--lowcomm-activations-*: codecs between pipeline stages need "
+                          "--pipeline-model-parallel-size > 1")
     if args.save_interval is not None and (args.save is None or args.save_interval < 1):
         raise ConfigError("--save-interval takes a positive number of iterations and needs --save DIR")
     if not torch.cuda.is_available():
@@ -88,6 +95,7 @@ def main(argv=None) -> dict | None:
 
     from ds_lowcomm.task.data import ByteCorpus
     from megatron_patches import apply, checkpoint
+    from megatron_patches.activations import install_activation_compression
 
     gpu = torch.cuda.is_available()
     if gpu:
@@ -132,6 +140,7 @@ def main(argv=None) -> dict | None:
                                        [model])
     if lowcomm is not None:
         optimizer = apply([model], optimizer, lowcomm)
+    activation_ledger = install_activation_compression(activations) if activations is not None else None
     first = 0
     if args.load:
         first = checkpoint.load(args.load, [model], optimizer)
@@ -190,6 +199,8 @@ def main(argv=None) -> dict | None:
             metrics["outer_steps"] = getattr(getattr(optimizer, "outer", None), "outer_steps", None)
             metrics["bytes_sent_per_step"] = [ledger.step_bytes(i)[0] for i in range(ledger.steps)]
         metrics["params_digest"] = checkpoint.params_digest([model])
+        if activation_ledger is not None:  # this rank's sends to the previous stage (it is the last)
+            metrics["activation_bytes_sent"] = activation_ledger.sent
         print(f"validation lm loss {val:.4f}" if val is not None else "done", flush=True)
         if args.metrics_out:
             Path(args.metrics_out).write_text(json.dumps(metrics, indent=1))

@@ -19,11 +19,13 @@ import argparse
 import json
 from typing import Any
 
+from ds_lowcomm.codec.activations import ActivationSettings
 from ds_lowcomm.comm.settings import CommSettings
 from ds_lowcomm.optim.registry import METHOD_CLASSES, METHODS, LowcommConfig, _all_keys
 from ds_lowcomm.settings import ConfigError
 
 PREFIX = "lowcomm_"
+ACTIVATIONS_PREFIX = "lowcomm_activations_"
 
 
 def _defaults_by_key() -> dict[str, list[Any]]:
@@ -81,24 +83,37 @@ def add_lowcomm_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser
             help_ = f"default (by method): {shown}"
         group.add_argument(f"--lowcomm-{key.replace('_', '-')}", dest=PREFIX + key, default=None, type=str,
                            metavar="VALUE", help=help_)
+    for key, value in ActivationSettings().flat().items():  # the "activations" mapping of the section
+        group.add_argument(f"--lowcomm-activations-{key.replace('_', '-')}", dest=ACTIVATIONS_PREFIX + key,
+                           default=None, type=str, metavar="VALUE",
+                           help=f"pipeline activations (lowcomm.activations.{key}); default {value!r}")
     return parser
+
+
+def _config_file_section(args: argparse.Namespace) -> dict[str, Any] | None:
+    """The lowcomm section of ``--lowcomm-config FILE`` (a copy), or None."""
+    path = getattr(args, "lowcomm_config", None)
+    if not path:
+        return None
+    try:
+        with open(path) as f:
+            section = json.load(f)
+    except (OSError, ValueError) as err:
+        raise ConfigError(f"--lowcomm-config {path}: cannot read a JSON lowcomm section: {err}") from None
+    if isinstance(section, dict) and isinstance(section.get("lowcomm"), dict):
+        section = section["lowcomm"]  # a whole config file with a lowcomm section
+    if not isinstance(section, dict):
+        raise ConfigError(f"--lowcomm-config {path}: lowcomm must be a mapping of settings; got {section!r}")
+    return dict(section)
 
 
 def lowcomm_section(args: argparse.Namespace) -> dict[str, Any] | None:
     """The flat section the arguments give (the file's, then the flags), or None if none is set."""
-    section: dict[str, Any] | None = None
-    path = getattr(args, "lowcomm_config", None)
-    if path:
-        try:
-            with open(path) as f:
-                section = json.load(f)
-        except (OSError, ValueError) as err:
-            raise ConfigError(f"--lowcomm-config {path}: cannot read a JSON lowcomm section: {err}") from None
-        if isinstance(section, dict) and isinstance(section.get("lowcomm"), dict):
-            section = section["lowcomm"]  # a whole config file with a lowcomm section
-        if not isinstance(section, dict):
-            raise ConfigError(f"--lowcomm-config {path}: lowcomm must be a mapping of settings; got {section!r}")
-        section = dict(section)
+    section = _config_file_section(args)
+    if section is not None:
+        section.pop("activations", None)  # its own settings: activation_settings(args)
+        if not section:
+            section = None
     for key in _all_keys():
         text = getattr(args, PREFIX + key, None)
         if text is not None:
@@ -116,4 +131,21 @@ def lowcomm_config(args: argparse.Namespace) -> LowcommConfig | None:
     return LowcommConfig.from_dict(section, where="lowcomm")
 
 
-__all__ = ["add_lowcomm_args", "lowcomm_config", "lowcomm_section", "parse_value", "ConfigError"]
+def activation_settings(args: argparse.Namespace) -> ActivationSettings | None:
+    """The pipeline-activation codecs (``lowcomm.activations``: the file's mapping, then the
+    ``--lowcomm-activations-*`` flags), checked as on the DeepSpeed path; None where none is given."""
+    file_section = _config_file_section(args) or {}
+    raw = file_section.get("activations")
+    raw = dict(raw) if isinstance(raw, dict) else raw
+    for key, default in ActivationSettings().flat().items():
+        text = getattr(args, ACTIVATIONS_PREFIX + key, None)
+        if text is not None:
+            raw = raw if isinstance(raw, dict) else {}
+            raw[key] = text if isinstance(default, str) else _scalar(text)
+    if raw is None:
+        return None
+    return ActivationSettings.from_section(raw, where="lowcomm.activations")
+
+
+__all__ = ["activation_settings", "add_lowcomm_args", "lowcomm_config", "lowcomm_section", "parse_value",
+           "ConfigError"]

@@ -16,7 +16,7 @@ pytest.importorskip("megatron.core", reason="megatron-core is not installed (the
 
 from ds_lowcomm.settings import ConfigError  # noqa: E402
 from ds_lowcomm.workers import run_local_workers  # noqa: E402
-from megatron_patches.args import add_lowcomm_args, lowcomm_config  # noqa: E402
+from megatron_patches.args import activation_settings, add_lowcomm_args, lowcomm_config  # noqa: E402
 
 from tests.megatron_train import train  # noqa: E402
 
@@ -104,12 +104,25 @@ def test_lowcomm_args():
         lowcomm_config(parser.parse_args(["--lowcomm-method", "dilocoo"]))
 
 
+def test_activation_args():
+    parser = add_lowcomm_args(argparse.ArgumentParser())
+    acts = activation_settings(parser.parse_args(["--lowcomm-activations-forward", "lowrank",
+                                                  "--lowcomm-activations-rank", "8"]))
+    assert (acts.forward, acts.backward, acts.rank) == ("lowrank", "none", 8)
+    assert activation_settings(parser.parse_args(["--lowcomm-method", "demo"])) is None
+    with pytest.raises(ConfigError, match=r"lowcomm\.activations\.forward.*int8"):
+        activation_settings(parser.parse_args(["--lowcomm-activations-forward", "int3"]))
+
+
 def test_lowcomm_config_file(tmp_path):
     path = tmp_path / "lowcomm.json"
-    path.write_text('{"lowcomm": {"method": "dct_diloco", "sync_every": 7, "topk": 4}}')
+    path.write_text('{"lowcomm": {"method": "dct_diloco", "sync_every": 7, "topk": 4, '
+                    '"activations": {"forward": "int8"}}}')
     parser = add_lowcomm_args(argparse.ArgumentParser())
-    cfg = lowcomm_config(parser.parse_args(["--lowcomm-config", str(path), "--lowcomm-topk", "6"]))
+    args = parser.parse_args(["--lowcomm-config", str(path), "--lowcomm-topk", "6"])
+    cfg = lowcomm_config(args)
     assert (cfg.method, cfg.sync_every, cfg.topk) == ("dct_diloco", 7, 6)
+    assert activation_settings(args).forward == "int8"  # the nested mapping, as in a DeepSpeed config
 
 
 def test_pretrain_gpt_pipeline_with_diloco(tmp_path):

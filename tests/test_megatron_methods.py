@@ -59,6 +59,8 @@ def _layout_worker(rank, world, tp, pp):
     out["adamw_bytes"] = _bytes(opt)
     _, opt, out["demo"], out["demo_digests"] = train(DEMO, 6, micro=micro)
     out["demo_bytes"] = _bytes(opt)
+    if pp > 1:
+        out["activations"] = _activations(micro)
     if (tp, pp) == (1, 1):
         _, _, out["adamw_overlap"], _ = train({"method": "adamw"}, 3, overlap=True)
         _, _, _, out["demo_overlap_digests"] = train(DEMO, 6, overlap=True)
@@ -74,6 +76,23 @@ def _layout_worker(rank, world, tp, pp):
         out["deepspeed_bytes"] = {m: _deepspeed_bytes(cfg) for m, cfg in (("adamw", {"method": "adamw"}),
                                                                            ("demo", DEMO))}
     ps.destroy_model_parallel()
+    return out
+
+
+def _activations(micro):
+    """Megatron's pipeline p2p with the activation codecs (megatron_patches/activations.py)."""
+    from ds_lowcomm.codec.activations import ActivationSettings
+    from megatron_patches.activations import install_activation_compression, uninstall_activation_compression
+
+    out = {}
+    for name, codec in (("none", "none"), ("int8", "int8")):
+        ledger = install_activation_compression(ActivationSettings(forward=codec, backward=codec))
+        try:
+            _, _, out[f"{name}_losses"], out[f"{name}_digests"] = train({"method": "demo", **DEMO}, 3, micro=micro)
+        finally:
+            uninstall_activation_compression()
+        out[f"{name}_bytes"] = {op: v["sent"] for op, v in ledger.summary()["by_op"].items()}
+    _, _, out["demo_losses"], out["demo_digests"] = train({"method": "demo", **DEMO}, 3, micro=micro)
     return out
 
 
@@ -165,6 +184,26 @@ def test_demo_in_the_bucket_sync(layout):
         _replicas_agree(results, "demo_bf16_digests")
         for r in results:
             assert r["demo_bf16"][-1] < r["demo_bf16"][0]
+
+
+def test_pipeline_activation_codecs(layout):
+    """Codec none: bit-identical to Megatron's own p2p. int8 both ways: close, and the bytes each
+    stage sends are exactly the codec's (a fp32 scale per row + one byte per value)."""
+    (tp, pp), results = layout
+    if pp == 1:
+        pytest.skip("no pipeline boundary")
+    rows, cols = SEQ * BATCH, 32  # (seq, micro batch, hidden) activations
+    for r in results:
+        acts = r["activations"]
+        assert acts["none_digests"] == acts["demo_digests"]
+        sent = {k: v for k, v in acts["int8_bytes"].items() if k.endswith("send")}
+        stage_first = r["coord"][1] == 0
+        op = "activation_send" if stage_first else "activation_grad_send"
+        assert sent == {op: 3 * 2 * rows * (4 + cols)}, sent  # 3 steps x 2 micro batches
+        assert acts["none_bytes"][op] == 3 * 2 * rows * cols * 4
+        if not stage_first:
+            for a, b in zip(acts["int8_losses"], acts["demo_losses"]):
+                assert abs(a - b) < 0.01 * b
 
 
 def test_bytes_equal_the_deepspeed_path(layout):
