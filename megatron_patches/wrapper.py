@@ -42,6 +42,14 @@ class MegatronLowcomm:
     def load_state_dict(self, state_dict: dict) -> None:
         raise NotImplementedError
 
+    def sharded_state_dict(self, *args, **kwargs):
+        # Megatron's distributed checkpoint would hold Megatron's optimizer state without the
+        # method's: refuse rather than save a checkpoint that cannot resume the run.
+        raise NotImplementedError(
+            "ds_lowcomm's method state is not in Megatron's distributed (sharded) checkpoints yet; "
+            "use launch/pretrain_gpt.py's checkpoints (megatron_patches/checkpoint.py: one file per rank) "
+            "or Megatron-LM's --ckpt-format torch (see docs/megatron_lm.md for what it keeps)")
+
     def __getattr__(self, name):  # everything else is Megatron's optimizer's
         return getattr(self.__dict__["optimizer"], name)
 
