@@ -140,7 +140,9 @@ def activation_settings(args: argparse.Namespace) -> ActivationSettings | None:
     for key, default in ActivationSettings().flat().items():
         text = getattr(args, ACTIVATIONS_PREFIX + key, None)
         if text is not None:
-            raw = raw if isinstance(raw, dict) else {}
+            raw = {} if raw is None else raw  # a file value that is no mapping stays, for from_section to refuse
+            if not isinstance(raw, dict):
+                break
             raw[key] = text if isinstance(default, str) else _scalar(text)
     if raw is None:
         return None

@@ -138,3 +138,6 @@ def test_activation_flags_and_config_file(tmp_path):
     assert lowcomm_config(_parse(["--lowcomm-config", str(path)])) is None  # only activations: no method
     with pytest.raises(ConfigError, match=r"lowcomm\.activations.*forwrd"):
         activation_settings(_parse(["--lowcomm-config", str(path)]))
+    path.write_text(json.dumps({"lowcomm": {"activations": "int8"}}))  # no mapping: refused, flags or not
+    with pytest.raises(ConfigError, match=r"lowcomm\.activations must be a mapping"):
+        activation_settings(_parse(["--lowcomm-config", str(path), "--lowcomm-activations-rank", "4"]))

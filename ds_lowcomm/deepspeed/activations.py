@@ -44,7 +44,8 @@ from deepspeed.runtime.pipe import p2p, schedule
 from deepspeed.runtime.pipe.engine import (PIPE_RECV_GRAD_TIMER, PIPE_RECV_INPUT_TIMER, PIPE_SEND_GRAD_TIMER,
                                            PIPE_SEND_OUTPUT_TIMER, PipelineEngine)
 
-from ..codec.activations import ActivationCodec, ActivationSettings, make_activation_codec
+from ..codec.activations import ActivationCodec, ActivationSettings
+from ..comm.activation_wire import ActivationWire
 from ..comm.ledger import ByteLedger
 from ..settings import ConfigError
 
@@ -59,54 +60,35 @@ _OPS = {
 _MARK = "_lowcomm_activation_compression"
 
 
-class _Wire:
-    """The codecs of one engine, its ledger, and its receive buffers (uint8, one per tuple
-    position and direction, reused while the size holds: every decode writes fresh memory, so a buffer is free
-    again once decoded; a new size, e.g. with dynamic_shape, replaces it)."""
-
-    def __init__(self, settings: ActivationSettings, ledger: ByteLedger):
-        self.settings = settings
-        self.forward = make_activation_codec(settings.forward, settings)
-        self.backward = make_activation_codec(settings.backward, settings)
-        self.raw = make_activation_codec("none", settings)
-        self.ledger = ledger
-        self._buffers: dict[tuple[str, int], torch.Tensor] = {}
-
-    def buffer(self, op: str, idx: int, nbytes: int, device) -> torch.Tensor:
-        buf = self._buffers.get((op, idx))
-        if buf is None or buf.numel() != nbytes or buf.device != torch.device(device):
-            buf = self._buffers[(op, idx)] = torch.empty(nbytes, dtype=torch.uint8, device=device)
-        return buf
+class _Wire(ActivationWire):
+    """The shared codecs, buffers and bookkeeping (:class:`ActivationWire`) over DeepSpeed's
+    blocking ``p2p.send``/``p2p.recv``."""
 
     def send(self, tensors: Sequence[torch.Tensor], codecs: Sequence[ActivationCodec], dest: int, op: str) -> None:
         sent = 0
         for x, codec in zip(tensors, codecs):
-            t0 = time.perf_counter()
-            payload = codec.encode(x.detach())
-            t1 = time.perf_counter()
+            payload = self.encode(x, codec)
+            start = time.perf_counter()
             if payload.numel():  # both sides know an empty payload from the shape: nothing to send
                 p2p.send(payload, dest)
-            self.ledger.add_time("codec", t1 - t0)
-            self.ledger.add_time("comm", time.perf_counter() - t1)
+            self.comm_time(time.perf_counter() - start)
             sent += payload.numel()
-        self.ledger.record(op, sent, 0)
+        self.book(op, sent=sent)
 
     def recv(self, specs, codecs: Sequence[ActivationCodec], src: int, device, op: str) -> list[torch.Tensor]:
         out, received = [], 0
         for idx, ((shape, dtype), codec) in enumerate(zip(specs, codecs)):
             nbytes = codec.nbytes(shape, dtype)
-            t0 = time.perf_counter()
+            start = time.perf_counter()
             if nbytes:
                 buf = self.buffer(op, idx, nbytes, device)
                 p2p.recv(buf, src)
             else:
                 buf = torch.empty(0, dtype=torch.uint8, device=device)
-            t1 = time.perf_counter()
-            out.append(codec.decode(buf, shape, dtype).detach())
-            self.ledger.add_time("comm", t1 - t0)
-            self.ledger.add_time("codec", time.perf_counter() - t1)
+            self.comm_time(time.perf_counter() - start)
+            out.append(self.decode(buf, shape, dtype, codec))
             received += nbytes
-        self.ledger.record(op, 0, received)
+        self.book(op, received=received)
         return out
 
 
