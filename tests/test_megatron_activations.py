@@ -54,7 +54,58 @@ def _worker(rank, world):
     run("int8_bf16", ActivationSettings(forward="int8", backward="int8"), bf16=True)
     out["restored"] = schedules.P2PCommunicator is stock_class
     ps.destroy_model_parallel()
+
+    # The interleaved schedule (2 model chunks a stage), with and without overlap_p2p_comm.
+    ps.initialize_model_parallel(1, 2, virtual_pipeline_model_parallel_size=2)
+    assert get_forward_backward_func() is schedules.forward_backward_pipelining_with_interleaving
+    for overlap in (False, True):
+        for name, settings in (("stock", None), ("none", ActivationSettings()),
+                               ("int8", ActivationSettings(forward="int8", backward="int8"))):
+            ledger = install_activation_compression(settings) if settings is not None else None
+            try:
+                out[("interleaved", name, overlap)] = _interleaved(overlap)
+            finally:
+                uninstall_activation_compression()
+            if ledger is not None:
+                out[("interleaved_bytes", name, overlap)] = ledger.sent
+    ps.destroy_model_parallel()
     return out
+
+
+def _interleaved(overlap):
+    """One forward_backward of 4 micro batches over 2 chunks a stage (4 layers, fp32, no optimizer):
+    the losses (last stage) and a digest of this stage's gradients."""
+    import torch
+    from megatron.core import parallel_state as ps
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from tests.megatron_train import VOCAB, batch, digest
+
+    torch.manual_seed(0)
+    config = TransformerConfig(num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, use_cpu_initialization=True,
+                               pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+                               pipeline_dtype=torch.float32, hidden_dropout=0.0, attention_dropout=0.0,
+                               overlap_p2p_comm=overlap, batch_p2p_comm=not overlap)
+    chunks = [GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
+                       max_sequence_length=SEQ, vp_stage=i,
+                       pre_process=ps.is_pipeline_first_stage(ignore_virtual=False, vp_stage=i),
+                       post_process=ps.is_pipeline_last_stage(ignore_virtual=False, vp_stage=i)) for i in range(2)]
+    gen = torch.Generator().manual_seed(5)
+    data = [batch(gen) for _ in range(4)]
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+
+    def forward_step(data_iterator, model):
+        tokens, labels = next(data_iterator)
+        per_token = model(tokens, positions, None, labels=labels)
+        return per_token, lambda t: (t.float().mean(), {"lm loss": t.float().mean().detach().clone()})
+
+    out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=[iter(data), iter(data)],
+                                      model=chunks, num_microbatches=4, seq_length=SEQ, micro_batch_size=BATCH)
+    grads = [p.grad for m in chunks for p in m.parameters() if p.grad is not None]
+    return [float(d["lm loss"]) for d in out], digest(grads)
 
 
 @pytest.fixture(scope="module")
@@ -105,6 +156,22 @@ def test_int8_close_to_stock_with_the_codec_bytes(results, dtype_bytes, suffix):
         assert abs(a - b) <= tol * abs(b), (coded, stock)
     assert coded != stock or suffix  # a lossy codec really was on the wire (fp32: never exact)
     assert first[f"int8{suffix}_digests"] != first[f"stock{suffix}_digests"]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_interleaved_schedule(results, overlap):
+    """The interleaved schedule goes through the same patched _communicate; with overlap_p2p_comm
+    it gets completed handles (no overlap, same numbers)."""
+    per_tensor = SEQ * BATCH * (4 + HIDDEN)
+    for stage, r in results.items():
+        assert r[("interleaved", "none", overlap)] == r[("interleaved", "stock", overlap)], stage
+        # 3 chunk boundaries (0:a -> 1:a -> 0:b -> 1:b) x 4 micro batches x (activation + gradient),
+        # half of it sent by each stage
+        assert r[("interleaved_bytes", "int8", overlap)] == 3 * 4 * per_tensor
+    stock, coded = results[1][("interleaved", "stock", overlap)][0], results[1][("interleaved", "int8", overlap)][0]
+    assert len(stock) == 4 and coded != stock
+    for a, b in zip(coded, stock):
+        assert abs(a - b) <= 0.01 * abs(b)
 
 
 def _parse(argv):
