@@ -17,9 +17,9 @@ received (``activation_recv``, ``activation_grad_recv``), as on the DeepSpeed pa
 With both codecs ``none`` the bytes on the wire are the tensors' own: training is bit-identical
 to stock Megatron. Limits: decoding needs the bytes, so the receive is waited for inside the call
 (``overlap_p2p_comm`` in the interleaved schedule still runs, on already-completed handles, but
-gets no overlap; tested); variable
-sequence lengths (a shape exchange per call) and ``use_ring_exchange_p2p`` are refused. A caller
-that passes its own ``p2p_communicator=`` to the schedule bypasses the patch.
+gets no overlap); variable sequence lengths (a shape exchange per call) and
+``use_ring_exchange_p2p`` are refused. A caller that passes its own ``p2p_communicator=`` to the
+schedule bypasses the patch.
 """
 
 from __future__ import annotations
