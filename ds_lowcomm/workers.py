@@ -11,6 +11,7 @@ import os
 import sys
 import tempfile
 import traceback
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
@@ -25,8 +26,10 @@ def _worker(rank, world_size, store_dir, fn, args, backend, threads):
     torch.set_num_threads(threads)
     if backend == "nccl":  # one GPU per rank, as torchrun's LOCAL_RANK would pick
         torch.cuda.set_device(rank % torch.cuda.device_count())
+    # A bounded default group: a peer that died or stalled fails the others within minutes, not 30.
     dist.init_process_group(
-        backend, init_method=f"file://{store_dir}/store", rank=rank, world_size=world_size
+        backend, init_method=f"file://{store_dir}/store", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=600),
     )
     try:
         result = fn(rank, world_size, *args)
@@ -72,7 +75,7 @@ def run_local_workers(fn, world_size: int, *args, backend: str = "gloo", threads
         for rank in range(world_size):
             path = os.path.join(store_dir, f"result{rank}.pt")
             if os.path.exists(path):
-                outs[rank] = torch.load(path, weights_only=False)
+                outs[rank] = torch.load(path, weights_only=True)  # data only: nothing in a result file runs
         errors = [f"rank {rank} failed:\n{out['error']}" for rank, out in sorted(outs.items()) if "error" in out]
         if errors:  # all of them: the first rank's error may only be a consequence of another's
             raise RuntimeError("\n".join(errors))

@@ -4,9 +4,10 @@ gives in ``state_dict()``: momenta, outer-loop anchors, ledger), so a resume is 
 
 Layout (Megatron-LM's names): ``DIR/iter_0000020/rank_003.pt`` and
 ``DIR/latest_checkpointed_iteration.txt``. Every file is written under a temporary name, flushed
-to disk and renamed; the tracker names an iteration only after every rank's file is in place, so
-a crash mid-save leaves the previous checkpoint as the latest. Files load with
-``torch.load(weights_only=True)`` (no code runs from a checkpoint) and carry the layout they were
+to disk and renamed, with its sha256 beside it (ds_lowcomm/checkpoint_io.py); the tracker names an
+iteration only after every rank's file is in place, so a crash mid-save leaves the previous
+checkpoint as the latest. Files load after their digest is checked, with
+``torch.load(weights_only=True)`` (no code runs from a checkpoint), and carry the layout they were
 written with (TP, PP, DP sizes), checked at load.
 """
 
@@ -20,6 +21,8 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
+from ds_lowcomm.checkpoint_io import agree_on_problems, check_digests, load_file, save_file, write_text
+
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
@@ -28,24 +31,6 @@ def _layout() -> dict[str, int]:
 
     return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
             "dp": ps.get_data_parallel_world_size(), "world": dist.get_world_size()}
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _atomic_write(path: Path, write) -> None:
-    tmp = path.with_name(path.name + f".tmp{os.getpid()}")
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    _fsync_dir(path.parent)
 
 
 def rank_file(directory: str | os.PathLike, iteration: int, rank: int | None = None) -> Path:
@@ -59,10 +44,10 @@ def save(directory: str | os.PathLike, iteration: int, model_chunks: Sequence[to
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"iteration": iteration, "layout": _layout(), "model": [c.state_dict() for c in model_chunks],
              "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}
-    _atomic_write(path, lambda f: torch.save(state, f))
+    save_file(state, path)
     dist.barrier()  # every rank's file is complete before the tracker names it
     if dist.get_rank() == 0:
-        _atomic_write(Path(directory) / TRACKER, lambda f: f.write(f"{iteration}\n".encode()))
+        write_text(Path(directory) / TRACKER, f"{iteration}\n")
     dist.barrier()
 
 
@@ -78,7 +63,8 @@ def load(directory: str | os.PathLike, model_chunks: Sequence[torch.nn.Module], 
     """Load this rank's part of the latest checkpoint; returns the iteration to resume at."""
     iteration = latest_iteration(directory)
     path = rank_file(directory, iteration)
-    state = torch.load(path, map_location="cpu", weights_only=True)
+    agree_on_problems(check_digests([path]))  # every rank stops if any rank's file is bad
+    state = load_file(path, map_location="cpu", digest="checked")
     if state["layout"] != _layout():
         raise ValueError(f"{path} was written with layout {state['layout']}; this run has {_layout()}")
     for chunk, sd in zip(model_chunks, state["model"]):

@@ -210,6 +210,7 @@ def apply(model_chunks, optimizer, config: LowcommConfig | dict | None) -> Megat
         model_chunks = [model_chunks]
     _check_supported(model_chunks, optimizer, config)
     transport = build_transport("torch", group=ps.get_data_parallel_group())
+    transport.nonfinite = config.comm.nonfinite  # a rank with NaN/inf to send: skip it, or raise (lowcomm.nonfinite)
     _mark_main_params_trainable(optimizer)
 
     if config.method in OUTER_METHODS:

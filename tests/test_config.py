@@ -27,7 +27,7 @@ from ds_lowcomm.config import ConfigError, LowcommConfig, check_lr
         ({"method": "diloco", "transport": "nccl"}, r"lowcomm.transport must be one of torch, mpi; got 'nccl'"),
         # SparseLoCo
         ({"method": "sparseloco", "topk": 0}, r"lowcomm.topk must be an integer in \[1, 4096\]"),
-        ({"method": "sparseloco", "value_dtype": "1bit"}, r"lowcomm.value_dtype must be one of .*2bit; got '1bit'"),
+        ({"method": "sparseloco", "value_dtype": "1bit"}, r"lowcomm.value_dtype must be one of .*2bit, sign; got '1bit'"),
         ({"method": "sparseloco", "decay": 1.5}, r"lowcomm.decay must be a number in \[0.0, 1.0\)"),
         # streaming outer sync
         ({"method": "diloco", "sync_every": 4, "fragments": 5}, r"lowcomm.fragments must be an integer in \[1, 4\]"),

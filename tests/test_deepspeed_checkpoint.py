@@ -7,12 +7,14 @@ the two replicas hold different parameters and the export is provably replica 0'
 
 import importlib.util
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 import torch
 
+from ds_lowcomm.checkpoint_io import CheckpointError, atomic_write, save_file
 from ds_lowcomm.workers import run_local_workers
 from tests.test_deepspeed import ds_config
 
@@ -108,8 +110,61 @@ def _worker(rank, world, workdir):
         again, *_ = ds_lowcomm.deepspeed.initialize(model=Tiny(), config=ds_config("diloco", stage))
         again.load_checkpoint(lowcomm_dir)
         r["resumed"] = _state(again)
+        # 5. a crash mid-save (the first file of step 6 dies half-written on every rank): the
+        # error comes out, nothing of step 6 is named, and the latest (step 4) still loads exactly
+        _train(again, rank, 2)
+        again.checkpoint_engine.save = _crashing_save
+        try:
+            again.save_checkpoint(lowcomm_dir, tag="step6")
+        except RuntimeError as err:
+            r["crash"] = str(err)
+        crashed, *_ = ds_lowcomm.deepspeed.initialize(model=Tiny(), config=ds_config("diloco", stage))
+        crashed.load_checkpoint(lowcomm_dir)
+        r["after_crash"] = _state(crashed)
+        r["tmp_left"] = [n for _, _, files in os.walk(lowcomm_dir) for n in files if ".tmp" in n]
+        # 6. a flipped byte in replica 1's files, 7. a pickled call in them (with a digest that
+        # matches): refused on every rank, nothing run
+        for probe in ("flipped", "malicious"):
+            bad_dir = os.path.join(workdir, f"{probe}{stage}")
+            if rank == 0:
+                shutil.copytree(lowcomm_dir, bad_dir)
+                victim = os.path.join(bad_dir, "replica00001", TAG, "mp_rank_00_model_states.pt")
+                if probe == "flipped":
+                    with open(victim, "r+b") as f:
+                        f.seek(os.path.getsize(victim) // 2)
+                        byte = f.read(1)
+                        f.seek(-1, 1)
+                        f.write(bytes([byte[0] ^ 0xFF]))
+                else:
+                    save_file(_Evil(os.path.join(workdir, "pwned")), victim)  # a valid digest of evil bytes
+            dist.barrier()
+            victim_engine, *_ = ds_lowcomm.deepspeed.initialize(model=Tiny(), config=ds_config("diloco", stage))
+            try:
+                victim_engine.load_checkpoint(bad_dir)
+                r[probe] = None
+            except CheckpointError as err:
+                r[probe] = str(err)
+        r["pwned"] = os.path.exists(os.path.join(workdir, "pwned"))
     dist.barrier()
     return out
+
+
+class _Evil:
+    """Unpickling it would run a shell command (what a weights_only=False load does)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (os.system, (f"touch {self.marker}",))
+
+
+def _crashing_save(state_dict, path):
+    def write(f):
+        f.write(b"half a checkpoint")
+        raise RuntimeError(f"simulated crash while writing {os.path.basename(path)}")
+
+    atomic_write(path, write)
 
 
 @pytest.fixture(scope="module")
@@ -210,3 +265,32 @@ def test_exact_resume_still_loads_each_replica(run):
     for stage in STAGES:
         for rank in (0, 1):
             assert _equal(results[rank][stage]["resumed"], results[rank][stage]["saved"]), (stage, rank)
+
+
+def test_a_crash_mid_save_leaves_the_previous_checkpoint_latest(run):
+    """Issue 15: the save of step 6 dies in its first file on every rank; the error comes out,
+    no temporary file is left, ``latest`` still names step 4 and loads it exactly."""
+    workdir, results = run
+    for stage in STAGES:
+        assert (workdir / f"lowcomm{stage}" / "latest").read_text().strip() == TAG
+        for rank in (0, 1):
+            r = results[rank][stage]
+            assert "simulated crash" in r["crash"], r["crash"]
+            assert r["tmp_left"] == [], r["tmp_left"]
+            assert _equal(r["after_crash"], r["saved"]), (stage, rank)
+
+
+def test_flipped_bytes_and_pickled_code_are_refused_on_every_rank(run):
+    """Issue 15: one flipped byte in replica 1's model file fails its sha256 on every rank (the
+    replica 0 ranks too, before any rank loads); a pickled ``os.system`` with a matching digest is
+    refused by the weights_only load, naming the global, and never runs."""
+    workdir, results = run
+    for stage in STAGES:
+        for rank in (0, 1):
+            r = results[rank][stage]
+            assert r["flipped"] is not None and "sha256 differs" in r["flipped"], (stage, rank, r["flipped"])
+            assert "replica00001" in r["flipped"]
+            assert r["malicious"] is not None and ("os.system" in r["malicious"] or "posix.system" in r["malicious"]), \
+                (stage, rank, r["malicious"])
+            assert not r["pwned"]
+    assert not (workdir / "pwned").exists()

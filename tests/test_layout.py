@@ -9,6 +9,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # Layer of each top-level piece; a module may import only from its own layer or below.
 LAYERS = {
     "ds_lowcomm.settings": 0,
+    "ds_lowcomm.checkpoint_io": 0,  # checkpoint files (atomic, digests, weights_only): used from optim up
     "ds_lowcomm.codec": 1,
     "ds_lowcomm.comm": 2,
     "ds_lowcomm.optim": 3,

@@ -162,8 +162,9 @@ def test_lossless_setting_equals_stock_megatron_step_for_step(layout):
         assert r["adamw"] == r["stock"], (tp, pp)  # bit for bit
     for r in results:
         assert r["adamw_digests"] == r["stock_digests"]
-        # Stock Megatron's all-reduce, counted where it is sent: every gradient in fp32.
-        assert r["adamw_bytes"] == [4 * r["numel"]] * 3
+        # Stock Megatron's all-reduce, counted where it is sent: every gradient in fp32, plus the
+        # non-finite guard's one-byte health flag of the exchange.
+        assert r["adamw_bytes"] == [4 * r["numel"] + 1] * 3
     if (tp, pp) == (1, 1):
         for r in results:
             assert r["adamw_overlap"] == r["stock"]
@@ -230,10 +231,10 @@ def test_mtdao_dct_diloco_and_streaming_diloco(layout):
     for key in ("mtdao", "dct_diloco"):
         assert r0[key][-1] < r0[key][0], r0[key]
     # MT-DAO averages parameters + first moment + second moment every 2 steps: 3 fp32 copies.
-    assert r0["mtdao_bytes"] == [0, 12 * r0["numel"]] * 3
+    assert r0["mtdao_bytes"] == [0, 12 * r0["numel"] + 1] * 3  # + the exchange's health flag byte
     # Streaming DiLoCo, 2 fragments, H = 4: one fragment on the wire every 2 steps, both make the model.
     sent = r0["streaming_bytes"]
-    assert [b > 0 for b in sent] == [False, True] * 4 and sent[1] + sent[3] == 4 * r0["numel"], sent
+    assert [b > 0 for b in sent] == [False, True] * 4 and sent[1] + sent[3] == 4 * r0["numel"] + 2, sent
     assert r0["streaming"][-1] < r0["streaming"][0]
 
 

@@ -30,7 +30,8 @@ def _jobs(world):
                  ("sync_dct_diloco", _sync_schedule_worker, ("dct_diloco",)),
                  ("dct_lossless", _dct_lossless_worker, ()), ("bf16_state", _bf16_state_worker, ()),
                  ("demo_sign", _demo_sign_worker, ()),
-                 ("zero_first", _zero_first_gradients_worker, ())]  # last: it builds groups of its own
+                 ("zero_first", _zero_first_gradients_worker, ()),  # these two build groups of their own
+                 ("nonfinite", _nonfinite_worker, ())]
     return jobs
 
 
@@ -90,7 +91,7 @@ def _demo_sign_worker(rank, world):
         sync = opt._sync_for(list(model.parameters()), "sparse_all_gather")
     specs = [SparseSpec.build(p.shape, chunk=DEMO["chunk"], topk=DEMO["topk"], value_dtype="sign")
              for p in model.parameters()]
-    expected = sum(spec.index_bytes + 4 + (spec.count + 7) // 8 for spec in specs)
+    expected = sum(spec.index_bytes + 4 + (spec.count + 7) // 8 for spec in specs) + 1  # + the health flag byte
     return {"digest": params_digest(model), "fed_back": fed_back, "payload": sync.payload_bytes,
             "expected_payload": expected}
 
@@ -301,3 +302,108 @@ def test_a_rank_with_zero_first_gradients_takes_part_in_every_sync(launches):
     for method in ZERO_FIRST_METHODS:
         assert a[method] == b[method], method
         assert a[method][1] == 3, method
+
+
+# --- the non-finite guard (issue 15 item 3) ---------------------------------------------------
+
+SYNC2 = {"sync_every": 2}
+NONFINITE_METHODS = {
+    "adamw": {}, "mtdao": SYNC2, "mtdao_topk": {"method": "mtdao", "sync_codec": "topk", **SYNC2},
+    "diloco": SYNC2, "dct_diloco": SYNC2, "sparseloco_2bit": {"method": "sparseloco", **SYNC2},
+    "sparseloco_fp32": {"method": "sparseloco", "value_dtype": "fp32", **SYNC2},
+    **{f"demo_{v}": {"method": "demo", "topk": 4, "chunk": 8, "value_dtype": v}
+       for v in ("fp32", "bf16", "fp16", "int8", "2bit", "sign")},
+}
+OUTER = ("diloco", "dct_diloco", "sparseloco_2bit", "sparseloco_fp32", "mtdao", "mtdao_topk")
+
+
+class _WatchedTransport(TorchDistTransport):
+    """The real gloo transport, noting what this rank puts on the wire: whether every dense
+    all-reduce buffer was finite, and whether every sparse payload flagged unhealthy was zeros."""
+
+    def __init__(self, group):
+        super().__init__(group)
+        self.dense_finite, self.flagged_zero = [], []
+
+    def start_all_reduce_sum_(self, tensor, op="all_reduce"):
+        self.dense_finite.append(bool(torch.isfinite(tensor).all()))
+        return super().start_all_reduce_sum_(tensor, op)
+
+    def start_all_gather_bytes(self, payload, op="all_gather"):
+        if "sparse" in op and payload[-1] == 0:  # a sparse exchange flagged unhealthy
+            self.flagged_zero.append(not bool(payload.any()))
+        return super().start_all_gather_bytes(payload, op)
+
+
+def _nonfinite_run(rank, cross, name, extra, poison, value, policy, poisoned_ranks=(1,)):
+    from ds_lowcomm.optim import LowcommConfig, build_optimizer
+
+    raw = {"method": name, **extra, "nonfinite": policy} if "method" not in extra else {**extra, "nonfinite": policy}
+    model = tiny_model()
+    transport = _WatchedTransport(cross)
+    opt = build_optimizer(LowcommConfig.from_dict(raw), model.parameters(), lr=1e-2, transport=transport)
+    error = None
+    try:
+        for step in range(4):
+            tiny_loss(model, rank, step).backward()
+            if rank in poisoned_ranks and step == 1:
+                target = model[0].weight.grad if poison == "grad" else model[0].weight.data
+                target.view(-1)[5] = value  # one element, one rank, one step
+            opt.step()
+            opt.zero_grad()
+    except Exception as err:  # noqa: BLE001 - the test reads which error every rank saw
+        error = f"{type(err).__name__}: {err}"
+    params = [p.detach().clone() for p in model.parameters()]
+    return {"finite": all(bool(torch.isfinite(p).all()) for p in params), "digest": params_digest(model),
+            "nonfinite": opt.ledger.summary()["nonfinite"], "error": error,
+            "wire_ok": all(transport.dense_finite) and all(transport.flagged_zero)}
+
+
+def _nonfinite_worker(rank, world):
+    from ds_lowcomm.comm import ReplicaTopology
+
+    cross = ReplicaTopology.build(1, timeout_s=30.0).cross_group  # a regression fails in 30 s, not 30 min
+    out = {}
+    for name, extra in NONFINITE_METHODS.items():
+        for value in (float("nan"), float("inf")):
+            out[(name, "grad", str(value))] = _nonfinite_run(rank, cross, name, extra, "grad", value, "skip")
+        if name in OUTER:  # a replica whose parameters went non-finite (an overflowed inner step)
+            out[(name, "param", "nan")] = _nonfinite_run(rank, cross, name, extra, "param", float("nan"), "skip")
+    for name in ("adamw", "demo_int8", "diloco", "sparseloco_2bit"):
+        out[(name, "raise")] = _nonfinite_run(rank, cross, name, NONFINITE_METHODS[name], "grad", float("nan"), "raise")
+        out[(name, "all")] = _nonfinite_run(rank, cross, name, NONFINITE_METHODS[name], "grad", float("nan"), "skip",
+                                            poisoned_ranks=(0, 1))
+    return out
+
+
+def test_a_non_finite_value_on_one_rank_poisons_no_replica(launches):
+    """One NaN or inf element on rank 1 at one step, every method and value format: nothing
+    non-finite goes on the wire (dense buffers finite, flagged sparse payloads all zeros), both
+    ranks end finite and identical, and the skip is counted with rank 1's number. Before: the
+    healthy rank's model went non-finite (adamw, diloco, dct_diloco, mtdao, sparseloco fp32), demo
+    froze the block, sparseloco's 2-bit values crashed."""
+    a, b = launches(2, "nonfinite")
+    for key, ra in a.items():
+        if key[1] in ("raise", "all"):
+            continue
+        rb = b[key]
+        assert ra["error"] is None and rb["error"] is None, (key, ra["error"], rb["error"])
+        assert ra["finite"] and rb["finite"], key
+        assert ra["digest"] == rb["digest"], key
+        assert ra["wire_ok"] and rb["wire_ok"], key
+        seen = [ranks for r in (ra, rb) for ranks in r["nonfinite"].values()]  # a local skip: rank 1's own ledger
+        assert any("1" in ranks for ranks in seen) and not any("0" in ranks for ranks in seen), (key, seen)
+
+
+def test_nonfinite_raise_stops_every_rank_and_all_ranks_poisoned_moves_nothing(launches):
+    """lowcomm.nonfinite "raise": every rank raises NonFiniteError naming rank 1 at the same
+    exchange (none waits for the other). Every rank poisoned under "skip": the flagged exchange
+    averages nothing, and the models stay finite and identical."""
+    a, b = launches(2, "nonfinite")
+    for name in ("adamw", "demo_int8", "diloco", "sparseloco_2bit"):
+        for r in (a[(name, "raise")], b[(name, "raise")]):
+            assert r["error"] is not None and r["error"].startswith("NonFiniteError"), (name, r["error"])
+            assert "[1]" in r["error"] and "nonfinite is 'raise'" in r["error"], r["error"]
+            assert r["wire_ok"]
+        ra, rb = a[(name, "all")], b[(name, "all")]
+        assert ra["error"] is None and ra["finite"] and rb["finite"] and ra["digest"] == rb["digest"], name

@@ -39,8 +39,11 @@ def _runs_worker(rank, world, workdir, resume):
     out = {}
     for method, lowcomm in LOWCOMM.items():
         spec = replace(TINY, lowcomm=lowcomm, save_at=5, save_dir=os.path.join(workdir, method))
+        if method == "demo":  # periodic saves too (4, 8): its resume names tag step5, not the latest
+            spec = replace(spec, save_every=4)
         if resume:
-            spec = replace(spec, save_at=None, resume_from=spec.save_dir)
+            spec = replace(spec, save_at=None, save_every=None, resume_from=spec.save_dir,
+                           resume_tag="step5" if method == "demo" else "latest")
         out[method] = train_worker(rank, world, spec)
     return out
 
@@ -51,6 +54,16 @@ def runs(tmp_path_factory):
     full = run_local_workers(_runs_worker, 2, workdir, False)
     resumed = run_local_workers(_runs_worker, 2, workdir, True)
     return {method: ([r[method] for r in full], [r[method] for r in resumed]) for method in LOWCOMM}
+
+
+def test_checkpoint_tags_and_latest(runs, tmp_path_factory):
+    """Every save is a tag of its own (step4, step5, step8) with one file and one digest per
+    rank; ``latest`` names the last complete one."""
+    demo = tmp_path_factory.getbasetemp() / "resume0" / "demo"
+    assert (demo / "latest").read_text().strip() == "step8"
+    for tag in ("step4", "step5", "step8"):
+        assert sorted(p.name for p in (demo / tag).iterdir()) == [
+            "rank0.pt", "rank0.pt.sha256", "rank1.pt", "rank1.pt.sha256"], tag
 
 
 @pytest.mark.parametrize("method", list(LOWCOMM))

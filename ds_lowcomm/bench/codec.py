@@ -252,7 +252,8 @@ def bench_model(chunk: int, topk: int, args, device) -> list[dict]:
     shapes = model_shapes()
     per_rank = [list(t) for t in zip(*[rank_inputs(s, args.world, device, seed=i) for i, s in enumerate(shapes)])]
     specs = [SparseSpec.build(s, chunk=chunk, topk=topk, value_dtype="fp32") for s in shapes]  # as SparseAllGather's
-    others = [torch.cat([spec.compress(x)[0] for spec, x in zip(specs, bufs)]) for bufs in per_rank[1:]]
+    healthy = torch.ones(1, dtype=torch.uint8, device=device)  # SparseAllGather's trailing health flag byte
+    others = [torch.cat([spec.compress(x)[0] for spec, x in zip(specs, bufs)] + [healthy]) for bufs in per_rank[1:]]
     sag = SparseAllGather(shapes, chunk=chunk, topk=topk, value_dtype="fp32",
                           transport=LoopbackTransport(others, device), average="senders")
     ref_others = [[ref_compress(x, s.plan, s.k)[:2] for s, x in zip(specs, bufs)] for bufs in per_rank[1:]]

@@ -36,13 +36,15 @@ def run_on_hosts(net: TestNetwork, spec: TrainSpec, peer: dict | None = None,
             procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
         outputs = []
         deadline = start + timeout
-        for p in procs:
-            try:
+        try:
+            for p in procs:
                 outputs.append(p.communicate(timeout=max(1.0, deadline - time.perf_counter()))[0])
-            except subprocess.TimeoutExpired:
-                for q in procs:
+        except subprocess.TimeoutExpired:
+            raise RuntimeError(f"benchmark workers ran past {timeout:.0f} s") from None
+        finally:  # on any way out (a timeout, an interrupt) no worker is left waiting for its peers
+            for q in procs:
+                if q.poll() is None:
                     q.kill()
-                raise RuntimeError(f"benchmark workers ran past {timeout:.0f} s")
         wall = time.perf_counter() - start
         failed = [(i, p.returncode, out) for i, (p, out) in enumerate(zip(procs, outputs)) if p.returncode != 0]
         if failed:  # every failed worker's tail: the first to fail is not always rank 0

@@ -6,10 +6,20 @@
 
 Both have a non-blocking form (``SparseAllGather.start``, :func:`start_all_reduce_mean_`) that
 returns a :class:`~ds_lowcomm.comm.transport.Pending`, for syncs overlapped with compute.
+
+Non-finite guard: before sending, a rank checks what it would send. A rank with a NaN or inf
+(or whose caller says its inputs were, ``healthy=False``) sends zeros and says so (a trailing
+flag byte in the sparse payload; a one-byte all-gather beside the dense all-reduce), so no
+non-finite value goes on the wire; every rank then averages over the healthy ranks only (the same
+rows everywhere: replicas stay identical). With every rank healthy the result is bit for bit what
+it was without the guard. ``transport.nonfinite`` decides what a flagged exchange does: "skip"
+(the default: the flagged ranks sit this exchange out, counted in the ledger and logged with their
+ranks) or "raise" (:class:`NonFiniteError` on every rank).
 """
 
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 from typing import Sequence, Union
@@ -18,6 +28,40 @@ import torch
 
 from ..codec import SparseSpec
 from .transport import Pending, Transport
+
+logger = logging.getLogger(__name__)
+
+NONFINITE_POLICIES = ("skip", "raise")
+
+
+class NonFiniteError(RuntimeError):
+    """A rank had non-finite values to send and ``lowcomm.nonfinite`` is "raise"."""
+
+
+def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
+    """Whether every element of every tensor is finite (one host sync for the lot)."""
+    flags = [torch.isfinite(t).all() for t in tensors if t is not None and t.numel()]
+    return bool(torch.stack([f.to(flags[0].device) for f in flags]).all()) if flags else True
+
+
+def settle_health(healthy: torch.Tensor, transport: Transport, op: str) -> list[int]:
+    """Every rank's flag (one bool per rank of ``transport``, the same on every rank) -> the
+    indices of the healthy ranks. Flagged ranks are counted in the ledger and logged by name; with
+    ``transport.nonfinite == "raise"`` every rank raises instead."""
+    flags = healthy.tolist()
+    keep = [r for r, ok in enumerate(flags) if ok]
+    if len(keep) == len(flags):
+        return keep
+    peers = transport.peer_ranks()
+    bad = [peers[r] for r, ok in enumerate(flags) if not ok]
+    transport.ledger.record_nonfinite(op, bad)
+    what = (f"{op}: non-finite values (NaN/inf) on global rank(s) {bad}; nothing of theirs was sent")
+    if getattr(transport, "nonfinite", "skip") == "raise":
+        raise NonFiniteError(what + " (lowcomm.nonfinite is 'raise')")
+    if transport.rank == (keep[0] if keep else 0):  # one line per exchange, from one rank
+        logger.warning("%s; %s", what, "this exchange averaged the healthy ranks " f"{[peers[r] for r in keep]}"
+                       if keep else "no rank was healthy: this exchange changed nothing")
+    return keep
 
 
 @dataclass(frozen=True)
@@ -91,34 +135,45 @@ class SparseAllGather:
 
     @property
     def payload_bytes(self) -> int:
-        """Bytes one rank sends per exchange."""
-        return self.offsets[-1]
+        """Bytes one rank sends per exchange: the coefficients and one health flag byte."""
+        return self.offsets[-1] + 1
 
-    def exchange(self, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return self.start(buffers).wait()
+    def exchange(self, buffers: Sequence[torch.Tensor], healthy: bool = True) -> list[torch.Tensor]:
+        return self.start(buffers, healthy).wait()
 
-    def start(self, buffers: Sequence[torch.Tensor]) -> Pending:
+    def start(self, buffers: Sequence[torch.Tensor], healthy: bool = True) -> Pending:
         """Compress now (error feedback applied to ``buffers`` at once), gather in the background;
-        ``wait()`` decodes and returns the means."""
+        ``wait()`` decodes and returns the means. A rank whose buffers hold a non-finite value, or
+        told ``healthy=False``, sends zeros flagged as such and keeps its buffers as they are."""
         if len(buffers) != len(self.layouts):
             raise ValueError(f"expected {len(self.layouts)} tensors, got {len(buffers)}")
         ledger = self.transport.ledger
         start = time.perf_counter()
         pieces = [v for layout, buf in zip(self.layouts, buffers) for v in _piece_views(layout, buf)]
-        parts = []
-        for spec, buf in zip(self.specs, pieces):
-            payload, sent = spec.compress(buf)
-            buf.sub_(sent.to(buf.dtype))
-            parts.append(payload)
-        flat = torch.cat(parts)
+        device = pieces[0].device if pieces else torch.device("cpu")
+        if healthy and all_finite(pieces):
+            parts = []
+            for spec, buf in zip(self.specs, pieces):
+                payload, sent = spec.compress(buf)
+                buf.sub_(sent.to(buf.dtype))
+                parts.append(payload)
+            flat = torch.cat(parts + [torch.ones(1, dtype=torch.uint8, device=device)])
+        else:
+            flat = torch.zeros(self.payload_bytes, dtype=torch.uint8, device=device)
         ledger.add_time("codec", time.perf_counter() - start)
         gathered = self.transport.start_all_gather_bytes(flat, op=self.op)
         return Pending(lambda: self._decode(gathered.wait(), buffers), None)
 
     def _decode(self, rows: torch.Tensor, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        keep = settle_health(rows[:, -1] == 1, self.transport, self.op)
         start = time.perf_counter()
+        weights = self.weights
+        if len(keep) < rows.shape[0] and keep:
+            rows = rows[keep]
+            weights = None if weights is None else [weights[r] for r in keep]
         means = iter([
-            spec.decompress_mean(rows[:, lo:hi], self.average, self.weights)
+            spec.decompress_mean(rows[:, lo:hi], self.average, weights) if keep
+            else torch.zeros_like(spec.decompress_mean(rows[:1, lo:hi], self.average))  # nothing healthy: no move
             for spec, lo, hi in zip(self.specs, self.offsets[:-1], self.offsets[1:])
         ])
         out = []
@@ -147,24 +202,38 @@ def _piece_views(layout: Layout, buf: torch.Tensor) -> list[torch.Tensor]:
 
 
 def start_all_reduce_mean_(tensors: Sequence[torch.Tensor], transport: Transport, op: str = "all_reduce",
-                           weights: Sequence[float] | None = None) -> Pending:
-    """Average tensors over ranks in place, in the background: one flat all-reduce per dtype.
-    The tensors hold their averages once ``wait()`` returns (which returns them). ``weights``
-    (one per rank of the transport): a weighted mean instead."""
+                           weights: Sequence[float] | None = None, healthy: bool = True) -> Pending:
+    """Average tensors over ranks in place, in the background: one flat all-reduce per dtype,
+    after a one-byte all-gather of each rank's health flag (see the module's docstring). The
+    tensors hold their averages once ``wait()`` returns (which returns them). ``weights`` (one per
+    rank of the transport): a weighted mean instead."""
+    ok = healthy and all_finite(tensors)
+    flags = transport.start_all_gather_bytes(torch.tensor([int(ok)], dtype=torch.uint8), op=f"{op}_health")
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
     started = []
     for group in by_dtype.values():
         flat = torch.cat([t.reshape(-1) for t in group])
-        if weights is not None:
+        if not ok:
+            flat.zero_()
+        elif weights is not None:
             flat *= float(weights[transport.rank]) / float(sum(weights)) * transport.world_size
         started.append((group, flat, transport.start_all_reduce_sum_(flat, op=op)))
 
     def finish():
-        for group, flat, pending in started:
+        for _, _, pending in started:
             pending.wait()
+        keep = settle_health(flags.wait()[:, 0] == 1, transport, op)
+        for group, flat, _ in started:
             flat /= transport.world_size
+            if len(keep) < transport.world_size:  # the sum holds the healthy ranks only: rescale
+                if not keep:
+                    flat.zero_()
+                elif weights is None:
+                    flat *= transport.world_size / len(keep)
+                else:
+                    flat *= float(sum(weights)) / float(sum(weights[r] for r in keep))
             offset = 0
             for t in group:
                 t.copy_(flat[offset : offset + t.numel()].view_as(t))

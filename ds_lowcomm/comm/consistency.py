@@ -33,10 +33,16 @@ def _gather_json(transport: Transport, obj: Any) -> list[Any]:
     return [json.loads(bytes(rows[r, : int(lengths[r])].tolist()).decode()) for r in range(rows.shape[0])]
 
 
-def assert_same_across_ranks(transport: Transport, settings: dict, params: Iterable[torch.Tensor] | None = None) -> None:
+START_DIFFERS = ("starts from different parameters than rank 0: initialise every rank with the same seed, or "
+                 "broadcast the parameters from rank 0 before building the optimizer")
+
+
+def assert_same_across_ranks(transport: Transport, settings: dict, params: Iterable[torch.Tensor] | None = None,
+                             differs: str = START_DIFFERS) -> None:
     """Raise on every rank if any rank's settings differ, or its starting parameters do.
 
-    ``settings`` is a JSON-able dict (method settings, parameter shapes, ...). Parameters are
+    ``settings`` is a JSON-able dict (method settings, parameter shapes, ...); ``differs`` what the
+    error says of a rank whose tensors are not rank 0's. Parameters are
     compared through float64 checksums with a relative tolerance of 1e-9, so replicas on
     different device types still agree.
     """
@@ -54,7 +60,4 @@ def assert_same_across_ranks(transport: Transport, settings: dict, params: Itera
         if "checksums" in mine:
             ca, cb = mine["checksums"], theirs["checksums"]
             if len(ca) != len(cb) or any(not math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12) for x, y in zip(ca, cb)):
-                raise ValueError(
-                    f"rank {rank} starts from different parameters than rank 0: initialise every rank with "
-                    "the same seed, or broadcast the parameters from rank 0 before building the optimizer"
-                )
+                raise ValueError(f"rank {rank} {differs}")

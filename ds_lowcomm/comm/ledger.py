@@ -27,6 +27,13 @@ class ByteLedger:
         self._step_received = array("q")
         self._open_sent = 0
         self._open_received = 0
+        # Exchanges a rank sat out for non-finite values: op -> {global rank (str): times}
+        self.nonfinite: dict[str, dict[str, int]] = {}
+
+    def record_nonfinite(self, op: str, ranks: list[int]) -> None:
+        row = self.nonfinite.setdefault(op, {})
+        for r in ranks:
+            row[str(r)] = row.get(str(r), 0) + 1
 
     def record(self, op: str, sent: int, received: int) -> None:
         self.sent += sent
@@ -70,6 +77,7 @@ class ByteLedger:
             "calls": self.calls,
             "by_op": {k: {"calls": c, "sent": s, "received": r} for k, (c, s, r) in self.by_op.items()},
             "seconds": dict(self.seconds),
+            "nonfinite": {k: dict(v) for k, v in self.nonfinite.items()},
         }
 
     def state_dict(self) -> dict:
@@ -81,6 +89,7 @@ class ByteLedger:
             "seconds": dict(self.seconds),
             "step_sent": torch.tensor(self._step_sent, dtype=torch.int64),
             "step_received": torch.tensor(self._step_received, dtype=torch.int64),
+            "nonfinite": {k: dict(v) for k, v in self.nonfinite.items()},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -90,3 +99,4 @@ class ByteLedger:
         self._step_sent = array("q", state["step_sent"].tolist())
         self._step_received = array("q", state["step_received"].tolist())
         self._open_sent = self._open_received = 0
+        self.nonfinite = {k: dict(v) for k, v in state.get("nonfinite", {}).items()}

@@ -196,16 +196,16 @@ class RoutedSparseAllGather:
     def payload_bytes(self) -> int:
         return sum(s.payload_bytes for s in self.syncs)
 
-    def exchange(self, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        return self.start(buffers).wait()
+    def exchange(self, buffers: Sequence[torch.Tensor], healthy: bool = True) -> list[torch.Tensor]:
+        return self.start(buffers, healthy).wait()
 
-    def start(self, buffers: Sequence[torch.Tensor]) -> Pending:
+    def start(self, buffers: Sequence[torch.Tensor], healthy: bool = True) -> Pending:
         if len(buffers) != len(self.routes.numels):
             raise ValueError(f"expected {len(self.routes.numels)} tensors, got {len(buffers)}")
         started = []
         for route, sync in zip(self.routes.routes, self.syncs):
             flat = route.gather(buffers)
-            pending = sync.start([flat])  # removes what it sends from flat (error feedback)
+            pending = sync.start([flat], healthy)  # removes what it sends from flat (error feedback)
             route.scatter(flat, buffers)
             started.append((route, pending))
 

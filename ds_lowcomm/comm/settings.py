@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .collectives import NONFINITE_POLICIES
 from ..settings import Settings, check_choice, check_int, check_positive
 
 TRANSPORTS = ("torch", "mpi")
@@ -17,8 +18,12 @@ class CommSettings(Settings):
     # Seconds a collective of the groups ds_lowcomm creates may wait for a peer before every
     # waiting rank fails naming the operation (torch's default would be 30 minutes).
     timeout_s: float = 300.0
+    # A rank with NaN/inf to send: "skip" sends nothing of it and averages the healthy ranks
+    # (counted and logged), "raise" stops every rank with an error naming the ranks.
+    nonfinite: str = "skip"
 
     def check(self, where: str) -> None:
         check_choice(where, "transport", self.transport, TRANSPORTS)
         check_int(where, "replica_size", self.replica_size, 1)
         check_positive(where, "timeout_s", self.timeout_s)
+        check_choice(where, "nonfinite", self.nonfinite, NONFINITE_POLICIES)

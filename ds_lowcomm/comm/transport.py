@@ -55,6 +55,7 @@ class Transport:
     world_size: int
     ledger: ByteLedger
     device: torch.device  # where this transport's buffers must live
+    nonfinite: str = "skip"  # a rank with NaN/inf to send: "skip" it in that exchange, or "raise" (collectives.py)
 
     # -- what a backend provides --------------------------------------------------------------
     def _home(self, t: torch.Tensor) -> torch.device:
@@ -135,6 +136,10 @@ class Transport:
     def describe_peers(self) -> str:
         return f"0..{self.world_size - 1} of this group"
 
+    def peer_ranks(self) -> list[int]:
+        """Each rank of this transport's global rank (for messages and the ledger)."""
+        return list(range(self.world_size))
+
     def _stage(self, t: torch.Tensor) -> torch.Tensor:
         """``t`` contiguous where the backend reads it: itself, or a copy there."""
         t = t.contiguous()
@@ -172,8 +177,12 @@ class TorchDistTransport(Transport):
         self.device = backend_device(group)
 
     def describe_peers(self) -> str:
-        ranks = dist.get_process_group_ranks(self.group) if self.group is not None else range(dist.get_world_size())
-        return "[" + ", ".join(map(str, ranks)) + "] (global)"
+        return "[" + ", ".join(map(str, self.peer_ranks())) + "] (global)"
+
+    def peer_ranks(self) -> list[int]:
+        if self.group is None:
+            return list(range(dist.get_world_size()))
+        return list(dist.get_process_group_ranks(self.group))
 
     def _all_gather(self, send, out):
         return _all_gather_single(out.view(-1), send, group=self.group, async_op=True).wait

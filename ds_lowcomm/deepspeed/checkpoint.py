@@ -55,18 +55,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ..checkpoint_io import (DIGEST_SUFFIX, CheckpointError, agree_on_problems, check_digests, load_file, save_file,
+                             write_text)
+
 CHECKPOINT_META = "lowcomm.json"
 LATEST = "latest"  # DeepSpeed's name
 REPLICA_DIR = re.compile(r"replica\d{5}")
 
 logger = logging.getLogger(__name__)
-
-
-def _write_text(path: str, text: str) -> None:
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
 
 
 def _link_or_copy(src: str, dst: str) -> None:
@@ -109,8 +105,8 @@ def _stage0_export(engine, path: str) -> None:
     flat = [torch.cat([p.detach().reshape(-1).float().cpu() for _, p in trainable] or [torch.zeros(0)])]
     optim = {OPTIMIZER_STATE_DICT: {ZERO_STAGE: 0, PARTITION_COUNT: 1, SINGLE_PARTITION_OF_FP32_GROUPS: flat},
              "ds_config": engine.config, "ds_version": version}
-    torch.save(model, os.path.join(path, "mp_rank_00_model_states.pt"))
-    torch.save(optim, os.path.join(path, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
+    save_file(model, os.path.join(path, "mp_rank_00_model_states.pt"))
+    save_file(optim, os.path.join(path, "zero_pp_rank_0_mp_rank_00_optim_states.pt"))
 
 
 def _adam_target(run, engine) -> torch.optim.Optimizer | None:
@@ -152,7 +148,30 @@ def _map_adam_state(target: torch.optim.Optimizer, saved: Any) -> str | None:
     return None
 
 
+def _deepspeed_globals() -> list:
+    """The classes DeepSpeed's own checkpoint files hold besides data, allowed by name at load
+    (its ZeRO stage enum, its loss scalers: plain attribute holders); nothing else is unpickled."""
+    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
+    from deepspeed.runtime.zero.config import ZeroStageEnum
+    from deepspeed.utils.tensor_fragment import fragment_address
+
+    return [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
+
+
+def safe_checkpoint_engine(engine) -> None:
+    """The engine's checkpoint engine writes every file atomically with its digest beside it and
+    loads with ``weights_only=True`` (DeepSpeed's own loads with ``weights_only=False``: a
+    pickled call in a checkpoint would run). Files DeepSpeed wrote without ds_lowcomm (a warm
+    start's) have no digest; the load checks it where there is one."""
+    ce = engine.checkpoint_engine
+    zipfile = getattr(ce, "zipfile_serialization", True)
+    allowed = _deepspeed_globals()
+    ce.save = lambda state_dict, path: save_file(state_dict, path, _use_new_zipfile_serialization=zipfile)
+    ce.load = lambda path, map_location=None: load_file(path, map_location, allowed=allowed, digest="if_present")
+
+
 def patch_checkpoint(engine, run) -> None:
+    safe_checkpoint_engine(engine)
     save, load = engine.save_checkpoint, engine.load_checkpoint
     topology = run.topology
 
@@ -191,7 +210,7 @@ def patch_checkpoint(engine, run) -> None:
         out = save(replica_dir(save_dir), tag, client_state=client_state, save_latest=save_latest, **kwargs)
         # DeepSpeed ends its save with a global barrier: every replica's files are complete here.
         if save_latest and topology.local_rank == 0 and topology.replica != 0:
-            _write_text(os.path.join(replica_dir(save_dir), LATEST), tag)  # DeepSpeed: global rank 0 only
+            write_text(os.path.join(replica_dir(save_dir), LATEST), tag)  # DeepSpeed: global rank 0 only
         if dist.get_rank() == 0:
             export(self, save_dir, tag)
             # DeepSpeed copies zero_to_fp32.py / zero_to_torch.py next to the tags it saves (here the
@@ -204,9 +223,9 @@ def patch_checkpoint(engine, run) -> None:
                     latest = json.load(f).get("latest")
             elif not save_latest:
                 latest = None
-            _write_text(path, json.dumps({**meta(self), "latest": latest}))
+            write_text(path, json.dumps({**meta(self), "latest": latest}))
             if save_latest:
-                _write_text(os.path.join(save_dir, LATEST), tag)
+                write_text(os.path.join(save_dir, LATEST), tag)
         dist.barrier()  # no rank reads the directory before it is complete
         return out
 
@@ -258,9 +277,22 @@ def patch_checkpoint(engine, run) -> None:
         tag = tag if tag is not None else saved.get("latest")
         if tag is None:
             raise FileNotFoundError(f"{load_dir}: no latest checkpoint recorded; pass tag=")
-        path, client_state = load(replica_dir(load_dir), tag, **kwargs)
+        # Every file of this replica's checkpoint matches the digest written with it, on every
+        # rank, before any rank loads (a rank that stopped alone would leave the others waiting).
+        tag_dir = os.path.join(replica_dir(load_dir), str(tag))
+        files = [os.path.join(tag_dir, n) for n in sorted(os.listdir(tag_dir))
+                 if not n.endswith(DIGEST_SUFFIX) and not n.startswith(".")] if os.path.isdir(tag_dir) else []
+        agree_on_problems(check_digests(f for f in files if os.path.isfile(f)) if files
+                          else [f"{tag_dir}: no such checkpoint"])
+        problems, (path, client_state) = [], (None, None)
+        try:
+            path, client_state = load(replica_dir(load_dir), tag, **kwargs)
+        except CheckpointError as err:  # a file that is not plain data: refused, and by every rank
+            problems.append(str(err))
+        agree_on_problems(problems)
         if path is None:
             raise FileNotFoundError(f"{replica_dir(load_dir)}/{tag}: DeepSpeed found no checkpoint to load")
+        run.optimizer.check_replicas_agree()  # the replicas' copies of what must be equal are
         return path, client_state
 
     engine.save_checkpoint = types.MethodType(lowcomm_save, engine)

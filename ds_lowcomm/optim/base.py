@@ -9,17 +9,20 @@ partitions for ZeRO 1/2/3, declared as parameter pieces with ``set_pieces``).
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
 import torch
 
 from ..codec import FLOAT_DTYPES
-from ..comm import (Pending, Pieces, ReplicaShard, Routes, SparseAllGather, TorchDistTransport, Transport,
-                    assert_same_across_ranks, start_all_reduce_mean_)
+from ..comm import (ByteLedger, NonFiniteError, Pending, Pieces, ReplicaShard, Routes, SparseAllGather, TorchDistTransport,
+                    Transport, all_finite, assert_same_across_ranks, start_all_reduce_mean_)
 from ..settings import Settings, check_choice
 
 STATE_DTYPES = tuple(FLOAT_DTYPES)
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -82,6 +85,9 @@ class LowcommOptimizer(torch.optim.Optimizer):
         # real is never guessed from this rank's gradients: a rank whose first gradients are all
         # zero would skip a collective the other ranks issue.
         self.framework_setup = False
+        # A local update skipped for non-finite gradients under lowcomm.nonfinite "raise": the next
+        # exchange goes out flagged, so that every rank raises there together (not this one alone).
+        self._unhealthy = False
         params = self._current_params()
         self._record = {
             "method": self.method,
@@ -127,6 +133,8 @@ class LowcommOptimizer(torch.optim.Optimizer):
         if self._syncs:
             raise RuntimeError("set_routes must come before the first step")
         self._routes, self._routes_key = routes, tuple(id(p) for p in params)
+        for route in routes.routes:
+            route.transport.nonfinite = self.transport.nonfinite
         # Shapes, world sizes and step counts differ between replicas by design; the rest must not.
         record = {k: v for k, v in self._record.items()
                   if k not in ("world_size", "param_shapes", "param_dtypes", "sync_every")}
@@ -141,10 +149,31 @@ class LowcommOptimizer(torch.optim.Optimizer):
                                "the optimizer's tensors (lowcomm.fragments must be 1)")
         return len(ids) // n
 
+    # -- the non-finite guard (the collectives check what they send; see comm/collectives.py) --
+    def _grads_finite(self, grads: list[torch.Tensor | None], what: str) -> bool:
+        """Whether this rank's gradients are all finite. If not, the caller skips its local update
+        (as a loss scaler skips an overflowed step: nothing non-finite enters the state); the skip
+        is counted in the ledger under ``what`` with this rank and logged. It changes no
+        collective: under "raise" the next exchange is flagged and every rank raises there."""
+        if all_finite(grads):
+            return True
+        me = self.transport.peer_ranks()[self.transport.rank]
+        self.ledger.record_nonfinite(what, [me])
+        logger.warning("%s: non-finite gradients on global rank %d: its local update of this step is skipped",
+                       what, me)
+        if self.transport.nonfinite == "raise":
+            self._unhealthy = True
+        return False
+
+    def _healthy(self) -> bool:
+        """This rank's health flag for the exchange it starts now (see :meth:`_grads_finite`)."""
+        healthy, self._unhealthy = not self._unhealthy, False
+        return healthy
+
     def _start_mean_(self, params: list[torch.Tensor], tensors: list[torch.Tensor], op: str) -> Pending:
         """Dense mean of ``tensors`` (laid out as ``params``) across replicas, in place on ``wait()``."""
         if self._routes is None:
-            return start_all_reduce_mean_(tensors, self.transport, op=op)
+            return start_all_reduce_mean_(tensors, self.transport, op=op, healthy=self._healthy())
         n = len(self._routes_key)
         parts = [self._routes.start_all_reduce_mean_(tensors[i : i + n], op=op)
                  for i in range(0, self._repeats(params) * n, n)]
@@ -193,6 +222,27 @@ class LowcommOptimizer(torch.optim.Optimizer):
             self.shard.share(params)
 
     # -- checkpointing ------------------------------------------------------------------
+    def replica_tensors(self) -> list[torch.Tensor]:
+        """What every replica holds identically at a step boundary (compared after a checkpoint
+        load): the parameters this rank syncs. Outer methods: their anchors."""
+        return self._owned(self._current_params())
+
+    def check_replicas_agree(self) -> None:
+        """Collective over the method's transport: raise on every rank if the replicas' copies of
+        :meth:`replica_tensors` differ (a corrupted or mixed-up checkpoint)."""
+        if self._routes is not None:
+            return
+        # The check's few bytes go to a scratch ledger: the restored one stays the run's record of
+        # training traffic, equal to an uninterrupted run's.
+        ledger, self.transport.ledger = self.transport.ledger, ByteLedger()
+        try:
+            assert_same_across_ranks(self.transport, {"method": self.method}, self.replica_tensors(),
+                                     differs="(a replica) holds other values than rank 0 after the checkpoint load, "
+                                             "where every replica's must be equal: a checkpoint file was changed or "
+                                             "files of different checkpoints were mixed")
+        finally:
+            self.transport.ledger = ledger
+
     def _extra_state(self) -> dict[str, Any]:
         return {}
 
@@ -227,11 +277,11 @@ class _RepeatedRoutes:
     def __init__(self, sync, n: int, times: int):
         self.sync, self.n, self.times = sync, n, times
 
-    def exchange(self, buffers):
-        return self.start(buffers).wait()
+    def exchange(self, buffers, healthy: bool = True):
+        return self.start(buffers, healthy).wait()
 
-    def start(self, buffers) -> Pending:
-        parts = [self.sync.start(buffers[i : i + self.n]) for i in range(0, self.n * self.times, self.n)]
+    def start(self, buffers, healthy: bool = True) -> Pending:
+        parts = [self.sync.start(buffers[i : i + self.n], healthy) for i in range(0, self.n * self.times, self.n)]
         return Pending(lambda: [t for part in parts for t in part.wait()], None)
 
 

@@ -67,18 +67,23 @@ class DeMo(LowcommOptimizer):
         the momenta's top-k DCT components and remove them from the momenta (error feedback).
         ``wait()`` returns, per parameter, the mean over ranks of the sent components. Used by
         :meth:`step`, and by integrations that run the exchange in the framework's gradient
-        sync (megatron_patches: per gradient bucket, during the backward pass)."""
+        sync (megatron_patches: per gradient bucket, during the backward pass).
+
+        Non-finite gradients on this rank: its momenta stay as they are and it sits this exchange
+        out (every rank steps along the healthy ranks' mean; see comm/collectives.py)."""
         momenta = []
+        finite = self._grads_finite(grads, "momentum_fold")
         for p, g, lr in zip(params, grads, lrs):
             state = self.state[p]
             if "momentum" not in state:
                 state["momentum"] = torch.zeros_like(p, dtype=self.state_dtype)
             m = state["momentum"]
-            m.mul_(self.settings.decay)
-            if g is not None:
-                m.add_(g.to(m.dtype), alpha=lr)
+            if finite:
+                m.mul_(self.settings.decay)
+                if g is not None:
+                    m.add_(g.to(m.dtype), alpha=lr)
             momenta.append(m)
-        return self._sync_for(list(params), "sparse_all_gather").start(momenta)
+        return self._sync_for(list(params), "sparse_all_gather").start(momenta, self._healthy() and finite)
 
 
 def sign_step_(p: torch.Tensor, direction: torch.Tensor, lr: float, weight_decay: float) -> None:

@@ -104,6 +104,7 @@ class MTDAO(LowcommOptimizer):
     def _update(self, params):
         betas, weights = self.settings.momentum_betas, self.settings.momentum_weights
         grad_weight = 1.0 - sum(weights)
+        finite = self._grads_finite([p.grad for p in params], "mtdao_local_step")  # if not: this rank's local step is skipped
         for group in self.param_groups:
             lr, wd, eps, beta2 = group["lr"], group["weight_decay"], group["eps"], group["beta2"]
             for p in group["params"]:
@@ -123,7 +124,7 @@ class MTDAO(LowcommOptimizer):
                             state[f"{name}_synced"] = start
                             state[f"{name}_unsent"] = torch.zeros_like(p, dtype=torch.float32)
                 state["step"] += 1
-                if p.grad is None:  # no update, but the tensor still takes part in the syncs
+                if p.grad is None or not finite:  # no update, but the tensor still takes part in the syncs
                     continue
                 t = state["step"]
                 g = p.grad.to(self.state_dtype)
@@ -140,6 +141,15 @@ class MTDAO(LowcommOptimizer):
                     p.mul_(1.0 - lr * wd)
                 p.addcdiv_(direction.to(p.dtype), denom.to(p.dtype), value=-lr)
         self._sync_due(params, self.state[params[0]]["step"])
+
+    def replica_tensors(self):
+        # Dense syncs: the parameters right after a parameter sync; topk: the last synced values.
+        params = self._current_params()
+        if not params or "step" not in self.state[params[0]]:
+            return params
+        if self.settings.sync_codec == "topk":
+            return [self.state[p]["param_synced"] for p in params]
+        return params if self.state[params[0]]["step"] % self.periods["param"] == 0 else []
 
     def _sync_due(self, params: list[torch.Tensor], t: int) -> None:
         """Average everything whose period divides step t, in one collective."""
@@ -170,7 +180,7 @@ class MTDAO(LowcommOptimizer):
             unsent.add_(x.float()).sub_(state[f"{name}_synced"])
             changes.append(unsent)
         sync = self._sync_for([p for p, _, _ in items], "mtdao_sparse_all_gather")  # x has p's layout
-        means = sync.exchange(changes)  # the sent parts leave `unsent`
+        means = sync.exchange(changes, self._healthy())  # the sent parts leave `unsent`
         for (p, name, x), mean in zip(items, means):
             synced = self.state[p][f"{name}_synced"]
             synced.add_(mean)

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..codec import CodecSettings
-from ..comm import Pending, ReplicaShard, Transport
+from ..comm import Pending, ReplicaShard, Transport, all_finite
 from ..settings import Settings, check_bool, check_choice, check_fraction, check_int, check_positive, check_unit
 from .base import LowcommOptimizer, StatefulSettings, ordered_params
 
@@ -198,7 +198,8 @@ class OuterLoop(LowcommOptimizer):
                 state["anchor"] = p.detach().to(self.state_dtype, copy=True)
                 if self.settings.outer_momentum > 0:
                     state["outer_momentum"] = torch.zeros_like(state["anchor"])
-        self.inner.step()
+        if self._grads_finite([p.grad for p in params], "inner_step"):  # else this replica skips this inner step
+            self.inner.step()
         for p in params:
             self.state[p]["local_step"] += 1
         t = self.state[params[0]]["local_step"]
@@ -247,6 +248,10 @@ class OuterLoop(LowcommOptimizer):
         raise NotImplementedError
 
     # -- checkpointing: outer state here, the inner optimizer's under "inner" ---------------
+    def replica_tensors(self):
+        # Between outer steps the replicas' parameters differ by design; their anchors never do.
+        return [self.state[p].get("anchor", p) for p in self._owned(self._current_params())]
+
     def state_dict(self):
         # A sync in flight cannot be saved: let it land now and keep its result for its step.
         for owned, pending in self._in_flight.values():
@@ -277,15 +282,17 @@ class DCTDiLoCo(OuterLoop):
     settings_class = DCTDiLoCoSettings
 
     def _start_combine(self, params, deltas):
+        finite = all_finite(deltas)  # if not, the residuals stay as they are and this rank sits out
         residuals = []
         for p, delta in zip(params, deltas):
             state = self.state[p]
             if "residual" not in state:
                 state["residual"] = torch.zeros_like(delta)
-            state["residual"].mul_(self.settings.decay).add_(delta)
+            if finite:
+                state["residual"].mul_(self.settings.decay).add_(delta)
             residuals.append(state["residual"])
         # sent components leave the residuals now; the means arrive on wait()
-        return self._sync_for(params, "outer_sparse_all_gather").start(residuals)
+        return self._sync_for(params, "outer_sparse_all_gather").start(residuals, self._healthy() and finite)
 
 
 class SparseLoCo(DCTDiLoCo):

@@ -115,6 +115,12 @@ def build_optimizer(
     cfg.validate()
     hyper = AdamSettings.from_flat({"lr": lr, **adam}, where="optimizer", strict=True)
     cls = METHOD_CLASSES[cfg.method]
+    optimizer = _build(cfg, cls, params, hyper, transport, shard, ledger_steps, inner_factory)
+    optimizer.transport.nonfinite = cfg.comm.nonfinite  # what the collectives do about a rank with NaN/inf
+    return optimizer
+
+
+def _build(cfg, cls, params, hyper, transport, shard, ledger_steps, inner_factory) -> LowcommOptimizer:
     comm = dict(settings=cfg.settings, transport=transport, shard=shard, ledger_steps=ledger_steps)
     if cls is AllReduceAdamW:
         return AllReduceAdamW(params, transport=transport, shard=shard, ledger_steps=ledger_steps,

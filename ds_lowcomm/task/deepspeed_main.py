@@ -19,8 +19,10 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ..checkpoint_io import LATEST
 from ..comm.mpi import finalize_if_used
 from ..config import ConfigError
+from ..deepspeed.config import load_config, split_config
 from ..deepspeed.launcher import mpi_environment
 from .spec import DEFAULTS, TrainSpec
 from .train import train_worker
@@ -42,7 +44,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=DEFAULTS.seed)
     p.add_argument("--save-dir", default=None, help="checkpoint directory")
     p.add_argument("--save-at", type=int, default=0, help="save a checkpoint after this step")
-    p.add_argument("--resume", action="store_true", help="resume from the latest checkpoint in --save-dir")
+    p.add_argument("--save-every", type=int, default=0, help="save a checkpoint after every multiple of this step")
+    p.add_argument("--resume", nargs="?", const="latest", default=None, metavar="TAG",
+                   help="resume from checkpoint TAG of --save-dir (e.g. step40), or with no TAG (or 'latest') from "
+                        "the last complete one. Under torchrun --max-restarts, a restarted group resumes from the "
+                        "latest checkpoint of --save-dir by itself")
     p.add_argument("--max-train-bytes", type=int, default=DEFAULTS.max_train_bytes)
     p.add_argument("--pipeline-stages", type=int, default=DEFAULTS.pipeline_stages,
                    help="> 0: the GPT as a DeepSpeed pipeline of this many stages (ranks: a multiple of it); "
@@ -53,7 +59,34 @@ def parser() -> argparse.ArgumentParser:
 def spec_from_args(args: argparse.Namespace) -> TrainSpec:
     if args.resume and not args.save_dir:
         raise ConfigError("--resume needs --save-dir")
-    return TrainSpec.from_args(args, resume_from=args.save_dir if args.resume else None)
+    resume = args.resume
+    if resume is None and elastic_restart() and args.save_dir and os.path.isfile(os.path.join(args.save_dir, LATEST)):
+        resume = "latest"  # torchrun restarted the group after a worker was lost: go on from the last checkpoint
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"[ds_lowcomm] elastic restart {os.environ['TORCHELASTIC_RESTART_COUNT']}: resuming from "
+                  f"{args.save_dir}/{LATEST}", file=sys.stderr, flush=True)
+    return TrainSpec.from_args(args, resume_from=args.save_dir if resume else None, resume_tag=resume or "latest")
+
+
+def _init_after_elastic_restart() -> None:
+    """torchrun's static rendezvous keeps one agent store across restarts, so a restarted rank
+    can read the dead group's addresses from it (gloo: "Connection refused" at start-up). Each
+    attempt's group takes keys of its own here."""
+    from datetime import timedelta
+
+    from deepspeed.accelerator import get_accelerator
+
+    world, attempt = int(os.environ["WORLD_SIZE"]), os.environ["TORCHELASTIC_RESTART_COUNT"]
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world, is_master=False,
+                          timeout=timedelta(minutes=5))
+    dist.init_process_group(get_accelerator().communication_backend_name(),
+                            store=dist.PrefixStore(f"ds_lowcomm/attempt_{attempt}", store),
+                            rank=int(os.environ["RANK"]), world_size=world)
+
+
+def elastic_restart() -> bool:
+    """Whether torchrun (elastic) started this process after a failure of the group."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") or 0) > 0
 
 
 def run(spec: TrainSpec, metrics_out: str | None = None) -> dict:
@@ -62,6 +95,8 @@ def run(spec: TrainSpec, metrics_out: str | None = None) -> dict:
     import deepspeed
 
     mpi_environment()
+    if not dist.is_initialized() and elastic_restart() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        _init_after_elastic_restart()
     if not dist.is_initialized():
         deepspeed.init_distributed()  # the accelerator's backend
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -102,7 +137,14 @@ def run(spec: TrainSpec, metrics_out: str | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> None:
     args = parser().parse_args(argv)
-    run(spec_from_args(args), args.metrics_out)
+    try:
+        if args.deepspeed_config:  # a bad file fails here, on every rank alike, before any rank waits for the others
+            split_config(load_config(args.deepspeed_config))
+        spec = spec_from_args(args)
+    except ConfigError as err:  # before torch.distributed starts: a clear line, no traceback, no wait
+        print(f"error: {err}", file=sys.stderr)
+        sys.exit(2)
+    run(spec, args.metrics_out)
     dist.barrier()
     dist.destroy_process_group()
     finalize_if_used()  # with lowcomm.transport "mpi"

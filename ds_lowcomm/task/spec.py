@@ -29,11 +29,12 @@ BACKENDS = ("gloo", "nccl")
 FLAGS = {
     "--steps": "steps", "--batch": "batch", "--warmup": "warmup", "--eval-every": "eval_every", "--seed": "seed",
     "--data": "data", "--max-train-bytes": "max_train_bytes", "--device": "device", "--backend": "backend",
-    "--save-dir": "save_dir", "--save-at": "save_at", "--deepspeed_config": "deepspeed_config",
+    "--save-dir": "save_dir", "--save-at": "save_at", "--save-every": "save_every",
+    "--deepspeed_config": "deepspeed_config",
     "--pipeline-stages": "pipeline_stages",
     "--seq-len": "model.seq_len", "--n-layer": "model.n_layer", "--n-head": "model.n_head", "--n-embd": "model.n_embd",
 }
-ZERO_IS_UNSET = ("eval_every", "save_at")
+ZERO_IS_UNSET = ("eval_every", "save_at", "save_every")
 
 
 @dataclass(frozen=True)
@@ -64,8 +65,10 @@ class TrainSpec:
     # Checkpoints and early stops.
     save_dir: str | None = None
     save_at: int | None = None  # save after this step
+    save_every: int | None = None  # and after every multiple of this step
     stop_after_save: bool = False
     resume_from: str | None = None  # a save_dir to resume from
+    resume_tag: str = "latest"  # which of its checkpoints: a tag (step40), or the latest complete one
     stop_at_val_loss: float | None = None  # stop at the first evaluation that reaches it
     # Where it runs.
     device: str = "cpu"  # cpu, cuda (this rank's GPU: LOCAL_RANK modulo the GPUs present) or cuda:N
@@ -107,13 +110,19 @@ class TrainSpec:
         at_least("pipeline_stages", self.pipeline_stages, 0)
         at_least("eval_every", self.eval_every, 1, optional=True)
         at_least("save_at", self.save_at, 1, optional=True)
+        at_least("save_every", self.save_every, 1, optional=True)
         for f in dataclasses.fields(GPTConfig):
             at_least(f"model.{f.name}", getattr(self.model, f.name), 1)
         if self.model.n_embd % self.model.n_head:
             raise ConfigError(f"{name('model.n_embd')} must be a multiple of {name('model.n_head')}; got "
                               f"{self.model.n_embd} and {self.model.n_head}")
-        if self.save_at is not None and not self.save_dir:
-            raise ConfigError(f"{name('save_at')} needs {name('save_dir')}")
+        for f in ("save_at", "save_every"):
+            if getattr(self, f) is not None and not self.save_dir:
+                raise ConfigError(f"{name(f)} needs {name('save_dir')}")
+        if not isinstance(self.resume_tag, str) or not self.resume_tag or "/" in self.resume_tag \
+                or self.resume_tag.startswith("."):
+            raise ConfigError(f"{name('resume_tag')} must be a checkpoint tag such as step40, or latest; "
+                              f"got {self.resume_tag!r}")
         explicit_gpu = isinstance(self.device, str) and self.device.startswith("cuda:") and self.device[5:].isdigit()
         if self.device not in DEVICES and not explicit_gpu:
             raise ConfigError(f"{name('device')} must be one of {', '.join(DEVICES)}; got {self.device!r}")

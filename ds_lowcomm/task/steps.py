@@ -31,6 +31,7 @@ from typing import Callable, Iterable, Protocol
 
 import torch
 
+from ..checkpoint_io import LATEST, agree_on_problems, check_digests, load_file, read_latest, save_file, write_text
 from ..codec import FLOAT_DTYPES
 from ..comm import build_transport
 from ..optim import build_optimizer
@@ -61,10 +62,19 @@ class Step(Protocol):
     def report(self) -> dict:
         """This step's part of the run's results (method, bytes, ledgers)."""
 
-    def save(self, directory: str, step: int) -> None: ...
+    def save(self, directory: str, step: int) -> None:
+        """A checkpoint of every rank under tag ``step<step>``; ``latest`` names it once complete."""
 
-    def load(self, directory: str) -> int:
-        """Resume from ``directory``; the number of steps done."""
+    def load(self, directory: str, tag: str = "latest") -> int:
+        """Resume from checkpoint ``tag`` of ``directory`` (``latest``: the last complete one);
+        the number of steps done."""
+
+
+def _barrier() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()
 
 
 def lr_lambda(warmup: int, total: int, floor: float = 0.1):
@@ -161,19 +171,28 @@ class TorchStep:
             "comm_s": summary["seconds"].get("comm", 0.0),
         }
 
-    def _path(self, directory: str) -> str:
-        return os.path.join(directory, f"rank{self.rank}.pt")
+    def _path(self, directory: str, tag: str) -> str:
+        return os.path.join(directory, tag, f"rank{self.rank}.pt")
 
     def save(self, directory, step):
-        os.makedirs(directory, exist_ok=True)
-        torch.save({"model": self.module.state_dict(), "optimizer": self.opt.state_dict(),
-                    "scheduler": self.sched.state_dict(), "step": step}, self._path(directory))
+        tag = f"step{step}"
+        os.makedirs(os.path.join(directory, tag), exist_ok=True)
+        save_file({"model": self.module.state_dict(), "optimizer": self.opt.state_dict(),
+                   "scheduler": self.sched.state_dict(), "step": step}, self._path(directory, tag))
+        _barrier()  # every rank's file is complete before ``latest`` names the tag
+        if self.rank == 0:
+            write_text(os.path.join(directory, LATEST), tag)
+        _barrier()
 
-    def load(self, directory):
-        ckpt = torch.load(self._path(directory), weights_only=False, map_location=self.device)
+    def load(self, directory, tag="latest"):
+        tag = read_latest(directory) if tag == "latest" else tag
+        path = self._path(directory, tag)
+        agree_on_problems(check_digests([path]))  # every rank stops if any rank's file is bad
+        ckpt = load_file(path, map_location=self.device, digest="checked")
         self.module.load_state_dict(ckpt["model"])
         self.opt.load_state_dict(ckpt["optimizer"])
         self.sched.load_state_dict(ckpt["scheduler"])
+        self.opt.check_replicas_agree()
         return ckpt["step"]
 
 
@@ -236,8 +255,8 @@ class DeepSpeedStep:
     def save(self, directory, step):
         self.engine.save_checkpoint(directory, tag=f"step{step}", client_state={"step": step})
 
-    def load(self, directory):
-        _, client = self.engine.load_checkpoint(directory)
+    def load(self, directory, tag="latest"):
+        _, client = self.engine.load_checkpoint(directory, tag=None if tag == "latest" else tag)
         return client["step"]
 
 

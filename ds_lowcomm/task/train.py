@@ -70,7 +70,7 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec, task_type=Referenc
     torch.manual_seed(spec.seed)  # same init on every rank and for every method (and device)
     step: Step = (make_step or default_step(spec))(task.build_model(), spec, rank, task.loss)
     evaluate = step.evaluation(task)
-    start_step = step.load(spec.resume_from) if spec.resume_from else 0
+    start_step = step.load(spec.resume_from, spec.resume_tag) if spec.resume_from else 0
 
     steps, accum, eval_every = spec.steps, step.accumulation, spec.eval_interval
     label = spec.label or step.label
@@ -94,7 +94,7 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec, task_type=Referenc
             if rank == 0 and spec.verbose:
                 print(f"[{label}] step {done:5d}/{steps}  train {train_loss:.4f}  val {row['val_loss']:.4f}  "
                       f"sent {row['bytes_sent'] / 1e6:9.3f} MB", flush=True)
-        if spec.save_at == done:
+        if spec.save_at == done or (spec.save_every and done % spec.save_every == 0):
             step.save(spec.save_dir, done)
             if spec.stop_after_save:
                 break
