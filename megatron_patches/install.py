@@ -126,6 +126,10 @@ def _check_supported(model_chunks, optimizer, cfg: LowcommConfig) -> None:
         raise ConfigError(f"lowcomm.replica_size must be 1 (or {mp_size}, the model-parallel size) with "
                           "Megatron-Core: a replica is one model-parallel group; "
                           f"got {cfg.comm.replica_size!r}")
+    if cfg.method == "demo" and cfg.settings.overlap:
+        raise ConfigError("lowcomm.overlap must be false with Megatron-Core: DeMo's exchange already runs in "
+                          "Megatron's bucket-level gradient sync (overlap_grad_reduce overlaps it with the "
+                          "backward pass); allowed: false")
     if ps.get_context_parallel_world_size() != 1:
         raise ConfigError("Megatron-Core with context parallelism > 1 is not supported by ds_lowcomm yet")
     if len(model_chunks) != 1:

@@ -19,6 +19,39 @@ if os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
     os.environ["PATH"] = _VENV_BIN + os.pathsep + os.environ.get("PATH", "")
 
 
+def _clear_stale_extension_locks(max_age_s: float = 600.0) -> None:
+    """torch's JIT build of an op (DeepSpeed's shared-memory comm op, at the first engine) holds a
+    ``lock`` file while it compiles; a build killed mid-way (a test's worker stopped, a session
+    cut off) leaves it behind, and every later build of that op waits for it forever. Nothing of
+    this run is building yet, so a lock older than ten minutes is such a leftover."""
+    import glob
+    import time
+
+    root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
+    for lock in glob.glob(os.path.join(root, "**", "lock"), recursive=True):
+        if time.time() - os.path.getmtime(lock) > max_age_s:
+            os.remove(lock)
+            print(f"conftest: removed a stale JIT build lock {lock}", file=sys.stderr)
+
+
+def _build_deepspeed_comm_op() -> None:
+    """Build DeepSpeed's CPU comm op once, here, in one process: otherwise the first engine's ranks
+    build it together inside a test, and a rank stopped mid-build leaves a stale lock."""
+    try:
+        from deepspeed.accelerator import get_accelerator
+        from deepspeed.comm.torch import build_shm_op
+    except ImportError:
+        return
+    if get_accelerator().device_name() == "cpu":
+        build_shm_op()
+
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the DeepSpeed tests set it
+_clear_stale_extension_locks()
+_build_deepspeed_comm_op()
+
+
 def tiny_model():
     torch.manual_seed(0)  # the same start on every rank
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))

@@ -266,7 +266,8 @@ def _refusal_worker(rank, world):
     cases = {"distributed_optimizer": (dict(distributed=True), {"method": "demo"}),
              "per_token_loss": (dict(per_token=True), {"method": "adamw"}),
              "mpi": ({}, {"method": "diloco", "transport": "mpi"}),
-             "two_chunks": ({}, {"method": "demo"})}
+             "two_chunks": ({}, {"method": "demo"}),
+             "demo_overlap": ({}, {"method": "demo", "overlap": True})}
     for name, (kwargs, lowcomm) in cases.items():
         try:
             model, opt = build(**kwargs)
@@ -284,6 +285,7 @@ def test_unsupported_megatron_features_are_refused_clearly():
     assert "calculate_per_token_loss" in errors["per_token_loss"]
     assert "lowcomm.transport" in errors["mpi"]
     assert "virtual pipeline" in errors["two_chunks"]
+    assert "lowcomm.overlap must be false" in errors["demo_overlap"]
 
 
 def _pretrain(tmp_path, name, *args):

@@ -29,7 +29,7 @@ def _jobs(world):
         jobs += [("sync_diloco", _sync_schedule_worker, ("diloco",)),
                  ("sync_dct_diloco", _sync_schedule_worker, ("dct_diloco",)),
                  ("dct_lossless", _dct_lossless_worker, ()), ("bf16_state", _bf16_state_worker, ()),
-                 ("demo_sign", _demo_sign_worker, ()),
+                 ("demo_sign", _demo_sign_worker, ()), ("demo_overlap", _demo_worker, (5, True)),
                  ("zero_first", _zero_first_gradients_worker, ()),  # these two build groups of their own
                  ("nonfinite", _nonfinite_worker, ())]
     return jobs
@@ -54,10 +54,10 @@ def launches():
 DEMO = dict(lr=0.01, decay=0.9, topk=8, chunk=8, weight_decay=0.1)
 
 
-def _demo_worker(rank, world, steps):
+def _demo_worker(rank, world, steps, overlap=False):
     model = tiny_model()
     initial = [p.detach().clone() for p in model.parameters()]
-    opt = DeMo(model.parameters(), **DEMO)
+    opt = DeMo(model.parameters(), **DEMO, overlap=overlap)
     grads = []
     for s in range(steps):
         tiny_loss(model, rank, s).backward()
@@ -111,16 +111,17 @@ def _block_dct(x, plan, inverse=False):
     return from_blocks(torch.as_tensor(out), plan).numpy()
 
 
-def _replay_demo(initial, grads_by_rank):
+def _replay_demo(initial, grads_by_rank, delayed=False):
+    """DeMo from its definition; ``delayed``: each step moves along the previous step's exchange."""
     world, steps = len(grads_by_rank), len(grads_by_rank[0])
     params = [p.double().numpy().copy() for p in initial]
     moms = [[np.zeros_like(p) for p in params] for _ in range(world)]
     lr, beta, wd = DEMO["lr"], DEMO["decay"], DEMO["weight_decay"]
+    landed = [None] * len(params)
     for s in range(steps):
         for i, p in enumerate(params):
             plan = ChunkPlan.for_shape(p.shape, DEMO["chunk"])
             k = topk_count(plan, DEMO["topk"], DEMO["chunk"])
-            p *= 1 - lr * wd
             total = np.zeros(p.shape)
             count = np.zeros(p.shape)
             for r in range(world):
@@ -136,8 +137,12 @@ def _replay_demo(initial, grads_by_rank):
                 m -= _block_dct(kept_t, plan, inverse=True)
                 total += kept_t
                 count += kept_t != 0
-            mean = total / np.maximum(count, 1)
-            p -= lr * np.sign(_block_dct(mean, plan, inverse=True))
+            direction = np.sign(_block_dct(total / np.maximum(count, 1), plan, inverse=True))
+            if delayed:
+                direction, landed[i] = landed[i], direction
+            if direction is not None:
+                p *= 1 - lr * wd
+                p -= lr * direction
     return params
 
 
@@ -155,6 +160,20 @@ def test_demo_matches_single_process_replay_and_replicas_agree(world, launches):
         assert r["steps"] == 5
         assert r["by_op"]["sparse_all_gather"] == {
             "calls": 5, "sent": 5 * r["payload"], "received": 5 * (world - 1) * r["payload"]}
+
+
+def test_demo_overlap_steps_along_the_previous_exchange(launches):
+    """overlap: step t moves along the exchange started at step t - 1 (the replay's delayed
+    form); replicas agree bit for bit; every step still sends one payload."""
+    results = launches(2, "demo_overlap")
+    assert len({r["digest"] for r in results}) == 1
+    replay = _replay_demo(results[0]["initial"], [r["grads"] for r in results], delayed=True)
+    for got, want in zip(results[0]["final"], replay):
+        np.testing.assert_allclose(got.double().numpy(), want, atol=1e-5)
+    undelayed = _replay_demo(results[0]["initial"], [r["grads"] for r in results])
+    assert max(np.abs(g.double().numpy() - u).max() for g, u in zip(results[0]["final"], undelayed)) > 1e-3
+    for r in results:
+        assert r["by_op"]["sparse_all_gather"]["calls"] == 5
 
 
 # --- DiLoCo --------------------------------------------------------------------------------

@@ -17,6 +17,8 @@ TINY = TrainSpec(
 LOWCOMM = {
     "adamw": {"method": "adamw"},
     "demo": {"method": "demo", "topk": 8, "chunk": 16},
+    # overlap: the save at step 5 happens with step 5's exchange in flight
+    "demo_overlap": {"method": "demo", "topk": 8, "chunk": 16, "overlap": True},
     # save at step 5: in the middle of an outer interval, so local progress and anchors must survive
     "diloco": {"method": "diloco", "sync_every": 3},
     "dct_diloco": {"method": "dct_diloco", "sync_every": 3, "topk": 8, "chunk": 16, "value_dtype": "int8"},

@@ -106,13 +106,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     return rows
 
 
-def plot(path: Path, rows: list[dict]) -> None:
+def plot(path: Path, rows: list[dict], link_order: list[str] | None = None) -> None:
+    """Each row's step wall times, one panel per link (also the overlap benchmark's plot)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    links = sorted({r["link"] for r in rows}, key=list(SHAPES).index)
+    links = sorted({r["link"] for r in rows}, key=(link_order or list(SHAPES)).index)
     fig, axes = plt.subplots(1, len(links), figsize=(6 * len(links), 4), squeeze=False)
     for ax, link in zip(axes[0], links):
         for r in rows:

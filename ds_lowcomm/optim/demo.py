@@ -2,7 +2,8 @@
 
 No gradient all-reduce: each rank keeps its own momentum, sends only its top-k DCT components
 (which then leave its momentum), and every rank steps along the sign of everyone's mean
-components, so replicas stay identical.
+components, so replicas stay identical. With ``overlap`` the step along the mean comes one step
+after its exchange starts, so the exchange is hidden behind the next forward/backward.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ import torch
 
 from ..codec import CodecSettings
 from ..comm import Pending, ReplicaShard, Transport
-from ..settings import check_fraction
+from ..settings import check_bool, check_fraction
 from .adamw import AdamSettings
 from .base import LowcommOptimizer, StatefulSettings
 
@@ -22,10 +23,14 @@ from .base import LowcommOptimizer, StatefulSettings
 class DeMoSettings(StatefulSettings):
     decay: float = 0.999  # the momentum's decay (DeMo's compression_decay)
     codec: CodecSettings = field(default_factory=CodecSettings)
+    # Start each step's exchange without waiting for it and step along it one step later, so the
+    # all-gather runs during the next forward/backward (a one-step-delayed update).
+    overlap: bool = False
 
     def check(self, where: str) -> None:
         super().check(where)
         check_fraction(where, "decay", self.decay)
+        check_bool(where, "overlap", self.overlap)
 
 
 class DeMo(LowcommOptimizer):
@@ -55,11 +60,42 @@ class DeMo(LowcommOptimizer):
                 grads.append(p.grad)  # a parameter without a gradient still takes part in the exchange
                 lrs.append(group["lr"])
                 decays.append(group["weight_decay"])
-        if synced:
+        if synced and self.settings.overlap:
+            # Step along the exchange started one step ago (landed meanwhile, or landing now),
+            # then start this step's: it travels while the caller runs the next forward/backward.
+            landed = self._land_in_flight(synced)
+            self._in_flight = (tuple(id(p) for p in synced), self.start_momentum_sync(synced, grads, lrs))
+            for p, q, lr, wd in zip(synced, landed, lrs, decays):
+                if q is not None:
+                    sign_step_(p, q, lr, wd)
+        elif synced:
             means = self.start_momentum_sync(synced, grads, lrs).wait()
             for p, q, lr, wd in zip(synced, means, lrs, decays):
                 sign_step_(p, q, lr, wd)
         self._share(params)
+
+    def _land_in_flight(self, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
+        """overlap: the means of the exchange started at the previous step (None before the first
+        one); after a checkpoint they wait in the state instead."""
+        in_flight, self._in_flight = getattr(self, "_in_flight", None), None
+        if in_flight is not None:
+            if in_flight[0] != tuple(id(p) for p in params):
+                raise RuntimeError("demo overlap: the parameters changed between two steps")
+            return list(in_flight[1].wait())
+        return [self.state[p].pop("landed_direction", None) for p in params]
+
+    def state_dict(self):
+        # An exchange in flight cannot be saved: let it land now and keep its result for its step.
+        in_flight, self._in_flight = getattr(self, "_in_flight", None), None
+        if in_flight is not None:
+            by_id = {id(p): p for g in self.param_groups for p in g["params"]}
+            for pid, q in zip(in_flight[0], in_flight[1].wait()):
+                self.state[by_id[pid]]["landed_direction"] = q
+        return super().state_dict()
+
+    def load_state_dict(self, state_dict):
+        self._in_flight = None
+        super().load_state_dict(state_dict)
 
     def start_momentum_sync(self, params: list[torch.Tensor], grads: list[torch.Tensor | None],
                             lrs: list[float]) -> Pending:
