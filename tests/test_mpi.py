@@ -102,3 +102,16 @@ def test_pipeline_replicas_over_mpi(tmp_path):
     d = m["params_digests"]
     assert d[0] == d[1] != d[2] == d[3]  # each stage agrees across replicas after the sync at step 6
     assert m["cross_replica_bytes_sent_per_worker"] > 0 and m["activation_bytes_sent_per_worker"] > 0
+
+
+def test_a_stalled_peer_fails_the_mpi_collective_within_the_timeout(tmp_path):
+    """lowcomm.timeout_s reaches the MPI transport too (MPI itself would wait forever): rank 0
+    fails after about 2 s naming the operation, while rank 1 sleeps 30 s."""
+    env = {**os.environ, **ENV, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable,
+           str(ROOT / "tests" / "mpi_stall_worker.py"), str(tmp_path)]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode != 0  # rank 0 left with its failure; mpirun stopped the job
+    r = json.loads((tmp_path / "rank0.json").read_text())
+    assert r["error"] is not None and "sparse_all_gather" in r["error"] and "within 2 s" in r["error"], r
+    assert 1.9 < r["waited_s"] < 10, r

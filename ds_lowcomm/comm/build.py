@@ -12,7 +12,7 @@ from .transport import TorchDistTransport, Transport
 
 
 def build_transport(name: str, *, group: dist.ProcessGroup | None = None, cross: tuple[int, int] | None = None,
-                    ledger: ByteLedger | None = None) -> Transport:
+                    ledger: ByteLedger | None = None, timeout_s: float = 300.0) -> Transport:
     """The transport ``lowcomm.transport`` names, over ``group`` (torch) or the matching MPI
     communicator (mpi: the whole world, or, with ``cross`` = (local rank, replica) from the replica
     topology, the ranks of this local rank in every replica)."""
@@ -22,7 +22,9 @@ def build_transport(name: str, *, group: dist.ProcessGroup | None = None, cross:
         raise ValueError(f"lowcomm.transport must be one of torch, mpi; got {name!r}")
     if not started_by_mpirun():
         raise ConfigError(f"lowcomm.transport is 'mpi' but this process was not started by mpirun: {LAUNCH_HINT}")
-    transport = MPITransport.cross_replica(*cross, ledger) if cross is not None else MPITransport(ledger=ledger)
+    # torch groups take their timeout where they are made (comm/topology.py); MPI's waits poll to it
+    transport = (MPITransport.cross_replica(*cross, ledger, timeout_s=timeout_s) if cross is not None
+                 else MPITransport(ledger=ledger, timeout_s=timeout_s))
     if dist.is_initialized():  # MPI's ranks must be torch.distributed's, or syncs would pair the wrong peers
         mine, size = dist.get_rank(group), dist.get_world_size(group)
         if (transport.rank, transport.world_size) != (mine, size):

@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from functools import lru_cache
 
 import torch
@@ -59,8 +60,10 @@ def cuda_aware() -> bool:
 class MPITransport(Transport):
     """Collectives over an mpi4py communicator (default: COMM_WORLD)."""
 
-    def __init__(self, comm=None, ledger: ByteLedger | None = None, device: torch.device | str = "cpu"):
+    def __init__(self, comm=None, ledger: ByteLedger | None = None, device: torch.device | str = "cpu",
+                 timeout_s: float = 300.0):
         MPI = _mpi()
+        self.timeout_s = timeout_s  # lowcomm.timeout_s: MPI itself would wait for a stalled peer forever
         self.comm = comm if comm is not None else MPI.COMM_WORLD
         self.rank = self.comm.Get_rank()
         self.world_size = self.comm.Get_size()
@@ -69,10 +72,11 @@ class MPITransport(Transport):
         self._sum, self._in_place = MPI.SUM, MPI.IN_PLACE
 
     @classmethod
-    def cross_replica(cls, local_rank: int, replica: int, ledger: ByteLedger | None = None) -> "MPITransport":
+    def cross_replica(cls, local_rank: int, replica: int, ledger: ByteLedger | None = None,
+                      timeout_s: float = 300.0) -> "MPITransport":
         """The ranks with this rank's local rank in every replica, ordered by replica (as
         ``ReplicaTopology.cross_group``); collective over COMM_WORLD."""
-        return cls(_mpi().COMM_WORLD.Split(color=local_rank, key=replica), ledger)
+        return cls(_mpi().COMM_WORLD.Split(color=local_rank, key=replica), ledger, timeout_s=timeout_s)
 
     def _home(self, t):
         # the CPU, or the GPU itself with CUDA-aware MPI
@@ -85,11 +89,11 @@ class MPITransport(Transport):
 
     def _all_gather(self, send, out):
         views = _buffer(send), _buffer(out)
-        return _track(self.comm.Iallgather(*views), [send, out, *views])
+        return _track(self.comm.Iallgather(*views), [send, out, *views], self.timeout_s)
 
     def _all_reduce_sum(self, buf):
         view = _buffer(buf)
-        return _track(self.comm.Iallreduce(self._in_place, view, op=self._sum), [buf, view])
+        return _track(self.comm.Iallreduce(self._in_place, view, op=self._sum), [buf, view], self.timeout_s)
 
     def _broadcast(self, buf, src):
         self.comm.Bcast(_buffer(buf), root=src)
@@ -104,11 +108,23 @@ def _buffer(t: torch.Tensor):
     return t.numpy() if t.device.type == "cpu" else t
 
 
-def _track(request, buffers: list):
-    """Hold ``request`` and its buffers until it completes; return what waits for it."""
+def _track(request, buffers: list, timeout_s: float):
+    """Hold ``request`` and its buffers until it completes; return what waits for it, at most
+    ``timeout_s`` (then RuntimeError, which the transport reports naming the operation)."""
     _OUTSTANDING[:] = [(r, b) for r, b in _OUTSTANDING if not r.Test()]
     _OUTSTANDING.append((request, buffers))
-    return request.Wait
+
+    def wait():
+        start = time.monotonic()
+        pause = 0.0
+        while not request.Test():
+            waited = time.monotonic() - start
+            if waited > timeout_s:
+                raise RuntimeError(f"no answer from a peer within {timeout_s:g} s")
+            time.sleep(pause)
+            pause = min(0.005, waited / 100)  # spin at first (a quick collective), then poll gently
+
+    return wait
 
 
 def started_by_mpirun() -> bool:

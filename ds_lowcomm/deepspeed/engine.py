@@ -182,7 +182,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         transport = TorchDistTransport(dist.new_group([dist.get_rank()], use_local_synchronization=True))
     else:
         transport = build_transport(split.lowcomm.comm.transport, group=topology.cross_group,
-                                    cross=(topology.local_rank, topology.replica) if topology.num_replicas > 1 else None)
+                                    cross=(topology.local_rank, topology.replica) if topology.num_replicas > 1 else None,
+                                    timeout_s=split.lowcomm.comm.timeout_s)
     shard = None  # (replicas of different shapes: routes count a replica's equal ZeRO 0 copies as one)
     if place is None and split.zero_stage == 0 and topology.data_per_replica > 1:
         # Every data-parallel rank of a replica (of a stage) holds the same parameters: split the

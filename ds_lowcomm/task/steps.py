@@ -107,7 +107,7 @@ def lowcomm_setup(model: torch.nn.Module, spec: TrainSpec):
     """The module to run, the optimizer and its byte ledger: the ds_lowcomm method of spec.lowcomm."""
     cfg = spec.lowcomm_config
     opt = build_optimizer(cfg, model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, betas=spec.betas,
-                          transport=build_transport(cfg.transport))
+                          transport=build_transport(cfg.transport, timeout_s=cfg.comm.timeout_s))
     return model, opt, opt.ledger
 
 
