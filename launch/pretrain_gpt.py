@@ -198,6 +198,7 @@ def main(argv=None) -> dict | None:
             ledger = optimizer.ledger
             metrics["outer_steps"] = getattr(getattr(optimizer, "outer", None), "outer_steps", None)
             metrics["bytes_sent_per_step"] = [ledger.step_bytes(i)[0] for i in range(ledger.steps)]
+            metrics["bytes_by_op"] = ledger.summary()["by_op"]  # e.g. the gradient all-reduce apart from its health flag
         metrics["params_digest"] = checkpoint.params_digest([model])
         if activation_ledger is not None:  # this rank's sends to the previous stage (it is the last)
             metrics["activation_bytes_sent"] = activation_ledger.sent

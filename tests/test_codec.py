@@ -52,12 +52,26 @@ def test_chunked_encode_matches_scipy_per_block():
     "shape,chunk,hw,pad",
     [((128, 192), 64, (64, 64), 0), ((100, 30), 64, (50, 30), 0), ((97, 8), 64, (1, 8), 0),
      ((16, 3, 5, 5), 64, (16, 25), 0), ((), 64, (1, 1), 0), ((4096,), 64, (1, 4096), 0),
-     ((60,), 8, (1, 60), 0), ((300,), 8, (1, 64), 20), ((4099,), 64, (1, 4096), 4093)],
+     ((60,), 8, (1, 60), 0), ((300,), 8, (8, 8), 20), ((4099,), 64, (64, 64), 4093)],
 )
 def test_plan_uses_largest_divisors_and_pads_long_vectors(shape, chunk, hw, pad):
     plan = ChunkPlan.for_shape(shape, chunk)
     assert (plan.h, plan.w, plan.pad) == (*hw, pad)
     assert plan.num_blocks * plan.block_size == max(1, math.prod(shape)) + pad
+
+
+def test_a_long_vector_is_coded_in_chunk_by_chunk_blocks():
+    """A vector longer than chunk*chunk: each piece of chunk*chunk elements, read row-major as a
+    chunk x chunk block, gets the 2-D DCT (scipy's dctn of that block), the tail zero-padded;
+    decoding gives the vector back."""
+    x = torch.randn(3 * 256 + 100, dtype=torch.float64)
+    plan = ChunkPlan.for_shape(x.shape, 16)
+    coeffs = dct_encode(x, plan)
+    padded = np.concatenate([x.numpy(), np.zeros(plan.pad)])
+    for b in range(4):
+        expected = scipy.fft.dctn(padded[b * 256 : (b + 1) * 256].reshape(16, 16), norm="ortho")
+        np.testing.assert_allclose(coeffs[b].reshape(16, 16).numpy(), expected, atol=1e-10)
+    np.testing.assert_allclose(dct_decode(coeffs, plan).numpy(), x.numpy(), atol=1e-10)
 
 
 @pytest.mark.parametrize("shape", [(128, 192), (100, 30), (97, 8), (300,), (16, 3, 5, 5), (), (7,), (4099,)])

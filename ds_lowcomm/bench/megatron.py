@@ -56,7 +56,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     for tp in args.tp:
         results = {name: run_entry(name, tp, args.iters, args.extra) for name in args.entries}
         stock = results.get("adamw")
-        stock_bytes = sum(stock["bytes_sent_per_step"]) / len(stock["bytes_sent_per_step"]) if stock else None
+        # Stock DDP sends adamw's gradient all-reduce, not the one-byte health flag beside it.
+        stock_bytes = stock["bytes_by_op"]["all_reduce"]["sent"] / len(stock["bytes_sent_per_step"]) if stock else None
         for name, m in results.items():
             per_step = m.get("bytes_sent_per_step")
             mean = sum(per_step) / len(per_step) if per_step else stock_bytes
@@ -64,7 +65,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          "x_fewer_than_stock": round(stock_bytes / mean, 1) if stock_bytes and mean else "",
                          "val_loss": round(m["val_loss"], 4), "wall_s": round(m["seconds"], 1)})
             print(rows[-1], flush=True)
-    with open(out / "results.csv", "w", newline="") as f:
+    with open(out / "megatron.csv", "w", newline="") as f:
         writer = csv.DictWriter(f, fieldnames=COLUMNS)
         writer.writeheader()
         writer.writerows(rows)

@@ -3,9 +3,11 @@
 A tensor is viewed as a matrix (rows, cols): 2-D tensors as they are, higher ranks as
 (shape[0], prod(shape[1:])), 1-D tensors and scalars as a single row. The matrix is cut into
 blocks (h, w), h and w the largest divisors of rows and cols not above the chunk size. A vector
-is cut into pieces as large as a matrix block: one piece when it is at most chunk*chunk long,
-else pieces of chunk*chunk with the tail zero-padded (vectors include ZeRO's flat partitions,
-whose lengths need not have a useful divisor). Every block gets the 2-D orthonormal DCT-II
+is cut into pieces as large as a matrix block: one piece (a 1 x n block) when it is at most
+chunk*chunk long, else pieces of chunk*chunk with the tail zero-padded, each read row-major as a
+chunk x chunk block, so that a long vector costs 2*chunk multiply-adds per element, as a matrix
+does, not chunk*chunk (vectors include ZeRO's flat partitions, whose lengths need not have a
+useful divisor). Every block gets the 2-D orthonormal DCT-II
 C_h @ B @ C_w^T in one batched matmul; its coefficients are returned flattened, one row per
 block, so per-block top-k is a plain ``topk(dim=-1)``.
 """
@@ -48,9 +50,10 @@ class ChunkPlan:
             h, w = largest_divisor_at_most(rows, chunk), largest_divisor_at_most(cols, chunk)
         else:
             n = math.prod(shape)  # math.prod(()) == 1 for scalars
-            w = min(n, chunk * chunk)
-            pad = -n % w
-            return cls(shape, 1, n + pad, 1, w, pad)
+            if n > chunk * chunk:  # pieces of chunk*chunk, each a chunk x chunk block (separable 2-D DCT)
+                pad = -n % (chunk * chunk)
+                return cls(shape, (n + pad) // chunk, chunk, chunk, chunk, pad)
+            return cls(shape, 1, n, 1, n)
         return cls(shape, rows, cols, h, w)
 
     @property
