@@ -256,3 +256,46 @@ def test_single_rank_decode_of_an_unaligned_slice(value_dtype):
     payload, sent = spec.compress(torch.randn(7))
     flat = torch.cat([torch.zeros(3, dtype=torch.uint8), payload])  # offset 3 in the gathered buffer
     assert torch.equal(spec.decompress_mean(flat[None, 3:]), sent)
+
+
+# A real model's parameter list (the reference GPT's shapes) plus shapes that take the other paths:
+# a long vector (chunk x chunk pieces), an odd 12-bit count (a group of its own), a 3-D weight,
+# a scalar-like vector, and a mixed-dtype pair.
+def _model_list():
+    from ds_lowcomm.task.model import GPT, GPTConfig
+
+    shapes = [tuple(p.shape) for p in GPT(GPTConfig()).parameters()]
+    return shapes + [(65536,), (7, 9), (50, 3, 3), (3,), (1000,)]
+
+
+@pytest.mark.parametrize("value_dtype", ["fp32", "bf16", "int8", "2bit", "sign"])
+@pytest.mark.parametrize("chunk,topk,transform", [(64, 32, "dct"), (16, 2, "dct"), (8, 3, "none")])
+def test_batched_codec_gives_the_bits_of_each_tensor_alone(value_dtype, chunk, topk, transform):
+    """SparseBatch (one top-k, pack, scatter per block shape) == every tensor through its own
+    SparseSpec: the same payload bytes, the same error-feedback tensors, the same means, whichever
+    averaging and weights; with far fewer groups than tensors."""
+    from ds_lowcomm.codec import SparseBatch
+
+    shapes = _model_list()
+    specs = [SparseSpec.build(s, chunk=chunk, topk=topk, value_dtype=value_dtype, transform=transform)
+             for s in shapes]
+    batch = SparseBatch(specs)
+    gen = torch.Generator().manual_seed(0)
+    xs = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
+    xs[0][-1] = xs[0][-1].double()  # a mixed-dtype list: the fp64 tensor keeps fp64 coefficients
+    payloads = []
+    for rank_xs in xs:
+        payload, sent = batch.compress(rank_xs)
+        alone = [spec.compress(x) for spec, x in zip(specs, rank_xs)]
+        assert torch.equal(payload, torch.cat([p for p, _ in alone]))
+        assert payload.numel() == batch.nbytes == sum(s.nbytes for s in specs)
+        for (_, expected), got in zip(alone, sent):
+            assert got.dtype == expected.dtype and torch.equal(got, expected)
+        payloads.append(payload)
+    rows = torch.stack(payloads)
+    for average in ("senders", "world"):
+        for weights in (None, [1.0, 2.0, 0.5]):
+            means = batch.decompress_mean(rows, average, weights)
+            for spec, lo, hi, got in zip(specs, batch.offsets[:-1], batch.offsets[1:], means):
+                assert torch.equal(got, spec.decompress_mean(rows[:, lo:hi], average, weights))
+    assert len(batch.groups) <= 12 < len(specs)

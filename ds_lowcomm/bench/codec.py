@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from ..codec import ChunkPlan, SparseSpec
 from ..comm import ByteLedger, Pending, SparseAllGather, Transport
@@ -37,7 +38,7 @@ from ..task.train import train_worker
 from ..workers import run_local_workers
 
 COLUMNS = ["implementation", "case", "shape", "numel", "chunk", "topk", "world", "encode_s", "decode_s",
-           "median_s", "gbps", "kept_values", "wire_bytes", "wire_bytes_per_value", "max_abs_diff", "agree"]
+           "median_s", "gbps", "ops", "kept_values", "wire_bytes", "wire_bytes_per_value", "max_abs_diff", "agree"]
 SHARE_COLUMNS = ["method", "workers", "steps", "syncs", "train_s", "codec_s", "codec_share", "step_s",
                  "codec_s_per_sync", "final_val_loss"]
 IMPLEMENTATIONS = ("ds_lowcomm", "reference")
@@ -159,6 +160,31 @@ def time_encode_decode(setup, encode, decode, repeats: int, device: torch.device
     return statistics.median(enc), statistics.median(dec), statistics.median(tot)
 
 
+class _OpCounter(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.ops = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if not func.is_view and func.overloadpacket not in _NOT_KERNELS:
+            self.ops += 1
+        return func(*args, **(kwargs or {}))
+
+
+# Ops that allocate or describe without computing: no kernel on a GPU.
+_NOT_KERNELS = {torch.ops.aten.empty, torch.ops.aten.empty_like, torch.ops.aten.empty_strided,
+                torch.ops.aten.lift_fresh, torch.ops.aten._local_scalar_dense, torch.ops.aten._unsafe_view}
+
+
+def count_ops(setup, encode, decode) -> int:
+    """Compute ops (aten ops that are not views or bare allocations: on a GPU, about one kernel
+    launch each) of one encode + decode; launches, not arithmetic, bound a GPU on small tensors."""
+    inputs = setup()
+    with _OpCounter() as counter:
+        decode(encode(inputs))
+    return counter.ops
+
+
 def agreement(lowcomm: list[torch.Tensor], reference: list[torch.Tensor]) -> tuple[float, bool]:
     """Largest absolute difference between matching decoded tensors, and whether it is within fp32
     rounding (a larger one means the two picked different top-k: a bug, or a near-tie)."""
@@ -169,10 +195,11 @@ def agreement(lowcomm: list[torch.Tensor], reference: list[torch.Tensor]) -> tup
     return diff, diff <= 1e-5 * scale
 
 
-def make_row(impl, case, shape, numel, chunk, topk, world, times, kept, wire, diff, agree) -> dict:
+def make_row(impl, case, shape, numel, chunk, topk, world, times, ops, kept, wire, diff, agree) -> dict:
     enc, dec, tot = times
     return {"implementation": impl, "case": case, "shape": shape, "numel": numel, "chunk": chunk, "topk": topk,
             "world": world, "encode_s": enc, "decode_s": dec, "median_s": tot, "gbps": 4 * numel / tot / 1e9,
+            "ops": ops,
             "kept_values": kept, "wire_bytes": wire, "wire_bytes_per_value": wire / kept,
             "max_abs_diff": diff, "agree": agree}
 
@@ -221,8 +248,9 @@ def bench_tensor(shape, chunk: int, topk: int, args, device) -> list[dict]:
     for impl, enc, dec, wire in (("ds_lowcomm", lc_encode, lc_decode, spec.nbytes),
                                  ("reference", ref_encode_one, ref_decode_all, REFERENCE_BYTES_PER_VALUE * spec.count)):
         times = time_encode_decode(lambda: xs[0], enc, dec, args.repeats, device)
-        rows.append(make_row(impl, "tensor", name, numel, chunk, topk, args.world, times, spec.count, wire, diff,
-                             agree))
+        ops = count_ops(lambda: xs[0], enc, dec)
+        rows.append(make_row(impl, "tensor", name, numel, chunk, topk, args.world, times, ops, spec.count, wire,
+                             diff, agree))
     return rows
 
 
@@ -289,7 +317,9 @@ def bench_model(chunk: int, topk: int, args, device) -> list[dict]:
     for impl, enc, dec, wire in (("ds_lowcomm", sag.start, Pending.wait, sag.payload_bytes),
                                  ("reference", ref_encode_all, ref_decode_all, REFERENCE_BYTES_PER_VALUE * kept)):
         times = time_encode_decode(fresh, enc, dec, args.repeats, device)
-        rows.append(make_row(impl, "model", name, numel, chunk, topk, args.world, times, kept, wire, diff, agree))
+        ops = count_ops(fresh, enc, dec)
+        rows.append(make_row(impl, "model", name, numel, chunk, topk, args.world, times, ops, kept, wire, diff,
+                             agree))
     return rows
 
 
@@ -384,7 +414,7 @@ def plot(path: Path, rows: list[dict], device: str = "cpu") -> None:
 def print_rows(rows: list[dict]) -> None:
     for r in rows:
         print(f"{r['implementation']:<11}{r['shape']:>18} chunk {r['chunk']:>3}  {r['median_s'] * 1e3:9.2f} ms "
-              f"{r['gbps']:8.3f} GB/s  {r['wire_bytes_per_value']:5.2f} B/value  diff {r['max_abs_diff']:.1e}",
+              f"{r['gbps']:8.3f} GB/s {r['ops']:6d} ops  {r['wire_bytes_per_value']:5.2f} B/value  diff {r['max_abs_diff']:.1e}",
               flush=True)
 
 

@@ -16,6 +16,7 @@ from .sparse import (
     FLOAT_DTYPES,
     TRANSFORMS,
     VALUE_DTYPES,
+    SparseBatch,
     SparseSpec,
     ValueFormat,
     index_bits,
@@ -32,7 +33,7 @@ from .sparse import (
 __all__ = [
     "ACTIVATION_CODECS", "CODED_DTYPES", "ActivationCodec", "ActivationSettings", "lowrank_basis",
     "make_activation_codec",
-    "AVERAGES", "CodecSettings", "FLOAT_DTYPES", "TRANSFORMS", "VALUE_DTYPES", "ChunkPlan", "SparseSpec", "ValueFormat",
+    "AVERAGES", "CodecSettings", "FLOAT_DTYPES", "TRANSFORMS", "VALUE_DTYPES", "ChunkPlan", "SparseBatch", "SparseSpec", "ValueFormat",
     "dct_basis", "dct_decode", "dct_encode", "index_bits", "largest_divisor_at_most",
     "pack_codes", "pack_indices", "pack_uint", "packed_nbytes", "topk_count", "unpack_codes", "unpack_indices",
     "unpack_uint",

@@ -12,11 +12,13 @@ from __future__ import annotations
 
 import math
 import sys
+from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 
-from .dct import ChunkPlan, dct_decode, dct_encode, identity_decode, identity_encode
+from .dct import ChunkPlan, _compute_dtype, dct_decode, dct_encode, identity_decode, identity_encode
 
 if sys.byteorder != "little":  # the index packing reinterprets int32 bytes
     raise ImportError("ds_lowcomm's wire format assumes a little-endian host")
@@ -230,11 +232,17 @@ class SparseSpec:
     def nbytes(self) -> int:
         return self.index_bytes + self.values.nbytes(self.count)
 
-    def _encode(self, x):
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        """x -> its coefficients, one row per block (the transform alone)."""
         return (dct_encode if self.transform == "dct" else identity_encode)(x, self.plan)
 
-    def _decode(self, c):
-        return (dct_decode if self.transform == "dct" else identity_decode)(c, self.plan)
+    def decode(self, coeffs: torch.Tensor) -> torch.Tensor:
+        """Coefficient rows -> the dense tensor, fp32 (fp64 for fp64)."""
+        return (dct_decode if self.transform == "dct" else identity_decode)(coeffs, self.plan)
+
+    @cached_property
+    def _alone(self) -> "SparseBatch":
+        return SparseBatch([self])
 
     def compress(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x -> (payload bytes, the dense tensor the payload stands for, in x's shape, fp32).
@@ -242,13 +250,8 @@ class SparseSpec:
         The second result is what receivers reconstruct from this payload (after value
         rounding), which is what error feedback must subtract.
         """
-        coeffs = self._encode(x)
-        idx = torch.topk(coeffs.abs(), self.k, dim=-1, sorted=False).indices
-        vals = torch.gather(coeffs, -1, idx)
-        value_bytes, sent_vals = self.values.pack(vals)
-        index_bytes = pack_indices(idx, index_bits(self.plan.block_size))
-        sent = torch.zeros_like(coeffs).scatter_(-1, idx, sent_vals.to(coeffs.dtype))
-        return torch.cat([index_bytes, value_bytes]), self._decode(sent)
+        payload, (sent,) = self._alone.compress([x])
+        return payload, sent
 
     def decompress_mean(self, rows: torch.Tensor, average: str = "senders",
                         weights: "list[float] | None" = None) -> torch.Tensor:
@@ -262,39 +265,152 @@ class SparseSpec:
         ``weights`` (one per row): a weighted mean instead, each row's coefficients counting
         ``weights[r]`` (replicas of different sizes or step counts; see comm/routes.py).
         """
+        return self._alone.decompress_mean(rows, average, weights)[0]
+
+
+class SparseBatch:
+    """Several tensors' payloads made and read together, with the bytes and the bits of one
+    :class:`SparseSpec` at a time (the payload is the specs' payloads end to end).
+
+    Tensors whose blocks have the same size, k and value format form a group, and each group
+    goes through one top-k, one gather, one index pack, one scatter and one unpack, so the
+    number of kernels per sync grows with the number of groups, not of tensors (a transformer's
+    matrices at chunk 64 are one group). The transforms stay one matmul pair per tensor, over
+    that tensor's rows of the group's buffer: a matmul's rounding depends on its operands'
+    shapes (measured: a (B, n) @ (n, n) product's rows change in the last bit with B), and
+    the same shapes as one tensor alone give the same bits. Per-tensor value headers (int8,
+    2bit, sign) are computed per tensor, as alone.
+    """
+
+    def __init__(self, specs: Sequence[SparseSpec]):
+        self.specs = list(specs)
+        self.offsets = [0]
+        for spec in self.specs:
+            self.offsets.append(self.offsets[-1] + spec.nbytes)
+        groups: dict[tuple, list[int]] = {}
+        for i, spec in enumerate(self.specs):
+            bits = index_bits(spec.plan.block_size)
+            alone = i if bits == 12 and spec.count % 2 else -1  # 12-bit pairs must not straddle two tensors
+            key = (spec.plan.block_size, spec.k, spec.values.name, spec.transform, alone)
+            groups.setdefault(key, []).append(i)
+        self.groups = [_Group([self.specs[i] for i in members], members) for members in groups.values()]
+
+    @property
+    def nbytes(self) -> int:
+        return self.offsets[-1]
+
+    def compress(self, xs: Sequence[torch.Tensor]) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Tensors -> (the payload: every spec's bytes in order, flat uint8; for each tensor
+        the dense fp32 tensor its payload stands for, which error feedback subtracts)."""
+        if len(xs) != len(self.specs):
+            raise ValueError(f"expected {len(self.specs)} tensors, got {len(xs)}")
+        parts: list = [None] * (2 * len(self.specs))
+        sent: list = [None] * len(self.specs)
+        for group in self.groups:
+            group.compress([xs[i] for i in group.members], parts, sent)
+        if not parts:
+            device = xs[0].device if xs else torch.device("cpu")
+            return torch.zeros(0, dtype=torch.uint8, device=device), sent
+        return torch.cat(parts), sent
+
+    def decompress_mean(self, rows: torch.Tensor, average: str = "senders",
+                        weights: "list[float] | None" = None) -> list[torch.Tensor]:
+        """All ranks' payloads, (n, nbytes) uint8 -> for each spec the mean as a dense tensor
+        (see :meth:`SparseSpec.decompress_mean`)."""
         if average not in AVERAGES:
             raise ValueError(f"average must be one of {', '.join(AVERAGES)}; got {average!r}")
-        n = rows.shape[0]
-        nb = self.plan.num_blocks
-        bits = index_bits(self.plan.block_size)
-        idx = unpack_indices(rows[:, : self.index_bytes], bits, self.count).reshape(n, nb, self.k)
-        vals = self.values.unpack(rows[:, self.index_bytes :], self.count).reshape(n, nb, self.k)
-        total = torch.zeros(nb, self.plan.block_size, dtype=torch.float32, device=rows.device)
-        if weights is not None:
-            return self._decode(self._weighted_mean(total, idx, vals, weights, average))
-        for r in range(n):
-            total.scatter_add_(-1, idx[r], vals[r])
-        if average == "world":
-            total /= n
-        else:
-            senders = torch.zeros_like(total)
-            ones = torch.ones_like(vals[0])
-            for r in range(n):
-                senders.scatter_add_(-1, idx[r], ones)
-            total /= senders.clamp_(min=1.0)
-        return self._decode(total)
+        if weights is not None and (len(weights) != rows.shape[0] or any(w <= 0 for w in weights)):
+            raise ValueError(f"weights: {rows.shape[0]} positive numbers expected (one per row); got {list(weights)}")
+        out: list = [None] * len(self.specs)
+        for group in self.groups:
+            group.decompress_mean(rows, self.offsets, average, weights, out)
+        return out
 
-    @staticmethod
-    def _weighted_mean(total, idx, vals, weights, average: str) -> torch.Tensor:
-        n = idx.shape[0]
-        if len(weights) != n or any(w <= 0 for w in weights):
-            raise ValueError(f"weights: {n} positive numbers expected (one per row); got {list(weights)}")
-        for r in range(n):
-            total.scatter_add_(-1, idx[r], vals[r] * weights[r])
-        if average == "world":
-            return total.div_(float(sum(weights)))
-        senders = torch.zeros_like(total)
-        for r in range(n):
-            senders.scatter_add_(-1, idx[r], torch.full_like(vals[r], float(weights[r])))
-        # a coefficient nobody sent stays 0 (its total is 0; the divisor is clamped away from 0)
-        return total.div_(senders.clamp_(min=min(weights)))
+
+class _Group:
+    """Tensors of one block size, k and value format, their blocks stacked in one buffer."""
+
+    def __init__(self, specs: list[SparseSpec], members: list[int]):
+        self.specs, self.members = specs, members
+        first = specs[0]
+        self.k, self.block_size, self.values = first.k, first.plan.block_size, first.values
+        self.bits = index_bits(self.block_size)
+        self.rows = [0]  # each member's first block row in the group's buffer
+        for spec in specs:
+            self.rows.append(self.rows[-1] + spec.plan.num_blocks)
+        self.float_values = self.values.name in FLOAT_DTYPES  # no per-tensor header: one pack for all
+
+    def compress(self, xs: list[torch.Tensor], parts: list, sent_out: list) -> None:
+        coeffs = [spec.encode(x) for spec, x in zip(self.specs, xs)]
+        dtype = coeffs[0].dtype if len({c.dtype for c in coeffs}) == 1 else torch.float64  # exact for either
+        coeffs = coeffs[0] if len(coeffs) == 1 else torch.cat([c.to(dtype) for c in coeffs])
+        idx = torch.topk(coeffs.abs(), self.k, dim=-1, sorted=False).indices
+        vals = torch.gather(coeffs, -1, idx)
+        index_bytes = pack_indices(idx, self.bits)
+        if self.float_values:
+            value_bytes, sent_vals = self.values.pack(vals)
+        else:
+            packed = [self.values.pack(vals[lo:hi]) for lo, hi in zip(self.rows[:-1], self.rows[1:])]
+            sent_vals = torch.cat([v for _, v in packed])
+        dense = torch.zeros_like(coeffs).scatter_(-1, idx, sent_vals.to(coeffs.dtype))
+        value_at = 0
+        for j, (spec, i, x) in enumerate(zip(self.specs, self.members, xs)):
+            lo, hi = self.rows[j], self.rows[j + 1]
+            ib = packed_nbytes(lo * self.k, self.bits)
+            parts[2 * i] = index_bytes[ib : ib + spec.index_bytes]
+            if self.float_values:
+                nbytes = self.values.nbytes(spec.count)
+                parts[2 * i + 1] = value_bytes[value_at : value_at + nbytes]
+                value_at += nbytes
+            else:
+                parts[2 * i + 1] = packed[j][0]
+            own = dense[lo:hi]
+            sent_out[i] = spec.decode(own.to(_compute_dtype(x.dtype)))  # a no-op unless dtypes were mixed
+
+    def decompress_mean(self, rows: torch.Tensor, offsets: list[int], average: str, weights, out: list) -> None:
+        n = rows.shape[0]
+        count = self.rows[-1] * self.k
+        index_rows, value_rows = [], []
+        for spec, i in zip(self.specs, self.members):
+            start = offsets[i]
+            index_rows.append(rows[:, start : start + spec.index_bytes])
+            value_rows.append(rows[:, start + spec.index_bytes : offsets[i + 1]])
+        idx = unpack_indices(_cat_last(index_rows), self.bits, count).reshape(n, self.rows[-1], self.k)
+        if self.float_values:
+            vals = self.values.unpack(_cat_last(value_rows), count)
+        else:
+            vals = torch.cat([self.values.unpack(v, spec.count) for v, spec in zip(value_rows, self.specs)], dim=-1)
+        vals = vals.reshape(n, self.rows[-1], self.k)
+        total = torch.zeros(self.rows[-1], self.block_size, dtype=torch.float32, device=rows.device)
+        if weights is not None:
+            total = _weighted_mean(total, idx, vals, weights, average)
+        else:
+            for r in range(n):
+                total.scatter_add_(-1, idx[r], vals[r])
+            if average == "world":
+                total /= n
+            else:
+                senders = torch.zeros_like(total)
+                ones = torch.ones_like(vals[0])
+                for r in range(n):
+                    senders.scatter_add_(-1, idx[r], ones)
+                total /= senders.clamp_(min=1.0)
+        for j, (spec, i) in enumerate(zip(self.specs, self.members)):
+            out[i] = spec.decode(total[self.rows[j] : self.rows[j + 1]])
+
+
+def _cat_last(parts: list[torch.Tensor]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=-1)
+
+
+def _weighted_mean(total, idx, vals, weights, average: str) -> torch.Tensor:
+    n = idx.shape[0]
+    for r in range(n):
+        total.scatter_add_(-1, idx[r], vals[r] * weights[r])
+    if average == "world":
+        return total.div_(float(sum(weights)))
+    senders = torch.zeros_like(total)
+    for r in range(n):
+        senders.scatter_add_(-1, idx[r], torch.full_like(vals[r], float(weights[r])))
+    # a coefficient nobody sent stays 0 (its total is 0; the divisor is clamped away from 0)
+    return total.div_(senders.clamp_(min=min(weights)))
