@@ -107,3 +107,29 @@ def test_scaling_benchmark_tiny(tmp_path):
     assert by["demo"]["bytes_received_per_sync"] < by["adamw"]["bytes_received_per_sync"] / 10
     assert result["replicas"][0]["replicas_identical"]
     assert (tmp_path / "scaling.png").exists()
+
+
+def test_time_to_loss_arithmetic():
+    from ds_lowcomm.bench.time_to_loss import bytes_to_target, comm_compute_ratio, steps_to_target
+
+    h = [{"step": 5, "val_loss": 3.0, "bytes_sent": 10}, {"step": 10, "val_loss": 2.0, "bytes_sent": 20}]
+    assert steps_to_target(h, 2.5) == 10 and steps_to_target(h, 1.0) is None
+    assert bytes_to_target(h, 2.5, 99) == 20 and bytes_to_target(h, 1.0, 99) == 99
+    assert comm_compute_ratio({"train_s": 10.0, "comm_s": 6.0, "codec_s": 1.0}) == pytest.approx(2.0)
+
+
+@needs_root
+def test_time_to_loss_benchmark_tiny(tmp_path):
+    """A slow link raises adamw's comm/compute ratio; the CSV holds the columns users read."""
+    from ds_lowcomm.bench import time_to_loss
+
+    rows = time_to_loss.main(["--hosts", "2", "--links", "unshaped,10mbit", "--entries", "adamw,demo",
+                              "--budget-factor", "1", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path),
+                              *TINY])
+    by = {(r["link"], r["entry"]): r for r in rows}
+    assert by["10mbit", "adamw"]["comm_compute_ratio"] > 3 * by["unshaped", "adamw"]["comm_compute_ratio"]
+    assert by["10mbit", "adamw"]["speedup_vs_adamw"] == 1.0
+    assert by["10mbit", "demo"]["bytes_sent_per_worker"] < by["10mbit", "adamw"]["bytes_sent_per_worker"] / 10
+    header = _rows(tmp_path / "time_to_loss.csv")[0].keys()
+    assert {"setting", "comm_compute_ratio", "entry", "steps_to_target", "time_to_target_s",
+            "bytes_sent_per_worker"} <= set(header)

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from ..config import METHODS
 from .netns import check_can_create
-from .runs import LINKS, loss_at_time, method_spec, peer_spec, run_cached, time_to_loss
+from .runs import LINKS, add_model_args, model_of, loss_at_time, method_spec, peer_spec, run_cached, time_to_loss
 
 PEERS = {"powersgd_r4": {"kind": "ddp_powersgd", "rank": 4}, "powersgd_r8": {"kind": "ddp_powersgd", "rank": 8}}
 
@@ -35,7 +35,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", default="runs/bench/network")
     ap.add_argument("--cache", default="runs/bench/cache", help="results of single runs, shared with 'peers'")
     ap.add_argument("--hosts", default="2,4")
-    ap.add_argument("--links", default=",".join(LINKS), help=f"comma list of {', '.join(LINKS)}")
+    ap.add_argument("--links", default="unshaped,1gbit-5ms,100mbit-20ms", help=f"comma list of {', '.join(LINKS)}")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--peers", default="", help=f"peer baselines to add: comma list of {', '.join(PEERS)}")
     ap.add_argument("--steps", type=int, default=300)
@@ -45,9 +45,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--repeats", type=int, default=1, help="times are medians over repeats")
     ap.add_argument("--repeat-links", default=None,
                     help="comma list: repeat only these links (default: every link); the others run once")
-    ap.add_argument("--n-layer", type=int, default=2)
-    ap.add_argument("--n-embd", type=int, default=128)
-    ap.add_argument("--seq-len", type=int, default=128)
+    add_model_args(ap)
     args = ap.parse_args(argv)
     hosts_list = [int(h) for h in args.hosts.split(",")]
     links = [x.strip() for x in args.links.split(",")]
@@ -63,7 +61,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if "adamw" not in methods or "unshaped" not in links:
         raise SystemExit("the target loss and time budget come from adamw on the unshaped link: keep both")
     check_can_create()
-    model = {"n_layer": args.n_layer, "n_embd": args.n_embd, "seq_len": args.seq_len}
+    model = model_of(args)
     cache, out = Path(args.cache), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 

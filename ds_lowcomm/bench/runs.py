@@ -16,11 +16,15 @@ from ..task.spec import TrainSpec
 from .hosts import run_on_hosts
 from .netns import LinkShape, TestNetwork, netem_available
 
-# The issue's links: one-way delay on each host's egress (netem) and a token-bucket rate.
+# Links: one-way delay on each host's egress (netem) and a token-bucket rate.
 LINKS = {
     "unshaped": LinkShape(),
     "1gbit-5ms": LinkShape("1gbit", 5),
     "100mbit-20ms": LinkShape("100mbit", 20),
+    # rate only: the slow links of time_to_loss, where communication dominates a step
+    "25mbit": LinkShape("25mbit"),
+    "10mbit": LinkShape("10mbit"),
+    "3mbit": LinkShape("3mbit"),
 }
 
 
@@ -34,6 +38,17 @@ def effective_shape(shape: LinkShape) -> tuple[LinkShape, bool]:
     if shape.delay_ms and not _netem():
         return LinkShape(shape.rate, 0.0), False
     return shape, True
+
+
+def add_model_args(ap) -> None:
+    """The reference model's size options of the link benchmarks; :func:`model_of` reads them."""
+    ap.add_argument("--n-layer", type=int, default=2)
+    ap.add_argument("--n-embd", type=int, default=128)
+    ap.add_argument("--seq-len", type=int, default=128)
+
+
+def model_of(args) -> dict:
+    return {"n_layer": args.n_layer, "n_embd": args.n_embd, "seq_len": args.seq_len}
 
 
 def method_spec(method: str, steps: int, eval_every: int, **model) -> TrainSpec:

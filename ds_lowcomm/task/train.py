@@ -75,6 +75,7 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec, task_type=Referenc
     steps, accum, eval_every = spec.steps, step.accumulation, spec.eval_interval
     label = spec.label or step.label
     history, recent, train_s, step_times = [], [], 0.0, []
+    before = step.report()  # the start-up checks' seconds are not the steps'
     started = time.perf_counter()
     for i in range(start_step, steps):
         t0 = time.perf_counter()
@@ -112,5 +113,11 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec, task_type=Referenc
         "step_times": step_times,  # wall seconds of each step (forward, backward, optimizer incl. its syncs)
         "wall_s": time.perf_counter() - started,  # the loop's, evaluations included
         "params_digest": params_digest(step.module),
-        **step.report(),
+        **_seconds_since(before, step.report()),
     }
+
+
+def _seconds_since(before: dict, report: dict) -> dict:
+    """``report`` with its ``codec_s`` and ``comm_s`` counted from ``before`` (the training steps'
+    own, without the start-up checks; evaluations do not go through the method's ledger)."""
+    return {**report, **{k: report[k] - before.get(k, 0.0) for k in ("codec_s", "comm_s") if k in report}}

@@ -1,0 +1,168 @@
+"""``python -m ds_lowcomm.bench time_to_loss``: time to adamw's held-out loss against the
+comm/compute ratio, the number that decides what compression buys.
+
+On each link, adamw's run on these test hosts gives the ratio: its communication seconds per step
+(the blocking all-reduce, from its ledger) over its compute seconds per step (the rest of the
+step). Every entry (ds_lowcomm's methods, adamw included, and peers such as DDP+PowerSGD) trains
+to the target: adamw's held-out loss after ``--steps`` steps on the unshaped link, with
+``--budget-factor`` times the steps and its schedule spread over them, stopping at the first
+evaluation that reaches it (as ``bench network``). Reported per (hosts, link, entry): steps and
+training seconds to the target, bytes sent per worker until then, the speed-up to adamw and the
+no-communication limit ``(1 + ratio) x adamw's steps / the entry's steps``. Writes
+``time_to_loss.csv/.json/.png``; runs are cached (shared with ``network`` and ``peers``).
+
+The ratio moves with the link here: bytes and compute both grow with the model, so a larger model
+barely moves it, while a slower link (or fewer tokens per step) does. docs/benchmarks.md places
+real deployments on the same axis. Needs root (network namespaces).
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import dataclasses
+import json
+import statistics
+from pathlib import Path
+
+from ..config import METHODS
+from .netns import check_can_create
+from .network import PEERS
+from .runs import LINKS, add_model_args, model_of, method_spec, peer_spec, run_cached, time_to_loss
+
+COLUMNS = ["setting", "hosts", "link", "comm_compute_ratio", "entry", "steps_to_target", "time_to_target_s",
+           "speedup_vs_adamw", "no_comm_limit", "speedup_over_1_plus_ratio", "bytes_sent_per_worker", "final_val_loss",
+           "target_loss", "repeats"]
+DEFAULT_LINKS = "unshaped,25mbit,10mbit"
+DEFAULT_ENTRIES = "adamw,demo,diloco,dct_diloco,sparseloco,mtdao,powersgd_r8"
+
+
+def steps_to_target(history: list[dict], target: float) -> int | None:
+    """The step of the first evaluation at or below ``target`` (None if none is)."""
+    return next((h["step"] for h in history if h["val_loss"] <= target), None)
+
+
+def bytes_to_target(history: list[dict], target: float, total: float) -> float:
+    """Bytes sent per worker until the first evaluation at the target (the run's total if none is)."""
+    return next((h["bytes_sent"] for h in history if h["val_loss"] <= target), total)
+
+
+def comm_compute_ratio(run: dict) -> float:
+    """adamw's communication seconds per step over its compute seconds per step (both over the
+    same steps, so the totals' ratio)."""
+    compute = run["train_s"] - run["comm_s"] - run["codec_s"]
+    return run["comm_s"] / compute if compute > 0 else float("inf")
+
+
+def rows_for(hosts: int, link: str, entries: list[str], runs: dict, target: float) -> list[dict]:
+    adamw = runs[hosts, link, "adamw"]
+    ratio = statistics.median(comm_compute_ratio(r) for r in adamw)
+    adamw_time = statistics.median(time_to_loss(r["history"], target) or float("nan") for r in adamw)
+    adamw_steps = steps_to_target(adamw[0]["history"], target)
+    rows = []
+    for entry in entries:
+        reps = runs[hosts, link, entry]
+        times = [time_to_loss(r["history"], target) for r in reps]
+        t = statistics.median(times) if None not in times else None
+        steps = steps_to_target(reps[0]["history"], target)
+        limit = (1 + ratio) * adamw_steps / steps if steps and adamw_steps else None
+        speedup = adamw_time / t if t else None
+        rows.append({
+            "setting": f"{hosts}h-{link}", "hosts": hosts, "link": link, "comm_compute_ratio": ratio, "entry": entry,
+            "steps_to_target": steps, "time_to_target_s": t, "speedup_vs_adamw": speedup, "no_comm_limit": limit,
+            "speedup_over_1_plus_ratio": speedup / (1 + ratio) if speedup else None,
+            "bytes_sent_per_worker": bytes_to_target(reps[0]["history"], target, reps[0]["bytes_sent_per_worker"]),
+            "final_val_loss": reps[0]["final_val_loss"], "target_loss": target, "repeats": len(reps),
+        })
+    return rows
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="python -m ds_lowcomm.bench time_to_loss", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="runs/bench/time_to_loss")
+    ap.add_argument("--cache", default="runs/bench/cache", help="results of single runs, shared with 'network'")
+    ap.add_argument("--hosts", default="2")
+    ap.add_argument("--links", default=DEFAULT_LINKS, help=f"comma list of {', '.join(LINKS)}")
+    ap.add_argument("--entries", default=DEFAULT_ENTRIES,
+                    help=f"methods ({', '.join(METHODS)}) and peers ({', '.join(PEERS)}); adamw is required")
+    ap.add_argument("--steps", type=int, default=300, help="adamw's steps on the unshaped link: its loss is the target")
+    ap.add_argument("--eval-every", type=int, default=15)
+    ap.add_argument("--budget-factor", type=float, default=3.0)
+    ap.add_argument("--repeats", type=int, default=1, help="times are medians over repeats")
+    add_model_args(ap)
+    args = ap.parse_args(argv)
+    hosts_list = [int(h) for h in args.hosts.split(",")]
+    links = [x.strip() for x in args.links.split(",")]
+    entries = [x.strip() for x in args.entries.split(",")]
+    bad = [x for x in links if x not in LINKS] + [e for e in entries if e not in METHODS and e not in PEERS]
+    if bad or "adamw" not in entries:
+        raise SystemExit(f"unknown link(s)/entries: {', '.join(bad) or '-'} (adamw is required); links: "
+                         f"{', '.join(LINKS)}; entries: {', '.join(METHODS)}, {', '.join(PEERS)}")
+    check_can_create()
+    model = model_of(args)
+    cache, out = Path(args.cache), Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+
+    runs, rows = {}, []
+    for hosts in hosts_list:
+        target = run_cached(cache, hosts, "unshaped", method_spec("adamw", args.steps, args.eval_every, **model))[
+            "final_val_loss"]
+        for link in links:
+            for entry in entries:  # adamw first: the ratio comes from it
+                budget = int(args.steps * args.budget_factor)
+                spec = (peer_spec if entry in PEERS else method_spec)(entry, budget, args.eval_every, **model)
+                spec = dataclasses.replace(spec, stop_at_val_loss=target)
+                runs[hosts, link, entry] = [run_cached(cache, hosts, link, spec, r, PEERS.get(entry))
+                                            for r in range(args.repeats)]
+                first = runs[hosts, link, entry][0]
+                print(f"{hosts} hosts {link:<13} {entry:<12} val {first['final_val_loss']:.4f} "
+                      f"train {first['train_s']:7.1f} s", flush=True)
+            rows += rows_for(hosts, link, entries, runs, target)
+            for r in rows[-len(entries):]:
+                t = f"{r['time_to_target_s']:.1f} s" if r["time_to_target_s"] else "never"
+                print(f"  ratio {r['comm_compute_ratio']:6.2f} {r['entry']:<12} {t:>9} "
+                      f"steps {r['steps_to_target']} x{r['speedup_vs_adamw'] or 0:.2f}", flush=True)
+            write(out, rows, runs, args)
+    return rows
+
+
+def write(out: Path, rows: list[dict], runs: dict, args) -> None:
+    with open(out / "time_to_loss.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=COLUMNS)
+        w.writeheader()
+        w.writerows(rows)
+    (out / "time_to_loss.json").write_text(json.dumps(
+        {"args": vars(args), "rows": rows, "runs": {f"{h}@{l}@{e}": v for (h, l, e), v in runs.items()}}, indent=1))
+    plot(out / "time_to_loss.png", rows)
+
+
+def plot(path: Path, rows: list[dict]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    ratios = sorted({r["comm_compute_ratio"] for r in rows})
+    ax.plot(ratios, [1 + x for x in ratios], "k:", label="1 + ratio (no communication, adamw's steps)")
+    for i, entry in enumerate(dict.fromkeys(r["entry"] for r in rows)):
+        pts = sorted((r["comm_compute_ratio"], r["speedup_vs_adamw"]) for r in rows
+                     if r["entry"] == entry and r["speedup_vs_adamw"])
+        if pts:
+            style = "--" if entry in PEERS else "-"
+            ax.plot(*zip(*pts), style, marker="o", color=f"C{i}", label=entry)
+    ax.set_xscale("symlog", linthresh=1.0)
+    ax.set_yscale("log")
+    ax.set_xlabel("adamw's comm/compute ratio on the link")
+    ax.set_ylabel("speed-up to adamw's held-out loss")
+    hosts = sorted({r["hosts"] for r in rows})
+    ax.set_title(f"Time to adamw's loss, {'/'.join(map(str, hosts))} test hosts", fontsize=10)
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+if __name__ == "__main__":
+    main()
