@@ -133,3 +133,28 @@ def test_time_to_loss_benchmark_tiny(tmp_path):
     header = _rows(tmp_path / "time_to_loss.csv")[0].keys()
     assert {"setting", "comm_compute_ratio", "entry", "steps_to_target", "time_to_target_s",
             "bytes_sent_per_worker"} <= set(header)
+
+
+@needs_root
+def test_torchft_diloco_peer_trains_as_ds_lowcomm_diloco(tmp_path):
+    """torchft's DiLoCo (its Manager, lighthouse and outer SGD, one replica group per test host)
+    as a peer: on the diloco recipe (H, outer lr 0.7, Nesterov 0.9, inner AdamW) it reaches the
+    same held-out losses as ds_lowcomm's diloco at every evaluation, an independent implementation
+    of the same algorithm; its pseudo-gradient all-reduces are counted (one fp32 model per sync)."""
+    import json
+
+    from ds_lowcomm.bench import time_to_loss
+
+    steps = ["--steps", "20", "--eval-every", "10", "--n-layer", "1", "--n-embd", "32", "--seq-len", "32"]
+    time_to_loss.main(["--hosts", "2", "--links", "unshaped", "--entries", "adamw,diloco,torchft_diloco",
+                       "--budget-factor", "2", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path), *steps])
+    runs = json.loads((tmp_path / "time_to_loss.json").read_text())["runs"]
+    ours, peer = runs["2@unshaped@diloco"][0], runs["2@unshaped@torchft_diloco"][0]
+    assert [h["val_loss"] for h in peer["history"]] == pytest.approx([h["val_loss"] for h in ours["history"]],
+                                                                     rel=1e-6)
+    assert peer["replicas_identical"]
+    from ds_lowcomm.task.model import GPT, GPTConfig
+
+    model_bytes = 4 * sum(p.numel() for p in GPT(GPTConfig(n_layer=1, n_embd=32, seq_len=32)).parameters())
+    syncs = peer["history"][-1]["step"] // 20
+    assert peer["bytes_sent_per_worker"] == syncs * model_bytes

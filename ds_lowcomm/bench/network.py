@@ -24,7 +24,9 @@ from ..config import METHODS
 from .netns import check_can_create
 from .runs import LINKS, add_model_args, model_of, loss_at_time, method_spec, peer_spec, run_cached, time_to_loss
 
-PEERS = {"powersgd_r4": {"kind": "ddp_powersgd", "rank": 4}, "powersgd_r8": {"kind": "ddp_powersgd", "rank": 8}}
+# What users would pick instead; torchft's DiLoCo with the diloco recipe's H, outer lr and momentum.
+PEERS = {"powersgd_r4": {"kind": "ddp_powersgd", "rank": 4}, "powersgd_r8": {"kind": "ddp_powersgd", "rank": 8},
+         "torchft_diloco": {"kind": "torchft_diloco", "sync_every": 20, "outer_lr": 0.7, "outer_momentum": 0.9}}
 
 COLUMNS = ["hosts", "link", "delay_applied", "method", "steps_run", "final_val_loss", "target_loss", "time_to_target_s",
            "speedup_vs_adamw", "speedup_vs_powersgd", "budget_s", "loss_at_budget", "train_s", "wall_s", "mb_sent_per_worker", "repeats"]

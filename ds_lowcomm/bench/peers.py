@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import csv
 import json
+import os
 import statistics
 from functools import partial
 from pathlib import Path
@@ -26,7 +27,7 @@ from ..comm import ByteLedger
 from ..config import METHODS
 from ..task.spec import TrainSpec
 from ..task.steps import TorchStep
-from .runs import LINKS, effective_shape, method_spec, peer_spec, run_cached
+from .runs import LINKS, add_model_args, effective_shape, model_of, method_spec, peer_spec, run_cached
 
 POWERSGD_RANKS = (4, 8)
 COLUMNS = ["name", "final_val_loss", "mb_sent_per_worker", "compression_vs_adamw", "wall_s_unshaped",
@@ -48,12 +49,17 @@ def count_all_reduces(ledger: ByteLedger) -> None:
     dist.all_reduce = counted
 
 
+PEER_KINDS = ("ddp_powersgd", "torchft_diloco")
+
+
 def peer_step(peer: dict):
     """The training loop's step factory for a peer: a :class:`TorchStep` whose optimizer is
-    ``peer``'s (``{"kind": "ddp_powersgd", "rank": r, "start_iter": i}``)."""
-    if peer.get("kind") != "ddp_powersgd":
-        raise ValueError(f"peer.kind must be ddp_powersgd; got {peer.get('kind')!r}")
-    return partial(TorchStep.build, setup=partial(peer_setup, peer=peer))
+    ``peer``'s (``{"kind": "ddp_powersgd", "rank": r, "start_iter": i}`` or
+    ``{"kind": "torchft_diloco", "sync_every": h, "outer_lr": a, "outer_momentum": m}``)."""
+    setups = {"ddp_powersgd": peer_setup, "torchft_diloco": torchft_setup}
+    if peer.get("kind") not in setups:
+        raise ValueError(f"peer.kind must be one of {', '.join(PEER_KINDS)}; got {peer.get('kind')!r}")
+    return partial(TorchStep.build, setup=partial(setups[peer["kind"]], peer=peer))
 
 
 def peer_setup(model: torch.nn.Module, spec: TrainSpec, peer: dict):
@@ -76,6 +82,68 @@ def peer_setup(model: torch.nn.Module, spec: TrainSpec, peer: dict):
     return ddp, opt, ledger
 
 
+_KEEP_ALIVE: list = []  # torchft's lighthouse, manager and DiLoCo live as long as the worker
+
+
+def _own_address() -> str:
+    """This test host's address: the one it reaches the rendezvous host from."""
+    import socket
+
+    with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+        s.connect((os.environ["MASTER_ADDR"], 9))  # no packet leaves: UDP connect only picks a route
+        return s.getsockname()[0]
+
+
+def torchft_setup(model: torch.nn.Module, spec: TrainSpec, peer: dict):
+    """The step's (module, inner optimizer, ledger) for torchft's DiLoCo, as its users set it up:
+    every worker its own replica group (one torchft Manager each, with its own store), a
+    lighthouse on rank 0's host, the outer step torchft's (SGD, Nesterov) around an inner AdamW
+    with the spec's settings. Its all-reduces of pseudo-gradients are counted where the manager
+    issues them (fp32, sent N / received N as ours); lighthouse and manager RPCs are not."""
+    from datetime import timedelta
+
+    from torchft import Manager, ProcessGroupGloo
+    from torchft.coordination import LighthouseServer
+    from torchft.local_sgd import DiLoCo
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    me = _own_address()
+    address = [None]
+    if rank == 0:
+        lighthouse = LighthouseServer(bind="0.0.0.0:0", min_replicas=world)
+        _KEEP_ALIVE.append(lighthouse)
+        address = [f"http://{me}:{lighthouse.address().rsplit(':', 1)[1]}"]
+    dist.broadcast_object_list(address, src=0)
+    store = dist.TCPStore(me, 0, is_master=True, wait_for_workers=False)
+    inner = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
+    outer = torch.optim.SGD(model.parameters(), lr=peer.get("outer_lr", 0.7),
+                            momentum=peer.get("outer_momentum", 0.9), nesterov=True)
+    wait = timedelta(seconds=600)
+    manager = Manager(
+        pg=ProcessGroupGloo(timeout=wait), min_replica_size=world, use_async_quorum=False,
+        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["inner"])),
+        state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
+        replica_id=f"replica_{rank}", store_addr=me, store_port=store.port, rank=0, world_size=1,
+        lighthouse_addr=address[0], hostname=me, timeout=wait, quorum_timeout=wait, connect_timeout=wait,
+        # every replica starts from the same seeded weights (torchft's documented case for False);
+        # with True, step 0 heals over HTTP at socket.gethostname(), which a test host cannot reach
+        init_sync=False)
+    ledger = ByteLedger()
+    issue = manager.allreduce
+
+    def counted(tensor, *args, **kwargs):
+        n = tensor.numel() * tensor.element_size()
+        ledger.record("torchft_allreduce", n, n)
+        return issue(tensor, *args, **kwargs)
+
+    manager.allreduce = counted
+    diloco = DiLoCo(manager, [model], inner, outer, sync_every=peer.get("sync_every", 20), pin_memory=False)
+    diloco.__enter__()  # registers its hooks on the inner optimizer; left in place for the run
+    _KEEP_ALIVE.extend([store, manager, diloco])
+    inner.register_step_post_hook(lambda *_: ledger.end_step())
+    return model, inner, ledger
+
+
 def entries(steps: int, eval_every: int, model: dict) -> dict[str, tuple[TrainSpec, dict | None]]:
     """name -> (spec, peer): the methods, then PowerSGD at each rank."""
     out = {m: (method_spec(m, steps, eval_every, **model), None) for m in METHODS}
@@ -94,11 +162,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--slow-link", default="100mbit-20ms", choices=[k for k in LINKS if k != "unshaped"])
     ap.add_argument("--repeats", type=int, default=1, help="wall times are medians over repeats")
     ap.add_argument("--names", default=None, help="subset of the entries (comma list)")
-    ap.add_argument("--n-layer", type=int, default=2)
-    ap.add_argument("--n-embd", type=int, default=128)
-    ap.add_argument("--seq-len", type=int, default=128)
+    add_model_args(ap)
     args = ap.parse_args(argv)
-    model = {"n_layer": args.n_layer, "n_embd": args.n_embd, "seq_len": args.seq_len}
+    model = model_of(args)
     specs = entries(args.steps, args.eval_every, model)
     if args.names:
         wanted = [n.strip() for n in args.names.split(",")]

@@ -34,7 +34,7 @@ COLUMNS = ["setting", "hosts", "link", "comm_compute_ratio", "entry", "steps_to_
            "speedup_vs_adamw", "no_comm_limit", "speedup_over_1_plus_ratio", "bytes_sent_per_worker", "final_val_loss",
            "target_loss", "repeats"]
 DEFAULT_LINKS = "unshaped,25mbit,10mbit"
-DEFAULT_ENTRIES = "adamw,demo,diloco,dct_diloco,sparseloco,mtdao,powersgd_r8"
+DEFAULT_ENTRIES = "adamw,demo,diloco,dct_diloco,sparseloco,mtdao,powersgd_r8,torchft_diloco"
 
 
 def steps_to_target(history: list[dict], target: float) -> int | None:
