@@ -2,6 +2,7 @@
 tear-down when running as root. The measurements themselves are in docs/benchmarks.md."""
 
 import csv
+import json
 import os
 import subprocess
 import sys
@@ -141,8 +142,6 @@ def test_torchft_diloco_peer_trains_as_ds_lowcomm_diloco(tmp_path):
     as a peer: on the diloco recipe (H, outer lr 0.7, Nesterov 0.9, inner AdamW) it reaches the
     same held-out losses as ds_lowcomm's diloco at every evaluation, an independent implementation
     of the same algorithm; its pseudo-gradient all-reduces are counted (one fp32 model per sync)."""
-    import json
-
     from ds_lowcomm.bench import time_to_loss
 
     steps = ["--steps", "20", "--eval-every", "10", "--n-layer", "1", "--n-embd", "32", "--seq-len", "32"]
@@ -158,3 +157,20 @@ def test_torchft_diloco_peer_trains_as_ds_lowcomm_diloco(tmp_path):
     model_bytes = 4 * sum(p.numel() for p in GPT(GPTConfig(n_layer=1, n_embd=32, seq_len=32)).parameters())
     syncs = peer["history"][-1]["step"] // 20
     assert peer["bytes_sent_per_worker"] == syncs * model_bytes
+
+
+def test_sweep_benchmark_tiny(tmp_path):
+    """Each grid point trains with its settings over the recipe: a larger demo lr moves the loss,
+    and the recorded steps to target are those of the history."""
+    from ds_lowcomm.bench import sweep
+
+    rows = sweep.main(["--method", "demo", "--grid", '{"lr": [0.001, 0.004], "lowcomm.topk": [2]}',
+                       "--budget", "20", "--eval-every", "10", "--target", "9.0", "--out", str(tmp_path),
+                       "--n-layer", "1", "--n-embd", "32", "--seq-len", "32"])
+    assert [json.loads(r["settings"]) for r in rows] == [{"lr": 0.001, "lowcomm.topk": 2},
+                                                        {"lr": 0.004, "lowcomm.topk": 2}]
+    assert all(r["steps_to_target"] == 10 for r in rows)  # the first evaluation is below 9.0
+    assert rows[0]["final_val_loss"] != rows[1]["final_val_loss"]
+    assert len(_rows(tmp_path / "sweep.csv")) == 2
+    with pytest.raises(SystemExit, match="--grid"):
+        sweep.main(["--method", "demo", "--grid", '{"lr": []}', "--out", str(tmp_path)])
