@@ -159,6 +159,34 @@ def test_torchft_diloco_peer_trains_as_ds_lowcomm_diloco(tmp_path):
     assert peer["bytes_sent_per_worker"] == syncs * model_bytes
 
 
+@needs_root
+def test_torchft_streaming_diloco_peer_trains_as_ds_lowcomm_streaming(tmp_path, monkeypatch):
+    """torchft's Streaming DiLoCo (4 fragments of the model, one synced every H / 4 steps) on the
+    same fragments and schedule as ds_lowcomm's diloco with ``fragments: 4``: the same held-out
+    losses at every evaluation. With a delay the two differ only in phase (torchft sends a fragment
+    ``sync_delay`` steps before its slot, ds_lowcomm at its slot), so both run without one here.
+    Each sync sends one fragment, about a quarter of the model."""
+    from ds_lowcomm.bench import network, runs, time_to_loss
+
+    monkeypatch.setitem(runs.VARIANTS, "diloco_streaming", ("diloco", {"fragments": 4, "sync_delay": 0}))
+    monkeypatch.setitem(network.PEERS, "torchft_streaming_diloco",
+                        {**network.PEERS["torchft_streaming_diloco"], "sync_delay": 0})
+    steps = ["--steps", "20", "--eval-every", "10", "--n-layer", "1", "--n-embd", "32", "--seq-len", "32"]
+    time_to_loss.main(["--hosts", "2", "--links", "unshaped", "--entries",
+                       "adamw,diloco_streaming,torchft_streaming_diloco", "--budget-factor", "2",
+                       "--cache", str(tmp_path / "cache"), "--out", str(tmp_path), *steps])
+    runs_ = json.loads((tmp_path / "time_to_loss.json").read_text())["runs"]
+    ours, peer = runs_["2@unshaped@diloco_streaming"][0], runs_["2@unshaped@torchft_streaming_diloco"][0]
+    assert [h["val_loss"] for h in peer["history"]] == pytest.approx([h["val_loss"] for h in ours["history"]],
+                                                                     rel=1e-6)
+    assert not peer["replicas_identical"] and not ours["replicas_identical"]  # fragments 0-2 trained on locally
+    from ds_lowcomm.task.model import GPT, GPTConfig
+
+    model_bytes = 4 * sum(p.numel() for p in GPT(GPTConfig(n_layer=1, n_embd=32, seq_len=32)).parameters())
+    syncs = peer["history"][-1]["step"] // 5
+    assert 0.15 * syncs * model_bytes < peer["bytes_sent_per_worker"] < 0.35 * syncs * model_bytes
+
+
 def test_sweep_benchmark_tiny(tmp_path):
     """Each grid point trains with its settings over the recipe: a larger demo lr moves the loss,
     and the recorded steps to target are those of the history."""

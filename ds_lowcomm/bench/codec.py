@@ -46,9 +46,9 @@ REFERENCE_BYTES_PER_VALUE = 12  # int64 index + fp32 value, as the reference sen
 SHARE_METHODS = ("demo", "dct_diloco")
 
 DEFAULTS = {"shapes": "256x256,1024x1024,4096x1024,65536", "chunks": "16,32,64", "repeats": 5,
-            "steps": 60, "sync_every": None, "n_layer": 2, "n_embd": 128, "seq_len": 128, "batch": 16}
+            "steps": 60, "sync_every": None, "n_layer": 2, "n_embd": 128, "seq_len": 128, "batch": 16, "compile": 1}
 QUICK = {"shapes": "64x64,96x80,1000", "chunks": "8,16", "repeats": 1,
-         "steps": 4, "sync_every": 2, "n_layer": 1, "n_embd": 32, "seq_len": 32, "batch": 2}
+         "steps": 4, "sync_every": 2, "n_layer": 1, "n_embd": 32, "seq_len": 32, "batch": 2, "compile": 0}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -282,8 +282,9 @@ def bench_model(chunk: int, topk: int, args, device) -> list[dict]:
     specs = [SparseSpec.build(s, chunk=chunk, topk=topk, value_dtype="fp32") for s in shapes]  # as SparseAllGather's
     healthy = torch.ones(1, dtype=torch.uint8, device=device)  # SparseAllGather's trailing health flag byte
     others = [torch.cat([spec.compress(x)[0] for spec, x in zip(specs, bufs)] + [healthy]) for bufs in per_rank[1:]]
-    sag = SparseAllGather(shapes, chunk=chunk, topk=topk, value_dtype="fp32",
-                          transport=LoopbackTransport(others, device), average="senders")
+    sag, compiled = (SparseAllGather(shapes, chunk=chunk, topk=topk, value_dtype="fp32", compile=c,
+                                     transport=LoopbackTransport(others, device), average="senders")
+                     for c in (False, True))
     ref_others = [[ref_compress(x, s.plan, s.k)[:2] for s, x in zip(specs, bufs)] for bufs in per_rank[1:]]
 
     def fresh():  # exchanges subtract what they send from their buffers (error feedback)
@@ -314,10 +315,15 @@ def bench_model(chunk: int, topk: int, args, device) -> list[dict]:
     kept = sum(s.count for s in specs)
     name = f"GPT({len(shapes)} tensors)"
     rows = []
-    for impl, enc, dec, wire in (("ds_lowcomm", sag.start, Pending.wait, sag.payload_bytes),
-                                 ("reference", ref_encode_all, ref_decode_all, REFERENCE_BYTES_PER_VALUE * kept)):
+    impls = [("ds_lowcomm", sag.start, Pending.wait, sag.payload_bytes),
+             ("reference", ref_encode_all, ref_decode_all, REFERENCE_BYTES_PER_VALUE * kept)]
+    if args.compile:  # the codec's "compile" setting; its graphs compile here (tens of seconds), untimed
+        compiled.exchange(fresh())
+        impls.insert(1, ("ds_lowcomm compile", compiled.start, Pending.wait, compiled.payload_bytes))
+    for impl, enc, dec, wire in impls:
         times = time_encode_decode(fresh, enc, dec, args.repeats, device)
-        ops = count_ops(fresh, enc, dec)
+        # under the op counter's dispatch mode compiled code runs eagerly: no count for it
+        ops = None if impl.endswith("compile") else count_ops(fresh, enc, dec)
         rows.append(make_row(impl, "model", name, numel, chunk, topk, args.world, times, ops, kept, wire, diff,
                              agree))
     return rows
@@ -414,7 +420,7 @@ def plot(path: Path, rows: list[dict], device: str = "cpu") -> None:
 def print_rows(rows: list[dict]) -> None:
     for r in rows:
         print(f"{r['implementation']:<11}{r['shape']:>18} chunk {r['chunk']:>3}  {r['median_s'] * 1e3:9.2f} ms "
-              f"{r['gbps']:8.3f} GB/s {r['ops']:6d} ops  {r['wire_bytes_per_value']:5.2f} B/value  diff {r['max_abs_diff']:.1e}",
+              f"{r['gbps']:8.3f} GB/s {r['ops'] if r['ops'] is not None else '-':>6} ops  {r['wire_bytes_per_value']:5.2f} B/value  diff {r['max_abs_diff']:.1e}",
               flush=True)
 
 
@@ -437,6 +443,8 @@ def parse_args(argv):
     ap.add_argument("--seq-len", type=int)
     ap.add_argument("--batch", type=int)
     ap.add_argument("--skip-share", action="store_true", help="throughput only")
+    ap.add_argument("--compile", type=int, choices=(0, 1),
+                    help=f"add the model list with the codec's compile setting (default {DEFAULTS['compile']})")
     args = ap.parse_args(argv)
     for key, value in (QUICK if args.quick else DEFAULTS).items():
         if getattr(args, key) is None:
@@ -454,7 +462,7 @@ def run_throughput(args) -> list[dict]:
         for shape in (parse_shape(s) for s in args.shapes.split(",")):
             rows += bench_tensor(shape, chunk, topk, args, device)
         rows += bench_model(chunk, topk, args, device)
-        print_rows(rows[-2 * (len(args.shapes.split(",")) + 1):])
+        print_rows(rows[-(2 * len(args.shapes.split(",")) + 2 + args.compile):])
     bad = [r for r in rows if not r["agree"]]
     if bad:
         print(f"WARNING: ds_lowcomm and the reference decoded different tensors in {len(bad)} rows "

@@ -26,7 +26,10 @@ from .runs import LINKS, add_model_args, model_of, loss_at_time, method_spec, pe
 
 # What users would pick instead; torchft's DiLoCo with the diloco recipe's H, outer lr and momentum.
 PEERS = {"powersgd_r4": {"kind": "ddp_powersgd", "rank": 4}, "powersgd_r8": {"kind": "ddp_powersgd", "rank": 8},
-         "torchft_diloco": {"kind": "torchft_diloco", "sync_every": 20, "outer_lr": 0.7, "outer_momentum": 0.9}}
+         "torchft_diloco": {"kind": "torchft_diloco", "sync_every": 20, "outer_lr": 0.7, "outer_momentum": 0.9},
+         # torchft's Streaming DiLoCo with the settings of ds_lowcomm's diloco_streaming
+         "torchft_streaming_diloco": {"kind": "torchft_diloco", "sync_every": 20, "outer_lr": 0.7,
+                                      "outer_momentum": 0.9, "fragments": 4, "sync_delay": 4}}
 
 COLUMNS = ["hosts", "link", "delay_applied", "method", "steps_run", "final_val_loss", "target_loss", "time_to_target_s",
            "speedup_vs_adamw", "speedup_vs_powersgd", "budget_s", "loss_at_budget", "train_s", "wall_s", "mb_sent_per_worker", "repeats"]

@@ -25,6 +25,7 @@ import torch.distributed as dist
 
 from ..comm import ByteLedger
 from ..config import METHODS
+from ..optim.outer import contiguous_fragments
 from ..task.spec import TrainSpec
 from ..task.steps import TorchStep
 from .runs import LINKS, add_model_args, effective_shape, model_of, method_spec, peer_spec, run_cached
@@ -55,7 +56,8 @@ PEER_KINDS = ("ddp_powersgd", "torchft_diloco")
 def peer_step(peer: dict):
     """The training loop's step factory for a peer: a :class:`TorchStep` whose optimizer is
     ``peer``'s (``{"kind": "ddp_powersgd", "rank": r, "start_iter": i}`` or
-    ``{"kind": "torchft_diloco", "sync_every": h, "outer_lr": a, "outer_momentum": m}``)."""
+    ``{"kind": "torchft_diloco", "sync_every": h, "outer_lr": a, "outer_momentum": m}``, with
+    ``"fragments": p, "sync_delay": d`` for torchft's Streaming DiLoCo)."""
     setups = {"ddp_powersgd": peer_setup, "torchft_diloco": torchft_setup}
     if peer.get("kind") not in setups:
         raise ValueError(f"peer.kind must be one of {', '.join(PEER_KINDS)}; got {peer.get('kind')!r}")
@@ -94,6 +96,14 @@ def _own_address() -> str:
         return s.getsockname()[0]
 
 
+class _Fragment(torch.nn.Module):
+    """Some of a model's parameters (the same tensors) as the module torchft syncs as one fragment."""
+
+    def __init__(self, params: list[torch.nn.Parameter]):
+        super().__init__()
+        self.params = torch.nn.ParameterList(params)
+
+
 def torchft_setup(model: torch.nn.Module, spec: TrainSpec, peer: dict):
     """The step's (module, inner optimizer, ledger) for torchft's DiLoCo, as its users set it up:
     every worker its own replica group (one torchft Manager each, with its own store), a
@@ -116,8 +126,13 @@ def torchft_setup(model: torch.nn.Module, spec: TrainSpec, peer: dict):
     dist.broadcast_object_list(address, src=0)
     store = dist.TCPStore(me, 0, is_master=True, wait_for_workers=False)
     inner = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
-    outer = torch.optim.SGD(model.parameters(), lr=peer.get("outer_lr", 0.7),
-                            momentum=peer.get("outer_momentum", 0.9), nesterov=True)
+    # Streaming DiLoCo: the same contiguous fragments as ds_lowcomm's (torchft syncs fragment
+    # i % P every H / P steps, sending it sync_delay steps before it lands), and an outer optimizer
+    # per fragment: one over the whole model would also step the other fragments along their
+    # inner gradients, still in .grad when torchft's hook runs (measured: the loss diverges).
+    fragments = [_Fragment(ps) for ps in contiguous_fragments(list(model.parameters()), peer.get("fragments", 1))]
+    outer = [torch.optim.SGD(f.parameters(), lr=peer.get("outer_lr", 0.7), momentum=peer.get("outer_momentum", 0.9),
+                             nesterov=True) for f in fragments]
     wait = timedelta(seconds=600)
     manager = Manager(
         pg=ProcessGroupGloo(timeout=wait), min_replica_size=world, use_async_quorum=False,
@@ -137,7 +152,8 @@ def torchft_setup(model: torch.nn.Module, spec: TrainSpec, peer: dict):
         return issue(tensor, *args, **kwargs)
 
     manager.allreduce = counted
-    diloco = DiLoCo(manager, [model], inner, outer, sync_every=peer.get("sync_every", 20), pin_memory=False)
+    diloco = DiLoCo(manager, fragments, inner, outer, sync_every=peer.get("sync_every", 20), pin_memory=False,
+                    fragment_sync_delay=peer.get("sync_delay", 0))
     diloco.__enter__()  # registers its hooks on the inner optimizer; left in place for the run
     _KEEP_ALIVE.extend([store, manager, diloco])
     inner.register_step_post_hook(lambda *_: ledger.end_step())

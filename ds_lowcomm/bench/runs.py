@@ -51,11 +51,18 @@ def model_of(args) -> dict:
     return {"n_layer": args.n_layer, "n_embd": args.n_embd, "seq_len": args.seq_len}
 
 
+# Entries that are a method's recipe with more settings: Streaming DiLoCo as configs/diloco_streaming.json
+# sets it (4 fragments, each landing 4 inner steps after it is sent).
+VARIANTS = {"diloco_streaming": ("diloco", {"fragments": 4, "sync_delay": 4})}
+
+
 def method_spec(method: str, steps: int, eval_every: int, **model) -> TrainSpec:
-    """The spec ``ds-lowcomm compare`` would run for ``method`` (its recipe), with ``steps``."""
+    """The spec ``ds-lowcomm compare`` would run for ``method`` (its recipe, or a variant's
+    settings over it), with ``steps``."""
     base = TrainSpec(steps=steps, warmup=max(1, steps // 15), eval_every=eval_every, model=model, label=method,
                      verbose=False)
-    return build_specs([method], base, {}, workers=2)[0]
+    recipe, lowcomm = VARIANTS.get(method, (method, {}))
+    return build_specs([recipe], base, {recipe: {"lowcomm": lowcomm}}, workers=2)[0]
 
 
 def peer_spec(label: str, steps: int, eval_every: int, **model) -> TrainSpec:

@@ -28,7 +28,7 @@ from pathlib import Path
 from ..config import METHODS
 from .netns import check_can_create
 from .network import PEERS
-from .runs import LINKS, add_model_args, model_of, method_spec, peer_spec, run_cached, time_to_loss
+from .runs import LINKS, VARIANTS, add_model_args, model_of, method_spec, peer_spec, run_cached, time_to_loss
 
 COLUMNS = ["setting", "hosts", "link", "comm_compute_ratio", "entry", "steps_to_target", "time_to_target_s",
            "speedup_vs_adamw", "no_comm_limit", "speedup_over_1_plus_ratio", "bytes_sent_per_worker", "final_val_loss",
@@ -84,7 +84,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--hosts", default="2")
     ap.add_argument("--links", default=DEFAULT_LINKS, help=f"comma list of {', '.join(LINKS)}")
     ap.add_argument("--entries", default=DEFAULT_ENTRIES,
-                    help=f"methods ({', '.join(METHODS)}) and peers ({', '.join(PEERS)}); adamw is required")
+                    help=f"methods ({', '.join(METHODS)}), variants ({', '.join(VARIANTS)}) and peers "
+                         f"({', '.join(PEERS)}); adamw is required")
     ap.add_argument("--steps", type=int, default=300, help="adamw's steps on the unshaped link: its loss is the target")
     ap.add_argument("--eval-every", type=int, default=15)
     ap.add_argument("--budget-factor", type=float, default=3.0)
@@ -94,10 +95,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     hosts_list = [int(h) for h in args.hosts.split(",")]
     links = [x.strip() for x in args.links.split(",")]
     entries = [x.strip() for x in args.entries.split(",")]
-    bad = [x for x in links if x not in LINKS] + [e for e in entries if e not in METHODS and e not in PEERS]
+    bad = [x for x in links if x not in LINKS] + [e for e in entries if e not in (*METHODS, *VARIANTS, *PEERS)]
     if bad or "adamw" not in entries:
         raise SystemExit(f"unknown link(s)/entries: {', '.join(bad) or '-'} (adamw is required); links: "
-                         f"{', '.join(LINKS)}; entries: {', '.join(METHODS)}, {', '.join(PEERS)}")
+                         f"{', '.join(LINKS)}; entries: {', '.join((*METHODS, *VARIANTS, *PEERS))}")
     check_can_create()
     model = model_of(args)
     cache, out = Path(args.cache), Path(args.out)

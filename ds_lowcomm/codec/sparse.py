@@ -282,7 +282,7 @@ class SparseBatch:
     2bit, sign) are computed per tensor, as alone.
     """
 
-    def __init__(self, specs: Sequence[SparseSpec]):
+    def __init__(self, specs: Sequence[SparseSpec], compile: bool = False):
         self.specs = list(specs)
         self.offsets = [0]
         for spec in self.specs:
@@ -293,7 +293,7 @@ class SparseBatch:
             alone = i if bits == 12 and spec.count % 2 else -1  # 12-bit pairs must not straddle two tensors
             key = (spec.plan.block_size, spec.k, spec.values.name, spec.transform, alone)
             groups.setdefault(key, []).append(i)
-        self.groups = [_Group([self.specs[i] for i in members], members) for members in groups.values()]
+        self.groups = [_Group([self.specs[i] for i in members], members, compile) for members in groups.values()]
 
     @property
     def nbytes(self) -> int:
@@ -328,9 +328,16 @@ class SparseBatch:
 
 
 class _Group:
-    """Tensors of one block size, k and value format, their blocks stacked in one buffer."""
+    """Tensors of one block size, k and value format, their blocks stacked in one buffer.
 
-    def __init__(self, specs: list[SparseSpec], members: list[int]):
+    ``compile``: the group's compress and decompress go through ``torch.compile``, with every
+    op that rounds (the transforms, value headers and codes, weighted sums) kept out of the
+    compiled graphs and run eagerly, as without it. What is compiled moves, selects, packs and
+    adds in a fixed order (top-k, gather, index packing, scatter, unpacking, the per-rank
+    scatter-adds and the division by senders), so the bits are those of the eager path.
+    """
+
+    def __init__(self, specs: list[SparseSpec], members: list[int], compile: bool = False):
         self.specs, self.members = specs, members
         first = specs[0]
         self.k, self.block_size, self.values = first.k, first.plan.block_size, first.values
@@ -339,18 +346,25 @@ class _Group:
         for spec in specs:
             self.rows.append(self.rows[-1] + spec.plan.num_blocks)
         self.float_values = self.values.name in FLOAT_DTYPES  # no per-tensor header: one pack for all
+        eager = _eager if compile else (lambda fn: fn)
+        self.encode = [eager(spec.encode) for spec in specs]
+        self.decode = [eager(spec.decode) for spec in specs]
+        self.pack, self.unpack, self.weighted_mean = eager(self.values.pack), eager(self.values.unpack), eager(_weighted_mean)
+        if compile:
+            self.compress = _compiled(self.compress)
+            self.decompress_mean = _compiled(self.decompress_mean)
 
     def compress(self, xs: list[torch.Tensor], parts: list, sent_out: list) -> None:
-        coeffs = [spec.encode(x) for spec, x in zip(self.specs, xs)]
+        coeffs = [encode(x) for encode, x in zip(self.encode, xs)]
         dtype = coeffs[0].dtype if len({c.dtype for c in coeffs}) == 1 else torch.float64  # exact for either
         coeffs = coeffs[0] if len(coeffs) == 1 else torch.cat([c.to(dtype) for c in coeffs])
         idx = torch.topk(coeffs.abs(), self.k, dim=-1, sorted=False).indices
         vals = torch.gather(coeffs, -1, idx)
         index_bytes = pack_indices(idx, self.bits)
         if self.float_values:
-            value_bytes, sent_vals = self.values.pack(vals)
+            value_bytes, sent_vals = self.pack(vals)
         else:
-            packed = [self.values.pack(vals[lo:hi]) for lo, hi in zip(self.rows[:-1], self.rows[1:])]
+            packed = [self.pack(vals[lo:hi]) for lo, hi in zip(self.rows[:-1], self.rows[1:])]
             sent_vals = torch.cat([v for _, v in packed])
         dense = torch.zeros_like(coeffs).scatter_(-1, idx, sent_vals.to(coeffs.dtype))
         value_at = 0
@@ -365,7 +379,7 @@ class _Group:
             else:
                 parts[2 * i + 1] = packed[j][0]
             own = dense[lo:hi]
-            sent_out[i] = spec.decode(own.to(_compute_dtype(x.dtype)))  # a no-op unless dtypes were mixed
+            sent_out[i] = self.decode[j](own.to(_compute_dtype(x.dtype)))  # a no-op unless dtypes were mixed
 
     def decompress_mean(self, rows: torch.Tensor, offsets: list[int], average: str, weights, out: list) -> None:
         n = rows.shape[0]
@@ -377,13 +391,13 @@ class _Group:
             value_rows.append(rows[:, start + spec.index_bytes : offsets[i + 1]])
         idx = unpack_indices(_cat_last(index_rows), self.bits, count).reshape(n, self.rows[-1], self.k)
         if self.float_values:
-            vals = self.values.unpack(_cat_last(value_rows), count)
+            vals = self.unpack(_cat_last(value_rows), count)
         else:
-            vals = torch.cat([self.values.unpack(v, spec.count) for v, spec in zip(value_rows, self.specs)], dim=-1)
+            vals = torch.cat([self.unpack(v, spec.count) for v, spec in zip(value_rows, self.specs)], dim=-1)
         vals = vals.reshape(n, self.rows[-1], self.k)
         total = torch.zeros(self.rows[-1], self.block_size, dtype=torch.float32, device=rows.device)
         if weights is not None:
-            total = _weighted_mean(total, idx, vals, weights, average)
+            total = self.weighted_mean(total, idx, vals, weights, average)
         else:
             for r in range(n):
                 total.scatter_add_(-1, idx[r], vals[r])
@@ -395,8 +409,24 @@ class _Group:
                 for r in range(n):
                     senders.scatter_add_(-1, idx[r], ones)
                 total /= senders.clamp_(min=1.0)
-        for j, (spec, i) in enumerate(zip(self.specs, self.members)):
-            out[i] = spec.decode(total[self.rows[j] : self.rows[j + 1]])
+        for j, i in enumerate(self.members):
+            out[i] = self.decode[j](total[self.rows[j] : self.rows[j + 1]])
+
+
+def _eager(fn):
+    """``fn`` run eagerly even when called from a compiled function: its rounding stays eager's."""
+    return torch.compiler.disable(fn, recursive=True)
+
+
+# Each group's graphs are guarded on the group (its k, block size, members), so a model's groups
+# recompile the same code once each; torch's default limit of 8 would send the rest back to eager.
+_GROUP_RECOMPILE_LIMIT = 256
+
+
+def _compiled(fn):
+    config = torch._dynamo.config
+    config.recompile_limit = max(config.recompile_limit, _GROUP_RECOMPILE_LIMIT)
+    return torch.compile(fn, dynamic=False)
 
 
 def _cat_last(parts: list[torch.Tensor]) -> torch.Tensor:

@@ -128,13 +128,14 @@ class SparseAllGather:
         average: str = "senders",
         op: str = "sparse_all_gather",
         weights: Sequence[float] | None = None,
+        compile: bool = False,
     ):
         self.layouts = list(layouts)
         shapes = [s for layout in self.layouts for s in _piece_shapes(layout)]
         self.specs = [
             SparseSpec.build(s, chunk=chunk, topk=topk, value_dtype=value_dtype, transform=transform) for s in shapes
         ]
-        self.codec = SparseBatch(self.specs)  # every tensor in one pass per block shape
+        self.codec = SparseBatch(self.specs, compile)  # every tensor in one pass per block shape
         self.transport = transport
         self.average = average
         self.op = op

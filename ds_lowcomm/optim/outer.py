@@ -37,6 +37,22 @@ from .base import LowcommOptimizer, StatefulSettings, ordered_params
 INNER_IMPLS = ("torch", "apex")
 
 
+def contiguous_fragments(params: list, n: int) -> list[list]:
+    """``params`` in order, cut into ``n`` contiguous groups of about equal element count (each
+    at least one tensor): Streaming DiLoCo's fragments."""
+    total = sum(p.numel() for p in params)
+    out, current, seen = [], [], 0
+    for i, p in enumerate(params):
+        current.append(p)
+        seen += p.numel()
+        remaining_tensors, remaining_frags = len(params) - i - 1, n - len(out) - 1
+        if remaining_frags and (seen >= total * (len(out) + 1) / n or remaining_tensors == remaining_frags):
+            out.append(current)
+            current = []
+    out.append(current)
+    return out
+
+
 @dataclass(frozen=True)
 class StreamingSettings(Settings):
     """Streaming DiLoCo: the parameters in ``fragments`` groups synced on a staggered schedule;
@@ -168,16 +184,7 @@ class OuterLoop(LowcommOptimizer):
         if len(params) < n:
             raise ValueError(f"lowcomm.fragments is {n} but this optimizer steps {len(params)} tensor(s) at a time "
                              "(ZeRO 1-3 hand it one flat partition): use fragments <= the number of tensors")
-        total = sum(p.numel() for p in params)
-        out, current, seen = [], [], 0
-        for i, p in enumerate(params):
-            current.append(p)
-            seen += p.numel()
-            remaining_tensors, remaining_frags = len(params) - i - 1, n - len(out) - 1
-            if remaining_frags and (seen >= total * (len(out) + 1) / n or remaining_tensors == remaining_frags):
-                out.append(current)
-                current = []
-        out.append(current)
+        out = contiguous_fragments(params, n)
         self._fragment_cache[key] = out
         return out
 
