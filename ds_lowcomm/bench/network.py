@@ -22,7 +22,8 @@ from pathlib import Path
 
 from ..config import METHODS
 from .netns import check_can_create
-from .runs import LINKS, add_model_args, model_of, loss_at_time, method_spec, peer_spec, run_cached, time_to_loss
+from .runs import (LINKS, add_model_args, add_repeat_args, loss_at_time, method_spec, model_of, peer_spec,
+                   repeats_per_link, run_cached, time_to_loss)
 
 # What users would pick instead; torchft's DiLoCo with the diloco recipe's H, outer lr and momentum.
 PEERS = {"powersgd_r4": {"kind": "ddp_powersgd", "rank": 4}, "powersgd_r8": {"kind": "ddp_powersgd", "rank": 8},
@@ -47,9 +48,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--eval-every", type=int, default=15)
     ap.add_argument("--budget-factor", type=float, default=3.0,
                     help="steps for the other methods, as a multiple of --steps (they stop at the target)")
-    ap.add_argument("--repeats", type=int, default=1, help="times are medians over repeats")
-    ap.add_argument("--repeat-links", default=None,
-                    help="comma list: repeat only these links (default: every link); the others run once")
+    add_repeat_args(ap)
     add_model_args(ap)
     args = ap.parse_args(argv)
     hosts_list = [int(h) for h in args.hosts.split(",")]
@@ -60,9 +59,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if bad:
         raise SystemExit(f"unknown link(s)/method(s): {', '.join(bad)}; links: {', '.join(LINKS)}; "
                          f"methods: {', '.join(METHODS)}")
-    repeat_links = links if args.repeat_links is None else [x.strip() for x in args.repeat_links.split(",")]
-    if any(x not in links for x in repeat_links):
-        raise SystemExit(f"--repeat-links must name links of --links ({', '.join(links)}); got {args.repeat_links}")
+    repeats_of = repeats_per_link(args, links)
     if "adamw" not in methods or "unshaped" not in links:
         raise SystemExit("the target loss and time budget come from adamw on the unshaped link: keep both")
     check_can_create()
@@ -82,9 +79,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 # peers: on adamw's recipe, with the same longer budget and stop
                 spec = (peer_spec if method in PEERS else method_spec)(method, budget_steps, args.eval_every, **model)
                 spec = dataclasses.replace(spec, stop_at_val_loss=target)
-                repeats = args.repeats if link in repeat_links else 1
                 runs[hosts, link, method] = [run_cached(cache, hosts, link, spec, r, PEERS.get(method))
-                                             for r in range(repeats)]
+                                             for r in range(repeats_of[link])]
                 first = runs[hosts, link, method][0]
                 print(f"{hosts} hosts {link:<13} {method:<11} val {first['final_val_loss']:.4f}  "
                       f"train {statistics.median(x['train_s'] for x in runs[hosts, link, method]):7.1f} s", flush=True)

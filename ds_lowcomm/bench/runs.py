@@ -47,6 +47,20 @@ def add_model_args(ap) -> None:
     ap.add_argument("--seq-len", type=int, default=128)
 
 
+def add_repeat_args(ap) -> None:
+    """Repeats per run (times are medians), on every link or only some; :func:`repeats_per_link` reads them."""
+    ap.add_argument("--repeats", type=int, default=1, help="times are medians over repeats")
+    ap.add_argument("--repeat-links", default=None,
+                    help="comma list: repeat only these links (default: every link); the others run once")
+
+
+def repeats_per_link(args, links: list[str]) -> dict[str, int]:
+    repeat_links = links if args.repeat_links is None else [x.strip() for x in args.repeat_links.split(",")]
+    if any(x not in links for x in repeat_links):
+        raise SystemExit(f"--repeat-links must name links of --links ({', '.join(links)}); got {args.repeat_links}")
+    return {link: args.repeats if link in repeat_links else 1 for link in links}
+
+
 def model_of(args) -> dict:
     return {"n_layer": args.n_layer, "n_embd": args.n_embd, "seq_len": args.seq_len}
 

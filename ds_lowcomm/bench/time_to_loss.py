@@ -28,13 +28,15 @@ from pathlib import Path
 from ..config import METHODS
 from .netns import check_can_create
 from .network import PEERS
-from .runs import LINKS, VARIANTS, add_model_args, model_of, method_spec, peer_spec, run_cached, time_to_loss
+from .runs import (LINKS, VARIANTS, add_model_args, add_repeat_args, method_spec, model_of, peer_spec,
+                   repeats_per_link, run_cached, time_to_loss)
 
 COLUMNS = ["setting", "hosts", "link", "comm_compute_ratio", "entry", "steps_to_target", "time_to_target_s",
            "speedup_vs_adamw", "no_comm_limit", "speedup_over_1_plus_ratio", "bytes_sent_per_worker", "final_val_loss",
            "target_loss", "repeats"]
 DEFAULT_LINKS = "unshaped,25mbit,10mbit"
-DEFAULT_ENTRIES = "adamw,demo,diloco,dct_diloco,sparseloco,mtdao,powersgd_r8,torchft_diloco"
+DEFAULT_ENTRIES = ("adamw,demo,diloco,dct_diloco,sparseloco,mtdao,diloco_streaming,powersgd_r8,torchft_diloco,"
+                   "torchft_streaming_diloco")
 
 
 def steps_to_target(history: list[dict], target: float) -> int | None:
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=300, help="adamw's steps on the unshaped link: its loss is the target")
     ap.add_argument("--eval-every", type=int, default=15)
     ap.add_argument("--budget-factor", type=float, default=3.0)
-    ap.add_argument("--repeats", type=int, default=1, help="times are medians over repeats")
+    add_repeat_args(ap)
     add_model_args(ap)
     args = ap.parse_args(argv)
     hosts_list = [int(h) for h in args.hosts.split(",")]
@@ -99,6 +101,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if bad or "adamw" not in entries:
         raise SystemExit(f"unknown link(s)/entries: {', '.join(bad) or '-'} (adamw is required); links: "
                          f"{', '.join(LINKS)}; entries: {', '.join((*METHODS, *VARIANTS, *PEERS))}")
+    repeats_of = repeats_per_link(args, links)
     check_can_create()
     model = model_of(args)
     cache, out = Path(args.cache), Path(args.out)
@@ -114,7 +117,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 spec = (peer_spec if entry in PEERS else method_spec)(entry, budget, args.eval_every, **model)
                 spec = dataclasses.replace(spec, stop_at_val_loss=target)
                 runs[hosts, link, entry] = [run_cached(cache, hosts, link, spec, r, PEERS.get(entry))
-                                            for r in range(args.repeats)]
+                                            for r in range(repeats_of[link])]
                 first = runs[hosts, link, entry][0]
                 print(f"{hosts} hosts {link:<13} {entry:<12} val {first['final_val_loss']:.4f} "
                       f"train {first['train_s']:7.1f} s", flush=True)
@@ -146,20 +149,22 @@ def plot(path: Path, rows: list[dict]) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     ratios = sorted({r["comm_compute_ratio"] for r in rows})
     ax.plot(ratios, [1 + x for x in ratios], "k:", label="1 + ratio (no communication, adamw's steps)")
-    for i, entry in enumerate(dict.fromkeys(r["entry"] for r in rows)):
-        pts = sorted((r["comm_compute_ratio"], r["speedup_vs_adamw"]) for r in rows
-                     if r["entry"] == entry and r["speedup_vs_adamw"])
-        if pts:
-            style = "--" if entry in PEERS else "-"
-            ax.plot(*zip(*pts), style, marker="o", color=f"C{i}", label=entry)
+    hosts = sorted({r["hosts"] for r in rows})
+    for i, entry in enumerate(dict.fromkeys(r["entry"] for r in rows)):  # a colour per entry, a marker per host count
+        for h, marker in zip(hosts, "os^v"):
+            pts = sorted((r["comm_compute_ratio"], r["speedup_vs_adamw"]) for r in rows
+                         if r["entry"] == entry and r["hosts"] == h and r["speedup_vs_adamw"])
+            if pts:
+                style = "--" if entry in PEERS else "-"
+                label = entry if len(hosts) == 1 else f"{entry}, {h} hosts"
+                ax.plot(*zip(*pts), style, marker=marker, color=f"C{i % 10}", label=label)
     ax.set_xscale("symlog", linthresh=1.0)
     ax.set_yscale("log")
     ax.set_xlabel("adamw's comm/compute ratio on the link")
     ax.set_ylabel("speed-up to adamw's held-out loss")
-    hosts = sorted({r["hosts"] for r in rows})
     ax.set_title(f"Time to adamw's loss, {'/'.join(map(str, hosts))} test hosts", fontsize=10)
     ax.grid(alpha=0.3, which="both")
-    ax.legend(fontsize=7)
+    ax.legend(fontsize=6, ncol=2)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
