@@ -70,6 +70,21 @@ def test_network_benchmark_refuses_repeat_links_outside_links():
         network.main(["--links", "unshaped", "--repeat-links", "1gbit-5ms"])
 
 
+def test_repeats_per_run_repeats_only_the_chosen_links_and_entries():
+    from argparse import Namespace
+
+    from ds_lowcomm.bench.runs import repeats_per_run
+
+    args = Namespace(repeats=3, repeat_links="10mbit", repeat_entries="demo,diloco")
+    got = repeats_per_run(args, ["unshaped", "10mbit"], ["adamw", "demo", "diloco"])
+    assert got == {("unshaped", "adamw"): 1, ("unshaped", "demo"): 1, ("unshaped", "diloco"): 1,
+                   ("10mbit", "adamw"): 1, ("10mbit", "demo"): 3, ("10mbit", "diloco"): 3}
+    args.repeat_entries = "sparseloco"
+    with pytest.raises(SystemExit, match=r"--repeat-entries must name entries of --entries \(adamw, demo, diloco\); "
+                                         r"got sparseloco"):
+        repeats_per_run(args, ["unshaped", "10mbit"], ["adamw", "demo", "diloco"])
+
+
 @needs_root
 def test_network_and_peers_benchmarks_tiny(tmp_path):
     from ds_lowcomm.bench import network, peers

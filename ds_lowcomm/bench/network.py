@@ -23,7 +23,7 @@ from pathlib import Path
 from ..config import METHODS
 from .netns import check_can_create
 from .runs import (LINKS, add_model_args, add_repeat_args, loss_at_time, method_spec, model_of, peer_spec,
-                   repeats_per_link, run_cached, time_to_loss)
+                   repeats_per_run, run_cached, time_to_loss)
 
 # What users would pick instead; torchft's DiLoCo with the diloco recipe's H, outer lr and momentum.
 PEERS = {"powersgd_r4": {"kind": "ddp_powersgd", "rank": 4}, "powersgd_r8": {"kind": "ddp_powersgd", "rank": 8},
@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if bad:
         raise SystemExit(f"unknown link(s)/method(s): {', '.join(bad)}; links: {', '.join(LINKS)}; "
                          f"methods: {', '.join(METHODS)}")
-    repeats_of = repeats_per_link(args, links)
+    repeats_of = repeats_per_run(args, links, methods, "--methods/--peers")
     if "adamw" not in methods or "unshaped" not in links:
         raise SystemExit("the target loss and time budget come from adamw on the unshaped link: keep both")
     check_can_create()
@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 spec = (peer_spec if method in PEERS else method_spec)(method, budget_steps, args.eval_every, **model)
                 spec = dataclasses.replace(spec, stop_at_val_loss=target)
                 runs[hosts, link, method] = [run_cached(cache, hosts, link, spec, r, PEERS.get(method))
-                                             for r in range(repeats_of[link])]
+                                             for r in range(repeats_of[link, method])]
                 first = runs[hosts, link, method][0]
                 print(f"{hosts} hosts {link:<13} {method:<11} val {first['final_val_loss']:.4f}  "
                       f"train {statistics.median(x['train_s'] for x in runs[hosts, link, method]):7.1f} s", flush=True)

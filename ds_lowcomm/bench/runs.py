@@ -22,6 +22,7 @@ LINKS = {
     "1gbit-5ms": LinkShape("1gbit", 5),
     "100mbit-20ms": LinkShape("100mbit", 20),
     # rate only: the slow links of time_to_loss, where communication dominates a step
+    "100mbit": LinkShape("100mbit"),
     "25mbit": LinkShape("25mbit"),
     "10mbit": LinkShape("10mbit"),
     "3mbit": LinkShape("3mbit"),
@@ -48,17 +49,28 @@ def add_model_args(ap) -> None:
 
 
 def add_repeat_args(ap) -> None:
-    """Repeats per run (times are medians), on every link or only some; :func:`repeats_per_link` reads them."""
+    """Repeats per run (times are medians), on every link and entry or only some; :func:`repeats_per_run`
+    reads them."""
     ap.add_argument("--repeats", type=int, default=1, help="times are medians over repeats")
     ap.add_argument("--repeat-links", default=None,
-                    help="comma list: repeat only these links (default: every link); the others run once")
+                    help="comma list: repeat only on these links (default: every link); the others run once")
+    ap.add_argument("--repeat-entries", default=None,
+                    help="comma list: repeat only these methods or peers (default: every one); the others run once")
 
 
-def repeats_per_link(args, links: list[str]) -> dict[str, int]:
-    repeat_links = links if args.repeat_links is None else [x.strip() for x in args.repeat_links.split(",")]
-    if any(x not in links for x in repeat_links):
-        raise SystemExit(f"--repeat-links must name links of --links ({', '.join(links)}); got {args.repeat_links}")
-    return {link: args.repeats if link in repeat_links else 1 for link in links}
+def repeats_per_run(args, links: list[str], entries: list[str],
+                    entries_flag: str = "--entries") -> dict[tuple[str, str], int]:
+    """{(link, entry): repeats}: ``--repeats`` where both the link and the entry are repeated, else 1."""
+    def chosen(flag: str, value: str | None, allowed: list[str], what: str) -> list[str]:
+        names = allowed if value is None else [x.strip() for x in value.split(",")]
+        if any(x not in allowed for x in names):
+            raise SystemExit(f"{flag} must name {what} ({', '.join(allowed)}); got {value}")
+        return names
+
+    repeat_links = chosen("--repeat-links", args.repeat_links, links, "links of --links")
+    repeat_entries = chosen("--repeat-entries", args.repeat_entries, entries, f"entries of {entries_flag}")
+    return {(link, e): args.repeats if link in repeat_links and e in repeat_entries else 1
+            for link in links for e in entries}
 
 
 def model_of(args) -> dict:

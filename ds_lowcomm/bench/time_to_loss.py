@@ -29,7 +29,7 @@ from ..config import METHODS
 from .netns import check_can_create
 from .network import PEERS
 from .runs import (LINKS, VARIANTS, add_model_args, add_repeat_args, method_spec, model_of, peer_spec,
-                   repeats_per_link, run_cached, time_to_loss)
+                   repeats_per_run, run_cached, time_to_loss)
 
 COLUMNS = ["setting", "hosts", "link", "comm_compute_ratio", "entry", "steps_to_target", "time_to_target_s",
            "speedup_vs_adamw", "no_comm_limit", "speedup_over_1_plus_ratio", "bytes_sent_per_worker", "final_val_loss",
@@ -101,7 +101,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if bad or "adamw" not in entries:
         raise SystemExit(f"unknown link(s)/entries: {', '.join(bad) or '-'} (adamw is required); links: "
                          f"{', '.join(LINKS)}; entries: {', '.join((*METHODS, *VARIANTS, *PEERS))}")
-    repeats_of = repeats_per_link(args, links)
+    repeats_of = repeats_per_run(args, links, entries)
     check_can_create()
     model = model_of(args)
     cache, out = Path(args.cache), Path(args.out)
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 spec = (peer_spec if entry in PEERS else method_spec)(entry, budget, args.eval_every, **model)
                 spec = dataclasses.replace(spec, stop_at_val_loss=target)
                 runs[hosts, link, entry] = [run_cached(cache, hosts, link, spec, r, PEERS.get(entry))
-                                            for r in range(repeats_of[link])]
+                                            for r in range(repeats_of[link, entry])]
                 first = runs[hosts, link, entry][0]
                 print(f"{hosts} hosts {link:<13} {entry:<12} val {first['final_val_loss']:.4f} "
                       f"train {first['train_s']:7.1f} s", flush=True)
