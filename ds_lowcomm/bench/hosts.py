@@ -27,24 +27,32 @@ def run_on_hosts(net: TestNetwork, spec: TrainSpec, peer: dict | None = None,
     with tempfile.TemporaryDirectory(prefix="dslc-bench-") as tmp:
         job_path, prefix = Path(tmp) / "job.json", Path(tmp) / "metrics"
         job_path.write_text(json.dumps({"spec": spec.to_dict(), "peer": peer}))
-        procs = []
+        procs, logs = [], []
         start = time.perf_counter()
         for i in range(net.hosts):
             env = {**os.environ, **net.env(i, _port), "RANK": str(i), "WORLD_SIZE": str(net.hosts), "LOCAL_RANK": "0",
                    "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
             argv = net.command(i, [sys.executable, "-m", "ds_lowcomm.bench.worker", str(job_path), str(prefix)])
-            procs.append(subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
-        outputs = []
+            # output to a file, not a pipe: a pipe nobody drains while we wait for another worker
+            # fills (64 kB; torchft logs every quorum) and blocks its writer mid-run
+            logs.append(open(Path(tmp) / f"worker{i}.log", "w+"))
+            procs.append(subprocess.Popen(argv, env=env, stdout=logs[-1], stderr=subprocess.STDOUT, text=True))
         deadline = start + timeout
         try:
             for p in procs:
-                outputs.append(p.communicate(timeout=max(1.0, deadline - time.perf_counter()))[0])
+                p.wait(timeout=max(1.0, deadline - time.perf_counter()))
         except subprocess.TimeoutExpired:
             raise RuntimeError(f"benchmark workers ran past {timeout:.0f} s") from None
         finally:  # on any way out (a timeout, an interrupt) no worker is left waiting for its peers
             for q in procs:
                 if q.poll() is None:
                     q.kill()
+                    q.wait()
+            outputs = []
+            for log in logs:
+                log.seek(0)
+                outputs.append(log.read())
+                log.close()
         wall = time.perf_counter() - start
         failed = [(i, p.returncode, out) for i, (p, out) in enumerate(zip(procs, outputs)) if p.returncode != 0]
         if failed:  # every failed worker's tail: the first to fail is not always rank 0
