@@ -85,6 +85,19 @@ def test_repeats_per_run_repeats_only_the_chosen_links_and_entries():
         repeats_per_run(args, ["unshaped", "10mbit"], ["adamw", "demo", "diloco"])
 
 
+def test_time_to_loss_keeps_the_other_host_counts_of_an_earlier_run(tmp_path):
+    import json
+
+    from ds_lowcomm.bench.time_to_loss import earlier_results
+
+    row2, row4 = {"hosts": 2, "link": "10mbit", "entry": "adamw"}, {"hosts": 4, "link": "10mbit", "entry": "adamw"}
+    (tmp_path / "time_to_loss.json").write_text(json.dumps(
+        {"args": {}, "rows": [row2, row4], "runs": {"2@10mbit@adamw": [{"a": 2}], "4@10mbit@adamw": [{"a": 4}]}}))
+    assert earlier_results(tmp_path, [4]) == ({(2, "10mbit", "adamw"): [{"a": 2}]}, [row2])
+    assert earlier_results(tmp_path, [2, 4]) == ({}, [])
+    assert earlier_results(tmp_path / "none", [4]) == ({}, [])
+
+
 @needs_root
 def test_network_and_peers_benchmarks_tiny(tmp_path):
     from ds_lowcomm.bench import network, peers

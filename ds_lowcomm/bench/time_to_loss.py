@@ -91,6 +91,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=300, help="adamw's steps on the unshaped link: its loss is the target")
     ap.add_argument("--eval-every", type=int, default=15)
     ap.add_argument("--budget-factor", type=float, default=3.0)
+    ap.add_argument("--keep-other-hosts", action="store_true",
+                    help="keep the rows and runs of other host counts already in --out (add 4 hosts to a 2-host run)")
     add_repeat_args(ap)
     add_model_args(ap)
     args = ap.parse_args(argv)
@@ -108,6 +110,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
 
     runs, rows = {}, []
+    if args.keep_other_hosts:
+        runs, rows = earlier_results(out, hosts_list)
     for hosts in hosts_list:
         target = run_cached(cache, hosts, "unshaped", method_spec("adamw", args.steps, args.eval_every, **model))[
             "final_val_loss"]
@@ -128,6 +132,21 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       f"steps {r['steps_to_target']} x{r['speedup_vs_adamw'] or 0:.2f}", flush=True)
             write(out, rows, runs, args)
     return rows
+
+
+def earlier_results(out: Path, skip_hosts: list[int]) -> tuple[dict, list[dict]]:
+    """The runs and rows of ``out``'s time_to_loss.json for host counts other than ``skip_hosts``."""
+    path = out / "time_to_loss.json"
+    if not path.exists():
+        return {}, []
+    data = json.loads(path.read_text())
+    rows = [r for r in data["rows"] if r["hosts"] not in skip_hosts]
+    runs = {}
+    for key, value in data["runs"].items():
+        hosts, link, entry = key.split("@")
+        if int(hosts) not in skip_hosts:
+            runs[int(hosts), link, entry] = value
+    return runs, rows
 
 
 def write(out: Path, rows: list[dict], runs: dict, args) -> None:
