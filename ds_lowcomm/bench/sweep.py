@@ -6,9 +6,9 @@ spec's fields or ``lowcomm.<key>``, merged over the method's ``compare`` recipe)
 task trains on ``--workers`` local processes for ``--budget`` steps (its schedule spread over
 them) and records the first evaluation at or below ``--target`` (adamw's held-out loss after 300
 steps on 2 workers, 2.1140, the target of ``time_to_loss``; rows before 2026-11-25 used 2.1075,
-adamw's loss at step 225 of its 900-step schedule, slightly stricter), the final held-out loss and the bytes sent per worker. Steps and
-losses do not depend on the link (the exchanges are deterministic), so this runs on loopback and
-its steps hold for ``time_to_loss``'s test hosts. Appends to ``sweep.csv`` under ``--out``.
+adamw's loss at step 225 of its 900-step schedule, slightly stricter), the final held-out loss
+and the bytes sent per worker. Steps and losses do not depend on the link (the exchanges are
+deterministic), so this runs on loopback and its steps hold for ``time_to_loss``'s test hosts. Appends to ``sweep.csv`` under ``--out``.
 """
 
 from __future__ import annotations
