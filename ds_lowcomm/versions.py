@@ -8,14 +8,21 @@ keeps the two equal); ``ds_lowcomm.deepspeed.initialize`` and ``megatron_patches
 installed and supported versions, unless ``DS_LOWCOMM_ALLOW_UNSUPPORTED_VERSIONS=1`` is set: then
 it warns once and goes on, and the internals checks still stop it where something it needs moved.
 
+The shared half of those checks is here too: :class:`Internal` (one declared internal: module,
+name, kind, the parameters used), :func:`resolve`/:func:`check_internals` (checked against the
+live objects with ``inspect``) and :class:`FrameworkInternalsError`, which names the internal,
+what changed, and the installed and supported versions.
+
 A leaf module: it imports nothing of ds_lowcomm.
 """
 
 from __future__ import annotations
 
 import importlib.metadata
+import inspect
 import os
 import warnings
+from dataclasses import dataclass
 
 # distribution name -> the range the suite runs on (lower bound: the version the suite was run
 # against; upper bound: the next minor release, whose internals nobody has checked yet)
@@ -63,3 +70,146 @@ def check_supported(distribution: str, installed: str | None = None) -> str:
             warnings.warn(f"{message}: {ALLOW_ENV} is set, going on", RuntimeWarning, stacklevel=2)
         return version
     raise UnsupportedVersionError(message)
+
+
+# --- Private internals: declared once per framework, checked against the live objects -----------
+
+class FrameworkInternalsError(RuntimeError):
+    """A private framework internal an integration uses is missing or has another shape."""
+
+
+KINDS = ("class", "function", "method", "field", "attribute", "instance")
+
+
+@dataclass(frozen=True)
+class Internal:
+    """One private internal of a framework that an integration reads, replaces or copies.
+
+    ``module`` and ``name`` (dotted inside the module: ``Class.attr``) locate it; ``kind`` is what
+    it must be: ``class``; ``function`` (a module-level callable) or ``method`` (a function on a
+    class), with ``params``; ``field`` (a dataclass field of the class before the last dot);
+    ``attribute`` (present, any value); ``instance`` (set on constructed objects of the class
+    before the last dot: the class is checked up front, the attribute where it is read, through
+    :func:`read_instance`). ``params`` with ``match="call"``: the keywords ds_lowcomm calls it
+    with, which must bind to the live signature (methods: after ``self``); with
+    ``match="override"``: ds_lowcomm puts its own function in its place, so the live parameter
+    names (after ``self``) must be exactly these, in order. ``use``: why it is needed."""
+
+    module: str
+    name: str
+    kind: str
+    params: tuple[str, ...] | None = None
+    match: str = "call"
+    use: str = ""
+
+    @property
+    def path(self) -> str:
+        return f"{self.module}.{self.name}"
+
+    @property
+    def owner(self) -> str:
+        """The dotted name of the class an ``instance``/``field``/``method`` item belongs to."""
+        return self.name.rsplit(".", 1)[0]
+
+    @property
+    def attr(self) -> str:
+        return self.name.rsplit(".", 1)[-1]
+
+
+def internals_error(distribution: str, item: Internal, problem: str) -> FrameworkInternalsError:
+    spec = SUPPORTED[distribution]
+    use = f" (ds_lowcomm {item.use})" if item.use else ""
+    return FrameworkInternalsError(
+        f"{distribution} {installed_version(distribution)}: {item.kind} {item.path}{use} {problem}; ds_lowcomm "
+        f"supports {distribution}{spec}, where it is as declared: install a supported version "
+        f"(pip install '{distribution}{spec}')")
+
+
+def _lookup(distribution: str, item: Internal, dotted: str):
+    import importlib
+
+    try:
+        obj = importlib.import_module(item.module)
+    except ImportError as err:
+        raise internals_error(distribution, item, f"cannot be imported ({err})") from None
+    for part in dotted.split("."):
+        try:
+            obj = inspect.getattr_static(obj, part) if inspect.isclass(obj) else getattr(obj, part)
+        except AttributeError:
+            raise internals_error(distribution, item, f"is missing ({part!r} not found)") from None
+    return obj
+
+
+def _check_params(distribution: str, item: Internal, fn) -> None:
+    if item.params is None:
+        return
+    try:
+        sig = inspect.signature(fn)
+    except (TypeError, ValueError) as err:
+        raise internals_error(distribution, item, f"has no readable signature ({err})") from None
+    live = list(sig.parameters)
+    if item.kind == "method":
+        live = live[1:]  # self
+    if item.match == "override":
+        if tuple(live) != tuple(item.params):
+            raise internals_error(distribution, item, f"now takes ({', '.join(live)}); ds_lowcomm replaces it "
+                                  f"with a function taking ({', '.join(item.params)})")
+        return
+    try:  # does ds_lowcomm's call (these keywords) still bind?
+        sig.bind(*([None] if item.kind == "method" else []), **{p: None for p in item.params})
+    except TypeError as err:
+        raise internals_error(distribution, item, f"now takes ({', '.join(live)}); ds_lowcomm calls it with "
+                              f"({', '.join(item.params)}): {err}") from None
+
+
+def resolve(distribution: str, item: Internal):
+    """The live object ``item`` declares, checked: it exists, is of its kind and has the declared
+    parameters (``inspect.signature`` of the installed code). An ``instance`` or ``field`` item
+    gives its class. Raises :class:`FrameworkInternalsError` naming the item and the versions."""
+    import dataclasses
+
+    if item.kind not in KINDS:
+        raise ValueError(f"{item.path}: kind must be one of {', '.join(KINDS)}; got {item.kind!r}")
+    if item.kind in ("instance", "field"):
+        cls = _lookup(distribution, item, item.owner)
+        if not inspect.isclass(cls):
+            raise internals_error(distribution, item, f"belongs to {item.owner}, which is no longer a class")
+        if item.kind == "field":
+            fields = {f.name for f in dataclasses.fields(cls)} if dataclasses.is_dataclass(cls) else set()
+            if item.attr not in fields:
+                raise internals_error(distribution, item, f"is missing: {item.owner} has no dataclass field "
+                                      f"{item.attr!r}")
+        return cls
+    obj = _lookup(distribution, item, item.name)
+    if item.kind == "class" and not inspect.isclass(obj):
+        raise internals_error(distribution, item, f"is no longer a class (a {type(obj).__name__})")
+    if item.kind in ("function", "method"):
+        fn = obj.__func__ if isinstance(obj, (staticmethod, classmethod)) else obj
+        if not callable(fn):
+            raise internals_error(distribution, item, f"is no longer callable (a {type(obj).__name__})")
+        _check_params(distribution, item, fn)
+    return obj
+
+
+def check_internals(distribution: str, items) -> None:
+    """:func:`resolve` every item; one :class:`FrameworkInternalsError` listing every problem."""
+    problems = []
+    for item in items:
+        try:
+            resolve(distribution, item)
+        except FrameworkInternalsError as err:
+            problems.append(str(err))
+    if len(problems) == 1:
+        raise FrameworkInternalsError(problems[0])
+    if problems:
+        raise FrameworkInternalsError(f"{len(problems)} private internals changed:\n" + "\n".join(problems))
+
+
+def read_instance(distribution: str, item: Internal, obj):
+    """``obj``'s attribute ``item`` declares (kind ``instance``), or the named error."""
+    if item.kind != "instance":
+        raise ValueError(f"{item.path} is a {item.kind}, not an instance attribute")
+    try:
+        return getattr(obj, item.attr)
+    except AttributeError:
+        raise internals_error(distribution, item, f"is missing on a {type(obj).__name__}") from None
