@@ -17,10 +17,9 @@ from __future__ import annotations
 from typing import Any
 
 from ds_lowcomm.optim.outer import OuterLoop
+from ds_lowcomm.optim.registry import OUTER_METHODS
 
 from .wrapper import MegatronLowcomm, chained
-
-OUTER_METHODS = ("diloco", "dct_diloco", "sparseloco")
 
 
 class _MegatronInner:

@@ -39,9 +39,9 @@ import torch.distributed as dist
 from ..codec import ActivationSettings
 from ..comm import ReplicaTopology, Routes
 from ..comm.routes import Piece, whole
+from ..optim.registry import OUTER_METHODS
 from ..settings import ConfigError
 
-OUTER_METHODS = ("diloco", "dct_diloco", "sparseloco")  # the ones with inner steps per sync
 SPEC_KEYS = ("ranks", "pipeline_stages", "inner_steps", "activations")
 
 

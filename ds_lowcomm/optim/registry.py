@@ -30,6 +30,8 @@ METHOD_CLASSES: dict[str, type[LowcommOptimizer]] = {
     cls.method: cls for cls in (AllReduceAdamW, DeMo, DiLoCo, DCTDiLoCo, SparseLoCo, MTDAO)
 }
 METHODS = tuple(METHOD_CLASSES)
+# The methods with inner steps between syncs (an outer loop): derived, so a new one joins by its class.
+OUTER_METHODS = tuple(name for name, cls in METHOD_CLASSES.items() if issubclass(cls, OuterLoop))
 DEFAULT_METHOD = "demo"
 
 
