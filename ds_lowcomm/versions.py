@@ -93,7 +93,9 @@ class Internal:
     :func:`read_instance`). ``params`` with ``match="call"``: the keywords ds_lowcomm calls it
     with, which must bind to the live signature (methods: after ``self``); with
     ``match="override"``: ds_lowcomm puts its own function in its place, so the live parameter
-    names (after ``self``) must be exactly these, in order. ``use``: why it is needed."""
+    names (after ``self``) must be exactly these, in order; with ``match="has"``: ds_lowcomm binds
+    a call's arguments to the live signature and reads these by name, so they must be among the
+    live parameters. ``use``: why it is needed."""
 
     module: str
     name: str
@@ -140,16 +142,47 @@ def _lookup(distribution: str, item: Internal, dotted: str):
     return obj
 
 
+def unwrap(fn, name: str | None = None):
+    """The function under ``fn``'s decorators: ``__wrapped__`` (functools.wraps), else, for a
+    wrapper taking only ``*args, **kwargs`` (after ``self``), the function its closure holds named
+    ``name`` (default: ``fn``'s own name), or its only function (DeepSpeed's ``stage_on_cpu`` keeps
+    no ``__wrapped__``: its wrapper is ``wrapper(self, *args, **kwargs)`` around ``all_reduce``)."""
+    name = name or getattr(fn, "__name__", None)
+    fn = inspect.unwrap(fn)
+    while inspect.isfunction(fn) and fn.__closure__:
+        kinds = [p.kind for p in inspect.signature(fn).parameters.values()]
+        if kinds[-2:] != [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]:
+            break
+        inner = [c.cell_contents for c in fn.__closure__
+                 if inspect.isfunction(getattr(c, "cell_contents", None)) and c.cell_contents is not fn]
+        named = [f for f in inner if f.__name__ == name]
+        if len(named) != 1 and len(inner) != 1:
+            break
+        fn = inspect.unwrap(named[0] if len(named) == 1 else inner[0])
+    return fn
+
+
+def signature(fn, name: str | None = None) -> inspect.Signature:
+    """``inspect.signature`` of the function under ``fn``'s decorators (:func:`unwrap`)."""
+    return inspect.signature(unwrap(fn, name))
+
+
 def _check_params(distribution: str, item: Internal, fn) -> None:
     if item.params is None:
         return
     try:
-        sig = inspect.signature(fn)
+        sig = signature(fn, item.attr)
     except (TypeError, ValueError) as err:
         raise internals_error(distribution, item, f"has no readable signature ({err})") from None
     live = list(sig.parameters)
     if item.kind == "method":
         live = live[1:]  # self
+    if item.match == "has":
+        missing = [p for p in item.params if p not in live]
+        if missing:
+            raise internals_error(distribution, item, f"now takes ({', '.join(live)}); ds_lowcomm reads its "
+                                  f"argument(s) {', '.join(missing)} by name")
+        return
     if item.match == "override":
         if tuple(live) != tuple(item.params):
             raise internals_error(distribution, item, f"now takes ({', '.join(live)}); ds_lowcomm replaces it "
