@@ -40,6 +40,7 @@ from .config import SplitConfig, load_config, split_config
 from .data import (build_pipeline_loader, build_training_loader, patch_world_batch_and_io, replica_batch_config,
                    report_global_batch, set_current_topology)
 from .mpu import ReplicaMPU
+from .overflow import agree_on_overflow
 from . import hetero, pipeline, zero
 from .activations import install_activation_compression
 
@@ -162,6 +163,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
          **({f"lowcomm.activations.{k}": v for k, v in split.activations.flat().items()} if place is None else
             {"lowcomm.replicas": [spec.describe() for spec in split.replicas]}),
          "zero_optimization.stage": split.zero_stage,
+         # every replica skips an overflowed step together (overflow.py): one precision everywhere
+         **{f"{k}.enabled": bool(split.deepspeed.get(k, {}).get("enabled", False)) for k in ("fp16", "bf16")},
          **{f"optimizer.params.{k}": v for k, v in split.optimizer.flat().items()}},
     )
     global_batch = replica_batch_config(split.deepspeed, topology)  # train_batch_size counts every replica
@@ -208,6 +211,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         collate_fn=collate_fn, config=split.deepspeed, **kwargs,
     )
     opt.framework_setup = False
+    agree_on_overflow(engine, topology.num_replicas, opt.ledger, timeout_s)  # fp16: skip steps together
     if split.zero_stage == 0:
         # Inside a replica DeepSpeed averages gradients as usual; with one data-parallel rank per
         # replica there is nothing to average and the method does all the communication.

@@ -1,0 +1,75 @@
+"""fp16 engines: the loss scaler's overflow decision taken over every replica.
+
+DeepSpeed decides whether a step overflowed over its own data-parallel and model-parallel groups,
+which under ds_lowcomm are one replica. An overflow on one replica would then skip ``step()``
+there only: a per-step method (adamw, demo, mtdao) would be one exchange short on that replica
+while the others wait in theirs, and the outer methods' step counters would drift. So the flag
+DeepSpeed computed inside the replica is summed once more over the whole job (one int32 per step,
+counted in the method's ledger as ``overflow_flag``), before the wrapper acts on it: every replica
+skips or steps together, and their loss scalers, fed the same sequence of decisions, stay equal.
+
+Where DeepSpeed takes the decision (0.19.x): ZeRO 0 wraps the client optimizer in
+``FP16_Optimizer`` / ``FP16_UnfusedOptimizer``, whose ``overflow_checker`` (``CheckOverflow``)
+answers through ``has_overflow`` (``check`` calls it) or ``check_using_norm``; ZeRO 1, 2 and 3
+answer through the optimizer's own ``has_overflow``. Those methods are replaced on the instance.
+bf16 engines have no loss scale; their skip of a step with a non-finite gradient norm is the same
+question, not agreed here: with bf16, a non-finite gradient on one replica still skips its step
+alone (the README says so).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from datetime import timedelta
+
+from ..comm import ByteLedger, TorchDistTransport
+
+OP = "overflow_flag"
+
+# One whole-job group per (default group, timeout): every rank creates it at initialize.
+_GROUPS: dict[tuple, dist.ProcessGroup] = {}
+
+
+def _world_group(timeout_s: float | None) -> dist.ProcessGroup:
+    key = (dist.distributed_c10d._get_default_group(), timeout_s)
+    if key not in _GROUPS:
+        timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
+        _GROUPS[key] = dist.new_group(list(range(dist.get_world_size())), **timeout)
+    return _GROUPS[key]
+
+
+def _agreed(decide, transport: TorchDistTransport):
+    """``decide`` (the replica's own answer), then any replica's overflow is everyone's."""
+    def agreed(*args, **kwargs):
+        flag = torch.tensor([int(bool(decide(*args, **kwargs)))], dtype=torch.int32)
+        return bool(transport.all_reduce_sum_(flag, op=OP).item() > 0)
+
+    return agreed
+
+
+def overflow_deciders(wrapper) -> list[tuple[object, str]]:
+    """The (object, method name) pairs through which DeepSpeed's fp16 ``wrapper`` decides to skip
+    a step (module docstring). An fp16 wrapper of another kind is refused, never left unagreed."""
+    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
+    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    if isinstance(wrapper, (FP16_Optimizer, FP16_UnfusedOptimizer)):
+        return [(wrapper.overflow_checker, "has_overflow"), (wrapper.overflow_checker, "check_using_norm")]
+    if isinstance(wrapper, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
+        return [(wrapper, "has_overflow")]
+    raise NotImplementedError(f"ds_lowcomm: fp16 with DeepSpeed's {type(wrapper).__name__}: its overflow decision "
+                              "cannot be agreed across replicas; use bf16 or fp32")
+
+
+def agree_on_overflow(engine, num_replicas: int, ledger: ByteLedger, timeout_s: float | None) -> bool:
+    """Collective (every rank of the job, at initialize, the same fp16 setting on every rank): make
+    an fp16 engine's decision to skip a step a whole-job one. Returns whether it did."""
+    if num_replicas < 2 or not engine.fp16_enabled():
+        return False
+    transport = TorchDistTransport(_world_group(timeout_s), ledger=ledger)
+    for owner, name in overflow_deciders(engine.optimizer):
+        setattr(owner, name, _agreed(getattr(owner, name), transport))
+    return True
