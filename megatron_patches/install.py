@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from ds_lowcomm.comm import Transport, assert_same_across_ranks, build_transport
+from ds_lowcomm.comm.consistency import settings_differences
 from ds_lowcomm.optim.demo import DeMo, sign_step_
 from ds_lowcomm.optim.mtdao import MTDAO
 from ds_lowcomm.optim.registry import LowcommConfig, build_optimizer
@@ -101,9 +102,8 @@ class PerStepOptimizer(MegatronLowcomm):
     def load_state_dict(self, state_dict: dict) -> None:
         saved, mine = state_dict["lowcomm"]["settings"], self.config.effective()
         if saved != mine:
-            diffs = [k for k in sorted(set(saved) | set(mine)) if saved.get(k) != mine.get(k)]
             raise ValueError("checkpoint was saved with other lowcomm settings: "
-                             + "; ".join(f"{k}: saved {saved.get(k)!r}, now {mine.get(k)!r}" for k in diffs))
+                             + settings_differences(saved, mine, "saved", "now"))
         self.optimizer.load_state_dict(state_dict["optimizer"])
         if self.demo is not None:
             self.demo.load_state_dict(state_dict["lowcomm"]["demo"])

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 import torch
 
@@ -33,6 +33,16 @@ def _gather_json(transport: Transport, obj: Any) -> list[Any]:
     return [json.loads(bytes(rows[r, : int(lengths[r])].tolist()).decode()) for r in range(rows.shape[0])]
 
 
+def settings_differences(a: Mapping[str, Any], b: Mapping[str, Any], a_has: str, b_has: str) -> str:
+    """Every field whose value differs between ``a`` and ``b``, with both values, e.g.
+    ``"topk: rank 0 has 4, rank 1 has 2"`` (``a_has="rank 0 has"``); ``"; "`` between fields, ``""``
+    when none does. A field missing on one side reads None there. The one place that words a
+    difference of settings: across ranks here, checkpoint against run in the optimizers and
+    integrations."""
+    keys = sorted(set(a) | set(b))
+    return "; ".join(f"{k}: {a_has} {a.get(k)!r}, {b_has} {b.get(k)!r}" for k in keys if a.get(k) != b.get(k))
+
+
 START_DIFFERS = ("starts from different parameters than rank 0: initialise every rank with the same seed, or "
                  "broadcast the parameters from rank 0 before building the optimizer")
 
@@ -54,8 +64,7 @@ def assert_same_across_ranks(transport: Transport, settings: dict, params: Itera
     for rank, theirs in enumerate(everyone[1:], start=1):
         a, b = mine["settings"], theirs["settings"]
         if a != b:
-            diffs = [k for k in sorted(set(a) | set(b)) if a.get(k) != b.get(k)]
-            detail = "; ".join(f"{k}: rank 0 has {a.get(k)!r}, rank {rank} has {b.get(k)!r}" for k in diffs)
+            detail = settings_differences(a, b, "rank 0 has", f"rank {rank} has")
             raise ValueError(f"lowcomm settings differ across ranks ({detail})")
         if "checksums" in mine:
             ca, cb = mine["checksums"], theirs["checksums"]

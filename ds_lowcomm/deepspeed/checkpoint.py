@@ -57,6 +57,7 @@ import torch.distributed as dist
 
 from ..checkpoint_io import (DIGEST_SUFFIX, CheckpointError, agree_on_problems, check_digests, load_file, save_file,
                              write_text)
+from ..comm.consistency import settings_differences
 
 CHECKPOINT_META = "lowcomm.json"
 LATEST = "latest"  # DeepSpeed's name
@@ -271,9 +272,10 @@ def patch_checkpoint(engine, run) -> None:
         with open(path) as f:
             saved = json.load(f)
         now = meta(self)
-        diffs = [f"{k}: saved {saved.get(k)!r}, now {now[k]!r}" for k in now if saved.get(k) != now[k]]
+        # only the run's fields: the file's "latest" is no setting
+        diffs = settings_differences({k: saved.get(k) for k in now}, now, "saved", "now")
         if diffs:
-            raise ValueError(f"{load_dir}: checkpoint does not fit this run ({'; '.join(diffs)})")
+            raise ValueError(f"{load_dir}: checkpoint does not fit this run ({diffs})")
         tag = tag if tag is not None else saved.get("latest")
         if tag is None:
             raise FileNotFoundError(f"{load_dir}: no latest checkpoint recorded; pass tag=")

@@ -18,6 +18,7 @@ import torch
 from ..codec import FLOAT_DTYPES
 from ..comm import (ByteLedger, NonFiniteError, Pending, Pieces, ReplicaShard, Routes, SparseAllGather, TorchDistTransport,
                     Transport, all_finite, assert_same_across_ranks, start_all_reduce_mean_)
+from ..comm.consistency import settings_differences
 from ..settings import Settings, check_choice
 
 STATE_DTYPES = tuple(FLOAT_DTYPES)
@@ -261,11 +262,8 @@ class LowcommOptimizer(torch.optim.Optimizer):
             raise ValueError(f"not a ds_lowcomm {self.method} optimizer state (no 'lowcomm' entry)")
         mine, saved = self._record, lowcomm["settings"]
         if mine != saved:
-            diffs = [k for k in sorted(set(mine) | set(saved)) if mine.get(k) != saved.get(k)]
-            raise ValueError(
-                "checkpoint was saved with other lowcomm settings: "
-                + "; ".join(f"{k}: saved {saved.get(k)!r}, now {mine.get(k)!r}" for k in diffs)
-            )
+            raise ValueError("checkpoint was saved with other lowcomm settings: "
+                             + settings_differences(saved, mine, "saved", "now"))
         load_preserving_dtypes(self, state_dict)
         self.ledger.load_state_dict(lowcomm["ledger"])
         self._load_extra_state(lowcomm)
