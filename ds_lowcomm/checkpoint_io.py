@@ -116,9 +116,10 @@ def check_digests(paths: Iterable[str | os.PathLike], required: bool = True) -> 
     return [why for p in paths if (why := check_digest(p, required)) is not None]
 
 
-def agree_on_problems(problems: list[str]) -> None:
-    """Collective (torch.distributed's default group): raise on every rank if any rank found a
-    problem, naming them all, so that no rank goes on into collectives the others never join."""
+def agree_on_problems(problems: list[str], what: str = "checkpoint not loaded") -> None:
+    """Collective (torch.distributed's default group, the whole job): raise on every rank if any
+    rank found a problem, naming them all, so that no rank goes on into collectives the others
+    never join. ``what``: the error's opening words."""
     import torch.distributed as dist
 
     everyone = [problems]
@@ -127,7 +128,7 @@ def agree_on_problems(problems: list[str]) -> None:
         dist.all_gather_object(everyone, problems)
     found = [f"rank {r}: {why}" for r, mine in enumerate(everyone) for why in mine]
     if found:
-        raise CheckpointError("checkpoint not loaded: " + "; ".join(found))
+        raise CheckpointError(f"{what}: " + "; ".join(found))
 
 
 def load_file(path: str | os.PathLike, map_location=None, *, allowed: Iterable[Any] = (),

@@ -196,7 +196,10 @@ def test_reference_task_with_replicas_of_two_shapes_resumes_exactly(tmp_path):
     assert act[0] == 0 and act[1] > 0 and act[2] > 0
     assert all(ledger["method"]["bytes_sent"] > 0 for ledger in full["ledgers"])
     assert full["params_digests"] == resumed["params_digests"]
-    assert [l["method"]["bytes_sent"] for l in full["ledgers"]] == [l["method"]["bytes_sent"] for l in resumed["ledgers"]]
+    # every ledger's totals count the whole run after the resume (the method's, DeepSpeed's own
+    # inside a replica, the activations between stages), as the uninterrupted run's
+    for kind in ("method", "engine", "activations"):
+        assert [l[kind]["bytes_sent"] for l in full["ledgers"]] == [l[kind]["bytes_sent"] for l in resumed["ledgers"]], kind
     assert resumed["history"][-1]["val_loss"] == hist[-1]["val_loss"]
 
 
@@ -231,3 +234,69 @@ def _mismatch_worker(rank, world):
 def test_a_layout_that_differs_on_one_rank_is_refused_on_every_rank():
     for message in run_local_workers(_mismatch_worker, 2):
         assert message is not None and "lowcomm.replicas" in message and "differ across ranks" in message
+
+
+def _save_worker(rank, world, workdir):
+    """Replicas [2 ranks] + [1 rank] (global rank 0 in replica 0): a save whose replica 1 is slow,
+    then one whose replica 1 fails."""
+    import json
+    import time
+
+    import ds_lowcomm.deepspeed as dl
+
+    from .conftest import tiny_loss, tiny_model
+
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 0},
+           "lowcomm": {"method": "diloco", "sync_every": 2, "timeout_s": 60,
+                       "replicas": [{"ranks": 2}, {"ranks": 1}]}}
+    dl.replica_layout(cfg)
+    engine, *_ = dl.initialize(model=tiny_model(), config=cfg)
+    for step in range(2):
+        engine.backward(tiny_loss(engine.module, rank, step))
+        engine.step()
+    ce, out = engine.checkpoint_engine, {}
+    real_save = ce.save
+
+    def slow_save(state_dict, path):
+        time.sleep(3)
+        return real_save(state_dict, path)
+
+    if rank == 2:
+        ce.save = slow_save
+    engine.save_checkpoint(workdir, tag="slow")
+    if rank == 0:  # replica 1's files were complete before `latest` and lowcomm.json moved
+        replica1 = os.path.join(workdir, "replica00001", "slow", "mp_rank_00_model_states.pt")
+        out["published_after_replica1"] = min(os.path.getmtime(os.path.join(workdir, n))
+                                              for n in ("latest", "lowcomm.json")) >= os.path.getmtime(replica1)
+
+    def failing_save(state_dict, path):
+        raise OSError(28, "No space left on device")
+
+    if rank == 2:
+        ce.save = failing_save
+    try:
+        engine.save_checkpoint(workdir, tag="failed")
+        out["error"] = None
+    except Exception as err:  # noqa: BLE001 - the test reads what every rank raised
+        out["error"] = str(err)
+    if rank == 0:
+        with open(os.path.join(workdir, "latest")) as f:
+            out["latest"] = f.read().strip()
+        with open(os.path.join(workdir, "lowcomm.json")) as f:
+            out["meta_latest"] = json.load(f)["latest"]
+        out["failed_exported"] = os.path.exists(os.path.join(workdir, "failed"))
+    return out
+
+
+def test_a_replica_slow_or_failing_to_save_never_leaves_latest_naming_an_unfinished_checkpoint(tmp_path):
+    """Global rank 0 publishes (`latest`, lowcomm.json, the export) only once every replica's save
+    is done: DeepSpeed's closing barrier spans one replica under lowcomm.replicas. A failure in
+    replica 1's save stops every rank with the error, and `latest` still names the last good save."""
+    results = run_local_workers(_save_worker, 3, str(tmp_path))
+    assert results[0]["published_after_replica1"]
+    for r in results:
+        assert r["error"] is not None and "checkpoint 'failed' not saved" in r["error"], r["error"]
+        assert "rank 2: OSError" in r["error"] and "No space left on device" in r["error"], r["error"]
+    assert results[0]["latest"] == results[0]["meta_latest"] == "slow"
+    assert not results[0]["failed_exported"]

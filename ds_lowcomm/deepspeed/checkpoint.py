@@ -29,9 +29,10 @@ steps) they differ, and the export is replica 0's parameters.
   parameter shapes, no optimizer) and one stage-0 "partition" file holding the flat fp32
   parameters, in the format ``zero_to_fp32`` reads (world size 1): two model-sized files written
   by global rank 0. A bf16/fp16 engine exports its module's values.
-Global rank 0 builds ``dir/.T.lowcomm-tmp`` after every replica has saved and renames it to
-``dir/T``; ``lowcomm.json`` and ``latest`` are written (by replace) after that, so a crash leaves
-the previous latest checkpoint named.
+Global rank 0 builds ``dir/.T.lowcomm-tmp`` after every rank of every replica has reported its
+save done (one agreement over the whole job: a failure anywhere is raised on every rank and nothing
+is published) and renames it to ``dir/T``; ``lowcomm.json`` and ``latest`` are written (by replace)
+after that, so a crash leaves the previous latest checkpoint named.
 
 ``load_checkpoint(dir)`` on a directory without ``lowcomm.json`` is a warm start from a plain
 DeepSpeed checkpoint: every rank loads the module from ``dir/<latest>/`` (DeepSpeed's
@@ -61,6 +62,7 @@ from ..comm.consistency import settings_differences
 
 CHECKPOINT_META = "lowcomm.json"
 LATEST = "latest"  # DeepSpeed's name
+LEDGERS_KEY = "lowcomm_ledgers"  # in DeepSpeed's client state: the run's ledgers besides the method's
 REPLICA_DIR = re.compile(r"replica\d{5}")
 
 logger = logging.getLogger(__name__)
@@ -208,10 +210,27 @@ def patch_checkpoint(engine, run) -> None:
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"  # DeepSpeed's default
         if REPLICA_DIR.fullmatch(tag) or tag.startswith("."):
             raise ValueError(f"tag {tag!r}: names like replicaNNNNN and dot-names are ds_lowcomm's own")
-        out = save(replica_dir(save_dir), tag, client_state=client_state, save_latest=save_latest, **kwargs)
-        # DeepSpeed ends its save with a global barrier: every replica's files are complete here.
-        if save_latest and topology.local_rank == 0 and topology.replica != 0:
-            write_text(os.path.join(replica_dir(save_dir), LATEST), tag)  # DeepSpeed: global rank 0 only
+        problems, out = [], None
+        try:
+            # The run's other ledgers travel beside the method's (which is in the optimizer's state):
+            # every total of summary() then counts the whole run after a resume. The checkpoint's own
+            # traffic (DeepSpeed's tag check and barriers, here and at load) is in no total, so a
+            # resumed run's totals equal an uninterrupted one's.
+            ledgers = {k: ledger.state_dict() for k, ledger in run.ledgers().items()}
+            client_state = {**client_state, LEDGERS_KEY: ledgers}
+            try:
+                out = save(replica_dir(save_dir), tag, client_state=client_state, save_latest=save_latest, **kwargs)
+            finally:
+                for k, ledger in run.ledgers().items():
+                    ledger.load_state_dict(ledgers[k])
+            if save_latest and topology.local_rank == 0 and topology.replica != 0:
+                write_text(os.path.join(replica_dir(save_dir), LATEST), tag)  # DeepSpeed: global rank 0 only
+        except Exception as err:  # noqa: BLE001 - every rank must hear of it, whatever it was
+            problems.append(f"{type(err).__name__}: {err}")
+        # DeepSpeed's own closing barrier spans one replica's world only with replicas of different
+        # shapes (subworld.py): every replica of the job must be done, and well, before rank 0
+        # publishes; otherwise a `latest` naming an unfinished checkpoint could be left behind.
+        agree_on_problems(problems, what=f"checkpoint {tag!r} not saved ({save_dir}: latest left as it was)")
         if dist.get_rank() == 0:
             export(self, save_dir, tag)
             # DeepSpeed copies zero_to_fp32.py / zero_to_torch.py next to the tags it saves (here the
@@ -295,6 +314,10 @@ def patch_checkpoint(engine, run) -> None:
         if path is None:
             raise FileNotFoundError(f"{replica_dir(load_dir)}/{tag}: DeepSpeed found no checkpoint to load")
         run.optimizer.check_replicas_agree()  # the replicas' copies of what must be equal are
+        saved_ledgers = (client_state or {}).pop(LEDGERS_KEY, None)
+        if saved_ledgers is not None:  # checkpoints from before ds_lowcomm saved them: totals from the resume
+            for k, ledger in run.ledgers().items():
+                ledger.load_state_dict(saved_ledgers[k])
         return path, client_state
 
     engine.save_checkpoint = types.MethodType(lowcomm_save, engine)

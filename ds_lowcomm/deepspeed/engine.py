@@ -61,6 +61,10 @@ class LowcommRun:
     def ledger(self) -> ByteLedger:  # the method's traffic (across replicas)
         return self.optimizer.ledger
 
+    def ledgers(self) -> dict[str, ByteLedger]:
+        """The run's ledgers besides the method's (saved in its checkpoints: checkpoint.py)."""
+        return {"engine": self.engine_ledger, "user": self.user_ledger, "activations": self.activation_ledger}
+
     def summary(self) -> dict[str, Any]:
         method = self.ledger.summary()
         engine = self.engine_ledger.summary()
