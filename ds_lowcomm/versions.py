@@ -246,3 +246,63 @@ def read_instance(distribution: str, item: Internal, obj):
         return getattr(obj, item.attr)
     except AttributeError:
         raise internals_error(distribution, item, f"is missing on a {type(obj).__name__}") from None
+
+
+# --- Code-level checks: what an attribute's class stores, who reads a name, a copied body ----------
+
+def code_objects(code):
+    """``code`` and every code object nested in it (inner functions, comprehensions)."""
+    import types
+
+    yield code
+    for const in code.co_consts:
+        if isinstance(const, types.CodeType):
+            yield from code_objects(const)
+
+
+def functions_of(cls, package: str):
+    """The code of every function defined on ``cls`` or its bases from ``package`` (a module
+    prefix: the framework's own classes, not object's or torch's)."""
+    for klass in cls.__mro__:
+        if not klass.__module__.startswith(package):
+            continue
+        for value in vars(klass).values():
+            if isinstance(value, (staticmethod, classmethod)):
+                value = value.__func__
+            if isinstance(value, property):
+                value = value.fset or value.fget
+            value = unwrap(value) if callable(value) else value
+            if inspect.isfunction(value):
+                yield from code_objects(value.__code__)
+
+
+def stores_attribute(codes, attr: str) -> bool:
+    """Whether any of ``codes`` stores an attribute named ``attr`` (``self.attr = ...``, or
+    ``param.attr = ...`` for what a class sets on other objects)."""
+    import dis
+
+    return any(ins.opname == "STORE_ATTR" and ins.argval == attr for code in codes
+               for ins in dis.get_instructions(code))
+
+
+def reads_name(fn, name: str) -> bool:
+    """Whether ``fn``'s code (nested functions included) looks ``name`` up, as a global or an
+    attribute: where ds_lowcomm replaces ``name``, the replacement is what ``fn`` uses."""
+    return any(name in code.co_names for code in code_objects(unwrap(fn).__code__))
+
+
+def body_digest(fn) -> str:
+    """A digest of ``fn``'s body as tokens: comments, blank lines and indentation width left out
+    (ds_lowcomm's copy of a framework function records the digest of the body it was copied from)."""
+    import hashlib
+    import io
+    import tokenize
+
+    source = inspect.getsource(unwrap(fn))
+    kept = []
+    for tok in tokenize.generate_tokens(io.StringIO(inspect.cleandoc("\n" + source) + "\n").readline):
+        if tok.type in (tokenize.COMMENT, tokenize.NL, tokenize.ENDMARKER):
+            continue
+        kept.append(tokenize.tok_name[tok.type] if tok.type in (tokenize.INDENT, tokenize.DEDENT,
+                                                                tokenize.NEWLINE) else tok.string)
+    return hashlib.sha256(" ".join(kept).encode()).hexdigest()[:16]

@@ -34,6 +34,8 @@ from ds_lowcomm.comm.activation_wire import ActivationWire
 from ds_lowcomm.comm.ledger import ByteLedger
 from ds_lowcomm.settings import ConfigError
 
+from . import internals as mi
+
 __all__ = ["install_activation_compression", "uninstall_activation_compression"]
 
 _original = None  # Megatron's P2PCommunicator while ours is installed
@@ -62,9 +64,8 @@ def install_activation_compression(settings: ActivationSettings, ledger: ByteLed
     GPU and before the first ``forward_backward_func`` call. Installing again replaces the
     settings; :func:`uninstall_activation_compression` puts Megatron's class back."""
     global _original
-    from megatron.core.pipeline_parallel import schedules
-    from megatron.core.pipeline_parallel.p2p_communication import _batched_p2p_ops, _p2p_ops
-
+    mi.ensure_checked()  # a supported megatron-core, every internal used here as declared
+    _batched_p2p_ops, _p2p_ops = mi.live(mi.BATCHED_P2P_OPS), mi.live(mi.P2P_OPS)
     if not isinstance(settings, ActivationSettings):
         raise ConfigError(f"lowcomm.activations: settings must be an ActivationSettings; got {type(settings).__name__}")
     settings.validate("lowcomm.activations")
@@ -74,7 +75,7 @@ def install_activation_compression(settings: ActivationSettings, ledger: ByteLed
         raise ConfigError(f"lowcomm.activations: ledger must be a ByteLedger; got {type(ledger).__name__}")
     wire = ActivationWire(settings, ledger)
     if _original is None:
-        _original = schedules.P2PCommunicator
+        _original = mi.live(mi.SCHEDULES_P2P)
 
     class CompressedP2PCommunicator(_original):
         """Megatron's P2PCommunicator with every activation (gradient) coded on the wire."""
@@ -83,8 +84,8 @@ def install_activation_compression(settings: ActivationSettings, ledger: ByteLed
 
         def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape,
                          wait_on_reqs=True):
-            config = self.config
-            if config.variable_seq_lengths or getattr(config, "mtp_standalone", False):
+            config = mi.get(self, mi.P2P_CONFIG)
+            if config.variable_seq_lengths or config.mtp_standalone:
                 raise ConfigError("lowcomm.activations: variable sequence lengths between pipeline stages are not "
                                   "supported (each payload's size follows from a fixed tensor shape)")
             if config.use_ring_exchange_p2p:
@@ -110,7 +111,8 @@ def install_activation_compression(settings: ActivationSettings, ledger: ByteLed
             p2p = _batched_p2p_ops if config.batch_p2p_comm else _p2p_ops
             reqs = p2p(tensor_send_prev=sends.get("prev"), tensor_recv_prev=live.get("prev"),
                        tensor_send_next=sends.get("next"), tensor_recv_next=live.get("next"),
-                       group=self.pp_group, prev_pipeline_rank=self.prev_rank, next_pipeline_rank=self.next_rank)
+                       group=mi.get(self, mi.P2P_PP_GROUP), prev_pipeline_rank=mi.get(self, mi.P2P_PREV_RANK),
+                       next_pipeline_rank=mi.get(self, mi.P2P_NEXT_RANK))
             for req in reqs if isinstance(reqs, list) else reqs.values():
                 req.wait()  # decoding needs the bytes (module docstring: no overlap)
             if config.batch_p2p_comm and config.batch_p2p_sync:
@@ -127,7 +129,8 @@ def install_activation_compression(settings: ActivationSettings, ledger: ByteLed
                 handles = {key: _Done() for key in (reqs if isinstance(reqs, dict) else ())}
             return out.get("prev"), out.get("next"), handles
 
-    schedules.P2PCommunicator = CompressedP2PCommunicator
+    mi.check_override(mi.P2P_COMMUNICATE, CompressedP2PCommunicator._communicate, takes_self=True)
+    mi.rebind(mi.SCHEDULES_P2P, CompressedP2PCommunicator)
     return ledger
 
 
@@ -135,7 +138,5 @@ def uninstall_activation_compression() -> None:
     """Put Megatron's own P2PCommunicator back (a no-op when none is installed)."""
     global _original
     if _original is not None:
-        from megatron.core.pipeline_parallel import schedules
-
-        schedules.P2PCommunicator = _original
+        mi.rebind(mi.SCHEDULES_P2P, _original)
         _original = None

@@ -28,6 +28,8 @@ import torch
 from ds_lowcomm.comm import Pending, Transport, start_all_reduce_mean_
 from ds_lowcomm.optim.demo import DeMo
 
+from . import internals as mi
+
 
 class Exchange(Protocol):
     def start(self, params: list[torch.Tensor], grads: list[torch.Tensor]) -> Pending:
@@ -35,10 +37,13 @@ class Exchange(Protocol):
 
 
 def bucket_groups(model_chunks: Sequence[torch.nn.Module]) -> list:
-    """Every gradient bucket group of these Megatron DDP chunks (dense and expert-parallel)."""
+    """Every gradient bucket group of these Megatron DDP chunks (dense and expert-parallel); a
+    chunk that is no DDP (a plain module, for the outer-loop methods) has none."""
+    ddp = mi.live(mi.DDP)
     groups = []
     for chunk in model_chunks:
-        groups += list(getattr(chunk, "bucket_groups", [])) + list(getattr(chunk, "expert_parallel_bucket_groups", []))
+        if isinstance(chunk, ddp):
+            groups += list(mi.get(chunk, mi.DDP_BUCKET_GROUPS)) + list(mi.get(chunk, mi.DDP_EXPERT_BUCKET_GROUPS))
     return groups
 
 
@@ -51,8 +56,8 @@ def switch_off_grad_sync(model_chunks: Sequence[torch.nn.Module]) -> int:
     replica keeps its own gradients). Returns how many bucket groups were switched off."""
     groups = bucket_groups(model_chunks)
     for group in groups:
-        group.start_grad_sync = _no_sync
-        group.finish_grad_sync = _no_sync
+        mi.replace_method(group, mi.START_GRAD_SYNC, _no_sync)
+        mi.replace_method(group, mi.FINISH_GRAD_SYNC, _no_sync)
     return len(groups)
 
 
@@ -63,18 +68,19 @@ class BucketGroupSync:
     def __init__(self, group, exchange: Exchange):
         self.group = group
         self.exchange = exchange
-        self.params = [p for bucket in group.buckets for p in bucket.params_list if p.numel()]
+        self.params = [p for bucket in mi.get(group, mi.GROUP_BUCKETS)
+                       for p in mi.get(bucket, mi.BUCKET_PARAMS_LIST) if p.numel()]
         self.pending: Pending | None = None
 
     def start_grad_sync(self, force_all_reduce: bool = False) -> None:
         if self.pending is not None:
-            if self.group.is_first_batch:  # as Megatron: finish_grad_sync started it already this batch
+            if mi.get(self.group, mi.GROUP_IS_FIRST_BATCH):  # as Megatron: finish_grad_sync started it already
                 return
             raise RuntimeError("a gradient exchange is already in flight for this bucket group")
-        self.pending = self.exchange.start(self.params, [p.main_grad for p in self.params])
+        self.pending = self.exchange.start(self.params, [mi.get(p, mi.MAIN_GRAD) for p in self.params])
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
-        self.group.param_gather_dispatched = False
+        mi.put(self.group, mi.GROUP_PARAM_GATHER_DISPATCHED, False)  # as Megatron's finish_grad_sync
         if self.pending is None:  # no overlap (or its first batch): start it here
             self.start_grad_sync()
         pending, self.pending = self.pending, None
@@ -86,8 +92,8 @@ def install_grad_sync(model_chunks: Sequence[torch.nn.Module], exchange: Exchang
     syncs = []
     for group in bucket_groups(model_chunks):
         sync = BucketGroupSync(group, exchange)
-        group.start_grad_sync = sync.start_grad_sync
-        group.finish_grad_sync = sync.finish_grad_sync
+        mi.replace_method(group, mi.START_GRAD_SYNC, sync.start_grad_sync)
+        mi.replace_method(group, mi.FINISH_GRAD_SYNC, sync.finish_grad_sync)
         syncs.append(sync)
     return syncs
 

@@ -27,11 +27,18 @@ diloco, dct_diloco, sparseloco No gradient sync; Megatron's whole optimizer step
 In every case Megatron's own mixed precision stays: the methods step the fp32 main parameters
 Megatron's optimizer keeps and Megatron copies them into the bf16 model parameters.
 
+Before anything else, a megatron-core outside the supported range stops the run
+(:class:`~ds_lowcomm.versions.UnsupportedVersionError`; ``DS_LOWCOMM_ALLOW_UNSUPPORTED_VERSIONS=1``
+to try anyway), as does any Megatron internal used here that is missing or changed
+(:class:`~ds_lowcomm.versions.FrameworkInternalsError`, :mod:`megatron_patches.internals`).
+
 Refused with a :class:`~ds_lowcomm.settings.ConfigError`, before any exchange: the distributed
 optimizer, Megatron FSDP, virtual pipeline stages (several model chunks), context parallelism > 1,
-expert-parallel parameters, ``calculate_per_token_loss``, fp16 with demo or mtdao (a dynamic loss
-scale would enter DeMo's momenta; an overflow skips the step on one replica only: use bf16), the
-mpi transport, and a ``replica_size`` other than 1 or the model-parallel size.
+expert-parallel parameters, ``calculate_per_token_loss``, an optimizer other than Megatron's
+Float16OptimizerWithFloat16Params / FP32Optimizer (or a ChainedOptimizer of them) or a torch one,
+fp16 with demo or mtdao (a dynamic loss scale would enter DeMo's momenta; an overflow skips the
+step on one replica only: use bf16), the mpi transport, and a ``replica_size`` other than 1 or the
+model-parallel size.
 """
 
 from __future__ import annotations
@@ -49,7 +56,8 @@ from ds_lowcomm.settings import ConfigError
 
 from .grad_sync import DeMoExchange, DenseMean, install_grad_sync, switch_off_grad_sync
 from .outer import OUTER_METHODS, OuterLoopOptimizer, _MegatronInner
-from .wrapper import MegatronLowcomm, chained
+from . import internals as mi
+from .wrapper import MegatronLowcomm, chained, optimizer_kind, torch_optimizer
 
 GRAD_SYNC_METHODS = ("adamw", "demo")  # replace the bucket-level gradient all-reduce
 
@@ -111,13 +119,13 @@ class PerStepOptimizer(MegatronLowcomm):
 
 
 def _is_megatron_optimizer(optimizer) -> bool:
-    return all(hasattr(opt, "optimizer") and hasattr(opt, "config") for opt in chained(optimizer))
+    return all(optimizer_kind(opt) != "torch" for opt in chained(optimizer))
 
 
 def _check_supported(model_chunks, optimizer, cfg: LowcommConfig) -> None:
     from megatron.core import parallel_state as ps
-    from megatron.core.distributed import DistributedDataParallel
 
+    ddp, base_data_parallel, megatron_module = mi.live(mi.DDP), mi.live(mi.DP_BASE), mi.live(mi.MEGATRON_MODULE)
     if cfg.comm.transport != "torch":
         raise ConfigError("lowcomm.transport must be torch with Megatron-Core (the data-parallel group's "
                           f"collectives); got {cfg.comm.transport!r}")
@@ -136,26 +144,30 @@ def _check_supported(model_chunks, optimizer, cfg: LowcommConfig) -> None:
         raise ConfigError(f"Megatron-Core with virtual pipeline stages ({len(model_chunks)} model chunks) is not "
                           "supported by ds_lowcomm yet: leave --num-layers-per-virtual-pipeline-stage unset")
     for chunk in model_chunks:
-        if hasattr(chunk, "ddp_config") and not isinstance(chunk, DistributedDataParallel):
+        if isinstance(chunk, base_data_parallel) and not isinstance(chunk, ddp):
             raise ConfigError(f"{type(chunk).__name__} (Megatron FSDP or another data-parallel wrapper) is not "
                               "supported by ds_lowcomm yet: use megatron.core.distributed.DistributedDataParallel")
-        if cfg.method in GRAD_SYNC_METHODS and not isinstance(chunk, DistributedDataParallel):
+        if cfg.method in GRAD_SYNC_METHODS and not isinstance(chunk, ddp):
             raise ConfigError(f"lowcomm.method {cfg.method!r} replaces Megatron DDP's gradient sync: wrap the model "
                               "in megatron.core.distributed.DistributedDataParallel")
-        ddp_config = getattr(chunk, "ddp_config", None)
-        if ddp_config is not None and getattr(ddp_config, "use_distributed_optimizer", False):
+        if isinstance(chunk, ddp) and mi.get(chunk, mi.DDP_DDP_CONFIG).use_distributed_optimizer:
             raise ConfigError("Megatron's distributed optimizer is not supported by ds_lowcomm yet: "
                               "build the model with use_distributed_optimizer=False (--use-distributed-optimizer off)")
-        if getattr(getattr(chunk, "config", None), "calculate_per_token_loss", False):
+        if isinstance(chunk, megatron_module) and mi.get(chunk, mi.MODULE_CONFIG).calculate_per_token_loss:
             raise ConfigError("calculate_per_token_loss is not supported by ds_lowcomm yet (gradients are summed, "
                               "not averaged, across data-parallel ranks): leave it off")
         for name, p in chunk.named_parameters():
-            if p.requires_grad and not getattr(p, "allreduce", True):
+            if p.requires_grad and mi.is_expert_parallel(p):
                 raise ConfigError(f"expert-parallel parameter {name} is not supported by ds_lowcomm yet")
+    chained_optimizer = mi.live(mi.CHAINED_OPTIMIZER)
+    if isinstance(optimizer, chained_optimizer) and type(optimizer) is not chained_optimizer:
+        raise ConfigError(f"{type(optimizer).__name__} is not supported by ds_lowcomm yet: pass the optimizer "
+                          "get_megatron_optimizer builds without a distributed optimizer")
     for opt in chained(optimizer):
-        if type(opt).__name__ == "DistributedOptimizer":
+        if isinstance(opt, mi.live(mi.DISTRIBUTED_OPTIMIZER)):
             raise ConfigError("Megatron's DistributedOptimizer is not supported by ds_lowcomm yet")
-        if cfg.method in ("demo", "mtdao") and getattr(getattr(opt, "config", None), "fp16", False):
+        kind = optimizer_kind(opt)  # refuses any other type
+        if cfg.method in ("demo", "mtdao") and kind != "torch" and mi.get(opt, mi.OPTIMIZER_CONFIG).fp16:
             raise ConfigError(f"lowcomm.method {cfg.method!r} with fp16 is not supported: a dynamic loss scale "
                               "would enter the method's state and an overflow skips a step on one replica only; "
                               "use bf16")
@@ -169,9 +181,11 @@ def _groups_by_model_param(optimizer) -> dict[int, dict]:
     (through its fp32 main copy under mixed precision)."""
     out: dict[int, dict] = {}
     for opt in chained(optimizer):
-        model_groups = getattr(opt, "float16_groups", None)
-        for i, group in enumerate(opt.optimizer.param_groups):
-            for p in group["params"] + (list(model_groups[i]) if model_groups else []):
+        # Under mixed precision the groups hold the fp32 main copies; float16_groups[i] the model's
+        # own parameters of group i. fp32: the groups hold the model's parameters.
+        model_groups = mi.get(opt, mi.FLOAT16_GROUPS) if optimizer_kind(opt) == "float16" else None
+        for i, group in enumerate(torch_optimizer(opt).param_groups):
+            for p in group["params"] + (list(model_groups[i]) if model_groups is not None else []):
                 out[id(p)] = group
     return out
 
@@ -179,7 +193,7 @@ def _groups_by_model_param(optimizer) -> dict[int, dict]:
 def _replace_inner(optimizer, build) -> None:
     """Put ``build(param_groups)`` in place of the torch optimizer inside each of Megatron's."""
     for opt in chained(optimizer):
-        opt.optimizer = build(opt.optimizer.param_groups)
+        mi.put(opt, mi.OPTIMIZER_INNER, build(torch_optimizer(opt).param_groups))
 
 
 def _mark_main_params_trainable(optimizer) -> None:
@@ -187,7 +201,7 @@ def _mark_main_params_trainable(optimizer) -> None:
     have ``requires_grad=False``; ds_lowcomm's optimizers leave such tensors out (frozen). Every
     tensor in Megatron's param groups is trainable (Megatron leaves frozen ones out of them)."""
     for opt in chained(optimizer):
-        for group in getattr(opt, "optimizer", opt).param_groups:
+        for group in torch_optimizer(opt).param_groups:
             for p in group["params"]:
                 if not p.requires_grad:
                     p.requires_grad_(True)
@@ -204,7 +218,10 @@ def apply(model_chunks, optimizer, config: LowcommConfig | dict | None) -> Megat
     ``initialize_model_parallel`` and after building both; use the returned object in place of
     ``optimizer`` (its ``step()``, ``zero_grad()``, ``param_groups``, ``state_dict()``).
     ``config``: a :class:`LowcommConfig` or a flat "lowcomm" section. The learning rate stays
-    Megatron's (and its scheduler's). Every rank must start from the same parameters (checked)."""
+    Megatron's (and its scheduler's). Every rank must start from the same parameters (checked).
+    First of all, the installed megatron-core must be a supported version with every internal
+    megatron_patches uses as declared (:func:`megatron_patches.internals.ensure_checked`)."""
+    mi.ensure_checked()
     from megatron.core import parallel_state as ps
 
     if not isinstance(config, LowcommConfig):

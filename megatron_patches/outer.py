@@ -19,7 +19,7 @@ from typing import Any
 from ds_lowcomm.optim.outer import OuterLoop
 from ds_lowcomm.optim.registry import OUTER_METHODS
 
-from .wrapper import MegatronLowcomm, chained
+from .wrapper import MegatronLowcomm, chained, copy_main_params_to_model_params
 
 
 class _MegatronInner:
@@ -56,9 +56,7 @@ class _MegatronInner:
         """New global parameters landed in the optimizer's (main) params: copy them into the
         model's where they are separate (fp16/bf16)."""
         for opt in chained(self.optimizer):
-            copy = getattr(opt, "_copy_main_params_to_model_params", None)
-            if copy is not None:
-                copy()
+            copy_main_params_to_model_params(opt)
 
 
 class OuterLoopOptimizer(MegatronLowcomm):

@@ -8,10 +8,47 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
+from . import internals as mi
+
 
 def chained(optimizer) -> list:
     """The optimizers a Megatron ``ChainedOptimizer`` holds (or the one given)."""
-    return list(getattr(optimizer, "chained_optimizers", None) or [optimizer])
+    if isinstance(optimizer, mi.live(mi.CHAINED_OPTIMIZER)):
+        return list(mi.get(optimizer, mi.CHAINED_OPTIMIZERS))
+    return [optimizer]
+
+
+def optimizer_kind(opt) -> str:
+    """What one of :func:`chained`'s optimizers is, by type: ``"float16"`` (Megatron's bf16/fp16
+    parameters with fp32 main copies), ``"fp32"`` (Megatron's, stepping the model's own
+    parameters) or ``"torch"`` (a torch optimizer; outer-loop methods only). Anything else, e.g.
+    Megatron's distributed optimizers, is refused with a ConfigError naming the supported ones."""
+    from ds_lowcomm.settings import ConfigError
+
+    if isinstance(opt, mi.live(mi.FLOAT16_OPTIMIZER)):
+        return "float16"
+    if isinstance(opt, mi.live(mi.FP32_OPTIMIZER)):
+        return "fp32"
+    if isinstance(opt, torch.optim.Optimizer):
+        return "torch"
+    raise ConfigError(f"{type(opt).__name__} is not supported by ds_lowcomm yet: the optimizer must be what "
+                      "get_megatron_optimizer builds without the distributed optimizer (Float16OptimizerWithFloat16"
+                      "Params, FP32Optimizer, or a ChainedOptimizer of them), or a torch.optim.Optimizer "
+                      "(diloco, dct_diloco, sparseloco)")
+
+
+def torch_optimizer(opt):
+    """The torch optimizer that steps: the one inside Megatron's, or ``opt`` itself."""
+    return opt if optimizer_kind(opt) == "torch" else mi.get(opt, mi.OPTIMIZER_INNER)
+
+
+def copy_main_params_to_model_params(opt) -> None:
+    """New values landed in ``opt``'s parameters: copy them into the model's where those are
+    separate (Megatron's bf16/fp16 parameters); fp32 and torch optimizers step the model's own."""
+    if optimizer_kind(opt) == "float16":
+        mi.live(mi.COPY_MAIN_TO_MODEL)(opt)
 
 
 class MegatronLowcomm:
@@ -54,4 +91,4 @@ class MegatronLowcomm:
         return getattr(self.__dict__["optimizer"], name)
 
 
-__all__ = ["MegatronLowcomm", "chained"]
+__all__ = ["MegatronLowcomm", "chained", "copy_main_params_to_model_params", "optimizer_kind", "torch_optimizer"]

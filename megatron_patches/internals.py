@@ -1,0 +1,279 @@
+"""Every Megatron-Core internal that ``megatron_patches`` reads, replaces or copies, declared once
+and checked against the installed megatron-core before anything is patched.
+
+Megatron-Core's gradient buckets, its optimizers' mixed-precision copies and its pipeline p2p
+communicator are not public API: they move between releases. So each one megatron_patches uses is
+an :class:`~ds_lowcomm.versions.Internal` in :data:`ITEMS` (module, name, kind, the parameters
+used), and the rest of the package reaches them only through this module.
+:func:`ensure_checked` (called first thing by ``apply`` and ``install_activation_compression``)
+checks, before anything is touched:
+
+- the megatron-core version is supported (:func:`ds_lowcomm.versions.check_supported`);
+- every item exists with the declared kind and parameters (``inspect.signature`` of the installed
+  code), and every instance attribute is stored by its class's code;
+- what megatron_patches replaces is still looked up where Megatron uses it (:data:`LOOKED_UP`: a
+  bucket group's ``start_grad_sync`` replaced per instance that DDP no longer calls by that name
+  would leave Megatron's all-reduce running);
+- Megatron's methods that megatron_patches rewrites (the bucket group's grad sync, the p2p
+  ``_communicate``) have the bodies the rewrite was made from (:data:`COPIED`).
+
+Anything missing or changed raises one :class:`FrameworkInternalsError` naming it and the
+installed and supported versions. Afterwards :func:`live` gives a declared class or function,
+:func:`get` / :func:`put` an attribute that exists only on constructed objects (bucket fields,
+the communicator's ranks), checked again on the object where it is read (never a silent default),
+:func:`replace_method` puts one of ours in place of a declared method on one object, and
+:func:`rebind` a module-level name.
+``ds_lowcomm/deepspeed/internals.py`` is the same for DeepSpeed.
+
+Nothing here imports megatron at import time.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+from ds_lowcomm.versions import (FrameworkInternalsError, Internal, body_digest, check_supported, functions_of,
+                                 internals_error, read_instance, reads_name, resolve, stores_attribute)
+
+DISTRIBUTION = "megatron-core"
+
+_BUFFER = "megatron.core.distributed.param_and_grad_buffer"
+_DDP = "megatron.core.distributed.distributed_data_parallel"
+_DDP_CONFIG = "megatron.core.distributed.distributed_data_parallel_config"
+_DP_BASE = "megatron.core.distributed.data_parallel_base"
+_MODULE = "megatron.core.transformer.module"
+_TRANSFORMER_CONFIG = "megatron.core.transformer.transformer_config"
+_OPTIMIZER = "megatron.core.optimizer.optimizer"
+_OPTIMIZER_CONFIG = "megatron.core.optimizer.optimizer_config"
+_DISTRIB_OPTIMIZER = "megatron.core.optimizer.distrib_optimizer"
+_P2P = "megatron.core.pipeline_parallel.p2p_communication"
+_SCHEDULES = "megatron.core.pipeline_parallel.schedules"
+_MP_CONFIG = "megatron.core.model_parallel_config"
+
+# --- DDP's gradient buckets (grad_sync.py) ------------------------------------------------------
+DDP = Internal(_DDP, "DistributedDataParallel", "class", use="wraps the model chunks whose grad sync it replaces")
+DP_BASE = Internal(_DP_BASE, "_BaseDataParallel", "class",
+                   use="tells Megatron FSDP and other data-parallel wrappers (refused) from DDP")
+DDP_BUCKET_GROUPS = Internal(_DDP, "DistributedDataParallel.bucket_groups", "instance",
+                             use="replaces the grad sync of every bucket group")
+DDP_EXPERT_BUCKET_GROUPS = Internal(_DDP, "DistributedDataParallel.expert_parallel_bucket_groups", "instance",
+                                    use="replaces the grad sync of every bucket group")
+DDP_DDP_CONFIG = Internal(_DDP, "DistributedDataParallel.ddp_config", "instance",
+                          use="refuses the distributed optimizer")
+USE_DISTRIBUTED_OPTIMIZER = Internal(_DDP_CONFIG, "DistributedDataParallelConfig.use_distributed_optimizer", "field",
+                                     use="refuses the distributed optimizer")
+START_GRAD_SYNC = Internal(_BUFFER, "_ParamAndGradBucketGroup.start_grad_sync", "method",
+                           params=("force_all_reduce",), match="override",
+                           use="replaces it per bucket group (grad_sync.BucketGroupSync.start_grad_sync)")
+FINISH_GRAD_SYNC = Internal(_BUFFER, "_ParamAndGradBucketGroup.finish_grad_sync", "method",
+                            params=("force_all_reduce",), match="override",
+                            use="replaces it per bucket group (grad_sync.BucketGroupSync.finish_grad_sync)")
+GROUP_BUCKETS = Internal(_BUFFER, "_ParamAndGradBucketGroup.buckets", "instance",
+                         use="reads the buckets of a bucket group")
+GROUP_IS_FIRST_BATCH = Internal(_BUFFER, "_ParamAndGradBucketGroup.is_first_batch", "instance",
+                                use="reads it as Megatron's start_grad_sync does")
+GROUP_PARAM_GATHER_DISPATCHED = Internal(_BUFFER, "_ParamAndGradBucketGroup.param_gather_dispatched", "instance",
+                                         use="resets it as Megatron's finish_grad_sync does")
+BUCKET_PARAMS_LIST = Internal(_BUFFER, "_ParamAndGradBucket.params_list", "instance",
+                              use="exchanges a bucket group's gradients in its parameter order")
+# Set by the buffer on every parameter it holds (read from the parameter).
+MAIN_GRAD = Internal(_BUFFER, "_ParamAndGradBuffer.main_grad", "instance",
+                     use="exchanges each parameter's main_grad, the buffer's gradient view")
+
+# --- Modules' settings (install.py) -------------------------------------------------------------
+MEGATRON_MODULE = Internal(_MODULE, "MegatronModule", "class", use="reads a Megatron module's config")
+MODULE_CONFIG = Internal(_MODULE, "MegatronModule.config", "instance", use="reads a Megatron module's config")
+PER_TOKEN_LOSS = Internal(_TRANSFORMER_CONFIG, "TransformerConfig.calculate_per_token_loss", "field",
+                          use="refuses per-token loss (summed gradients)")
+
+# --- Optimizers (install.py, wrapper.py, outer.py) ---------------------------------------------
+OPTIMIZER_INNER = Internal(_OPTIMIZER, "MegatronOptimizer.optimizer", "instance",
+                           use="reads and replaces the torch optimizer inside (demo, mtdao)")
+OPTIMIZER_CONFIG = Internal(_OPTIMIZER, "MegatronOptimizer.config", "instance", use="reads fp16")
+FP16 = Internal(_OPTIMIZER_CONFIG, "OptimizerConfig.fp16", "field", use="refuses fp16 with demo and mtdao")
+FLOAT16_OPTIMIZER = Internal(_OPTIMIZER, "Float16OptimizerWithFloat16Params", "class",
+                             use="bf16/fp16 model parameters with fp32 main copies")
+FLOAT16_GROUPS = Internal(_OPTIMIZER, "Float16OptimizerWithFloat16Params.float16_groups", "instance",
+                          use="maps the model's bf16 parameters to their param groups (demo)")
+COPY_MAIN_TO_MODEL = Internal(_OPTIMIZER, "Float16OptimizerWithFloat16Params._copy_main_params_to_model_params",
+                              "method", params=(), use="copies the synced fp32 main parameters into the model")
+FP32_OPTIMIZER = Internal(_OPTIMIZER, "FP32Optimizer", "class", use="fp32 training: steps the model's parameters")
+CHAINED_OPTIMIZER = Internal(_OPTIMIZER, "ChainedOptimizer", "class", use="reads the optimizers it chains")
+CHAINED_OPTIMIZERS = Internal(_OPTIMIZER, "ChainedOptimizer.chained_optimizers", "instance",
+                              use="reads the optimizers it chains")
+DISTRIBUTED_OPTIMIZER = Internal(_DISTRIB_OPTIMIZER, "DistributedOptimizer", "class",
+                                 use="refuses the distributed optimizer")
+
+# --- Pipeline p2p (activations.py) ----------------------------------------------------------------
+SCHEDULES_P2P = Internal(_SCHEDULES, "P2PCommunicator", "class",
+                         use="rebinds the name the schedules build their communicator from")
+P2P_COMMUNICATE = Internal(_P2P, "P2PCommunicator._communicate", "method",
+                           params=("tensor_send_next", "tensor_send_prev", "recv_prev", "recv_next", "tensor_shape",
+                                   "wait_on_reqs"), match="override",
+                           use="overrides it to code activations on the wire")
+P2P_CONFIG = Internal(_P2P, "P2PCommunicator.config", "instance", use="reads the pipeline settings")
+P2P_PP_GROUP = Internal(_P2P, "P2PCommunicator.pp_group", "instance", use="sends on the pipeline group")
+P2P_PREV_RANK = Internal(_P2P, "P2PCommunicator.prev_rank", "instance", use="sends to the previous stage")
+P2P_NEXT_RANK = Internal(_P2P, "P2PCommunicator.next_rank", "instance", use="sends to the next stage")
+_P2P_OPS_PARAMS = ("tensor_send_prev", "tensor_recv_prev", "tensor_send_next", "tensor_recv_next", "group",
+                   "prev_pipeline_rank", "next_pipeline_rank")
+BATCHED_P2P_OPS = Internal(_P2P, "_batched_p2p_ops", "function", params=_P2P_OPS_PARAMS,
+                           use="moves the coded payloads (batch_p2p_comm)")
+P2P_OPS = Internal(_P2P, "_p2p_ops", "function", params=_P2P_OPS_PARAMS, use="moves the coded payloads")
+PIPELINE_DTYPE = Internal(_MP_CONFIG, "ModelParallelConfig.pipeline_dtype", "field", use="sizes the payloads")
+VARIABLE_SEQ_LENGTHS = Internal(_MP_CONFIG, "ModelParallelConfig.variable_seq_lengths", "field",
+                                use="refuses variable sequence lengths")
+MTP_STANDALONE = Internal(_MP_CONFIG, "ModelParallelConfig.mtp_standalone", "field",
+                          use="refuses variable sequence lengths")
+USE_RING_EXCHANGE_P2P = Internal(_MP_CONFIG, "ModelParallelConfig.use_ring_exchange_p2p", "field",
+                                 use="refuses the ring exchange")
+BATCH_P2P_COMM = Internal(_MP_CONFIG, "ModelParallelConfig.batch_p2p_comm", "field",
+                          use="picks Megatron's p2p function as Megatron does")
+BATCH_P2P_SYNC = Internal(_MP_CONFIG, "ModelParallelConfig.batch_p2p_sync", "field",
+                          use="synchronises after batched p2p as Megatron does")
+
+ITEMS: tuple[Internal, ...] = tuple(v for v in list(globals().values()) if isinstance(v, Internal))
+
+# What megatron_patches replaces takes effect only where Megatron looks it up by name at each use:
+# (internal, the functions that must read it).
+LOOKED_UP = (
+    (START_GRAD_SYNC, _DDP, ("DistributedDataParallel.start_grad_sync",)),
+    (START_GRAD_SYNC, _BUFFER, ("_ParamAndGradBucketGroup.finish_grad_sync",
+                                "_ParamAndGradBucketGroup.register_grad_ready")),
+    (FINISH_GRAD_SYNC, _DDP, ("DistributedDataParallel.finish_grad_sync",)),
+    (OPTIMIZER_INNER, _OPTIMIZER, ("MixedPrecisionOptimizer.step_with_ready_grads",
+                                   "FP32Optimizer.step_with_ready_grads")),
+    (SCHEDULES_P2P, _SCHEDULES, ("forward_backward_pipelining_without_interleaving",
+                                 "forward_backward_pipelining_with_interleaving")),
+    (P2P_COMMUNICATE, _P2P, tuple(f"P2PCommunicator.{name}" for name in (
+        "recv_forward", "recv_backward", "send_forward", "send_backward", "send_forward_recv_backward",
+        "send_backward_recv_forward", "send_forward_recv_forward", "send_backward_recv_backward"))),
+)
+
+# Megatron methods megatron_patches rewrites (grad_sync.BucketGroupSync keeps their first-batch and
+# param-gather bookkeeping; activations.py's _communicate their checks and p2p calls): a digest of
+# each body's tokens (comments and layout left out) as rewritten, from megatron-core 0.16.1. A
+# changed body means Megatron changed what the rewrite is built on: it must be looked at again.
+COPIED = {
+    START_GRAD_SYNC: "3d4c3c07d44461e6",
+    FINISH_GRAD_SYNC: "45c994edb3319f77",
+    P2P_COMMUNICATE: "2f9ba7a7e63539c0",
+}
+
+
+def problems() -> list[str]:
+    """Every way the installed megatron-core differs from :data:`ITEMS`, :data:`LOOKED_UP` and
+    :data:`COPIED` (an empty list: as declared)."""
+    out = []
+
+    def note(check, *args):
+        try:
+            check(*args)
+        except FrameworkInternalsError as err:
+            out.append(str(err))
+
+    def item_ok(item):
+        owner = resolve(DISTRIBUTION, item)
+        if item.kind == "instance" and not stores_attribute(functions_of(owner, "megatron."), item.attr):
+            raise internals_error(DISTRIBUTION, item, f"is no longer set by the code of {item.owner}")
+
+    def read_by(item, module, reader):
+        fn = resolve(DISTRIBUTION, Internal(module, reader, "method" if "." in reader else "function"))
+        if not reads_name(fn, item.attr):
+            raise internals_error(DISTRIBUTION, item, f"is no longer read by {module}.{reader}, so what "
+                                  "megatron_patches puts in its place would not be used")
+
+    def same_body(item, digest):
+        if body_digest(resolve(DISTRIBUTION, item)) != digest:
+            raise internals_error(DISTRIBUTION, item, "has another body than the one megatron_patches' version "
+                                  "of it was written from")
+
+    for item in ITEMS:
+        note(item_ok, item)
+    for item, module, readers in LOOKED_UP:
+        for reader in readers:
+            note(read_by, item, module, reader)
+    for item, digest in COPIED.items():
+        note(same_body, item, digest)
+    return out
+
+
+_checked: list[bool] = []
+
+
+def ensure_checked() -> str:
+    """The supported-version check, then (once per process) every internal against the installed
+    megatron-core: one :class:`FrameworkInternalsError` listing every problem. Returns the
+    installed version."""
+    version = check_supported(DISTRIBUTION)
+    if _checked:
+        return version
+    found = problems()
+    if len(found) == 1:
+        raise FrameworkInternalsError(found[0])
+    if found:
+        raise FrameworkInternalsError(f"{len(found)} private Megatron-Core internals changed:\n" + "\n".join(found))
+    _checked.append(True)
+    return version
+
+
+def live(item: Internal) -> Any:
+    """The live class / function / method ``item`` declares."""
+    return resolve(DISTRIBUTION, item)
+
+
+def get(obj: Any, item: Internal) -> Any:
+    """``obj``'s instance attribute ``item``, or the named error where it is missing."""
+    return read_instance(DISTRIBUTION, item, obj)
+
+
+def put(obj: Any, item: Internal, value: Any) -> None:
+    """Set ``obj``'s instance attribute ``item``; it must exist (a renamed one would be created
+    anew and never read by Megatron)."""
+    get(obj, item)
+    setattr(obj, item.attr, value)
+
+
+def rebind(item: Internal, value: Any) -> None:
+    """Set the module-level name ``item`` declares (in its module) to ``value``."""
+    import importlib
+
+    if "." in item.name:
+        raise ValueError(f"{item.path} is not a module-level name")
+    live(item)
+    setattr(importlib.import_module(item.module), item.name, value)
+
+
+def check_override(item: Internal, fn, takes_self: bool = False) -> None:
+    """``fn`` (ours, put in place of the method ``item`` declares; ``takes_self``: a function on
+    a subclass, else one set on an instance) accepts what Megatron passes the method: its declared
+    parameters, as keywords. A mismatch is ours to fix: TypeError."""
+    if item.match != "override":
+        raise ValueError(f"{item.path} is not declared as replaced (match={item.match!r})")
+    try:
+        inspect.signature(fn).bind(*([None] if takes_self else []), **{p: None for p in item.params})
+    except TypeError as err:
+        raise TypeError(f"{fn.__qualname__} cannot stand in for {item.path}({', '.join(item.params)}): {err}") from None
+
+
+def replace_method(obj: Any, item: Internal, fn) -> None:
+    """Put ``fn`` in place of the method ``item`` declares on this one object (its class and
+    every other instance keep Megatron's)."""
+    owner = live(Internal(item.module, item.owner, "class"))
+    if not isinstance(obj, owner):
+        raise TypeError(f"{item.path}: expected a {owner.__name__}, got a {type(obj).__name__}")
+    check_override(item, fn)
+    setattr(obj, item.attr, fn)
+
+
+def is_expert_parallel(param) -> bool:
+    """Megatron marks expert-parallel parameters with ``allreduce = False`` and leaves the
+    attribute off every other parameter: absent means True, as Megatron's own readers take it
+    (DistributedDataParallel, get_megatron_optimizer)."""
+    return not getattr(param, "allreduce", True)
+
+
+__all__ = ["COPIED", "DISTRIBUTION", "FrameworkInternalsError", "ITEMS", "LOOKED_UP", "check_override",
+           "ensure_checked", "get", "is_expert_parallel", "live", "problems", "put", "rebind",
+           "replace_method"]
