@@ -2,9 +2,11 @@
 
 Every replica runs ``sync_every`` (H) inner steps on its own data; then the pseudo-gradient
 Delta_r = anchor - theta_r is combined across replicas, the anchor (the global parameters, kept
-in ``state_dtype``, fp32 by default) takes one SGD step with (Nesterov) momentum along the
-combined Delta, and every replica restarts from the new anchor. Inner optimizer state stays
-local, as in the paper.
+in ``state_dtype``, fp32 by default) takes one step of the outer optimizer along the combined
+Delta, and every replica restarts from the new anchor. Inner optimizer state stays local, as in
+the paper. The outer optimizer is a ``torch.optim`` optimizer over the anchors, fed the combined
+Delta as ``.grad`` (as torchft's local SGD does): ``outer_optimizer`` "sgd" (default; with the
+method's momentum, DiLoCo's Nesterov 0.9, SparseLoCo's none), "adam" or "adamw".
 
 - :class:`DiLoCo`: Delta is averaged with a dense all-reduce.
 - :class:`DCTDiLoCo` (Nedelkoski et al. 2025): Delta accumulates into a decayed local buffer
@@ -25,16 +27,19 @@ a * local + (1 - a) * global. P = 1 with no delay is plain DiLoCo.
 
 from __future__ import annotations
 
+from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 
 import torch
 
 from ..codec import CodecSettings
 from ..comm import Pending, ReplicaShard, Transport, all_finite
-from ..settings import Settings, check_bool, check_choice, check_fraction, check_int, check_positive, check_unit
+from ..settings import (ConfigError, Settings, check_bool, check_choice, check_fraction, check_int, check_nonnegative,
+                        check_positive, check_unit)
 from .base import LowcommOptimizer, StatefulSettings, ordered_params
 
 INNER_IMPLS = ("torch", "apex")
+OUTER_OPTIMIZERS = ("sgd", "adam", "adamw")  # torch.optim's SGD, Adam, AdamW
 
 
 def contiguous_fragments(params: list, n: int) -> list[list]:
@@ -75,11 +80,17 @@ class StreamingSettings(Settings):
 
 @dataclass(frozen=True)
 class OuterSettings(StatefulSettings):
-    """What the whole DiLoCo family shares: H, the outer learning rate, the inner optimizer's
+    """What the whole DiLoCo family shares: H, the outer optimizer, the inner optimizer's
     implementation, streaming."""
 
     sync_every: int = 128  # H: inner steps per outer step
-    outer_lr: float = 0.7
+    outer_lr: float = 0.7  # the outer optimizer's lr, whichever it is
+    # The torch optimizer stepping the anchors: "sgd" takes outer_momentum and nesterov (fields of
+    # the methods that have outer momentum), "adam"/"adamw" outer_betas and outer_eps.
+    outer_optimizer: str = "sgd"
+    outer_betas: tuple = (0.9, 0.999)
+    outer_eps: float = 1e-8
+    outer_weight_decay: float = 0.0  # torch's weight_decay of the outer optimizer (decoupled for adamw)
     inner_impl: str = "torch"  # the inner AdamW: torch's, or NVIDIA apex's FusedAdam where installed
     streaming: StreamingSettings = field(default_factory=StreamingSettings)
     # Class attributes, not settings: overridden by fields where a method has outer momentum.
@@ -90,6 +101,13 @@ class OuterSettings(StatefulSettings):
         super().check(where)
         check_int(where, "sync_every", self.sync_every, 1)
         check_positive(where, "outer_lr", self.outer_lr)
+        check_choice(where, "outer_optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
+        if not isinstance(self.outer_betas, tuple) or len(self.outer_betas) != 2:
+            raise ConfigError(f"{where}.outer_betas must be a list of two numbers in [0, 1); got {self.outer_betas!r}")
+        for beta in self.outer_betas:
+            check_fraction(where, "outer_betas[]", beta)
+        check_positive(where, "outer_eps", self.outer_eps)
+        check_nonnegative(where, "outer_weight_decay", self.outer_weight_decay)
         check_choice(where, "inner_impl", self.inner_impl, INNER_IMPLS)
         self.streaming.check_against(where, self.sync_every)
 
@@ -131,6 +149,58 @@ class SparseLoCoSettings(OuterSettings):
         check_fraction(where, "decay", self.decay)
 
 
+# The outer-optimizer settings a checkpoint saved before they existed lacks; it was made with their defaults.
+_OUTER_OPTIMIZER_KEYS = ("outer_optimizer", "outer_betas", "outer_eps", "outer_weight_decay")
+
+
+def build_outer_optimizer(settings: OuterSettings, anchors: list[torch.Tensor]) -> torch.optim.Optimizer:
+    """The torch optimizer ``settings.outer_optimizer`` over ``anchors``. Each anchor is stepped on
+    its own (``foreach=False``): once per sync that costs nothing, and on every device "sgd" then
+    runs the very kernels of the hand-written step it replaced, so its results are bit for bit those."""
+    common = dict(lr=settings.outer_lr, weight_decay=settings.outer_weight_decay, foreach=False)
+    if settings.outer_optimizer == "sgd":
+        mu = settings.outer_momentum
+        # torch refuses nesterov without momentum, which the hand-written step ignored
+        return torch.optim.SGD(anchors, momentum=mu, nesterov=settings.nesterov and mu > 0, **common)
+    adam = torch.optim.Adam if settings.outer_optimizer == "adam" else torch.optim.AdamW
+    return adam(anchors, betas=settings.outer_betas, eps=settings.outer_eps, **common)
+
+
+class _AnchorState(MutableMapping):
+    """The outer optimizer's state of one anchor, kept in the method's state of its parameter, so
+    that ``state_dict()`` holds it per parameter beside the anchor (ZeRO partitions and shards
+    alike) and a load restores it with the method's. Keys are stored as ``outer_opt_<key>``, but
+    SGD's momentum buffer keeps the name it had before the outer step was a torch optimizer,
+    ``outer_momentum``: checkpoints of the default load as they are."""
+
+    _PREFIX = "outer_opt_"
+
+    def __init__(self, state: dict):
+        self._state = state
+
+    def _key(self, key: str) -> str:
+        return "outer_momentum" if key == "momentum_buffer" else self._PREFIX + key
+
+    def __getitem__(self, key):
+        return self._state[self._key(key)]
+
+    def __setitem__(self, key, value):
+        self._state[self._key(key)] = value
+
+    def __delitem__(self, key):
+        del self._state[self._key(key)]
+
+    def __iter__(self):
+        for key in list(self._state):
+            if key == "outer_momentum":
+                yield "momentum_buffer"
+            elif key.startswith(self._PREFIX):
+                yield key[len(self._PREFIX):]
+
+    def __len__(self):
+        return sum(1 for _ in self)
+
+
 class OuterLoop(LowcommOptimizer):
     """Base of the DiLoCo family. It wraps ``inner`` and *is* its param_groups: LR schedulers
     and DeepSpeed see (and may swap, as ZeRO does per step) the inner optimizer's groups."""
@@ -149,6 +219,10 @@ class OuterLoop(LowcommOptimizer):
         # fragment (its param ids) -> (the params this rank syncs, their sync in flight)
         self._in_flight: dict[tuple[int, ...], tuple[list[torch.Tensor], Pending]] = {}
         self._fragment_cache: dict[tuple[int, ...], list[list[torch.Tensor]]] = {}
+        # The torch optimizer over the anchors, built at the first sync; a param group is added for
+        # each fragment's anchors at its first sync (and again after a load replaced the anchors).
+        self.anchor_optimizer: torch.optim.Optimizer | None = None
+        self._anchor_ids: set[int] = set()
         self._init_comm(settings, transport, shard, ledger_steps, inner=type(inner).__name__)
 
     @property
@@ -203,7 +277,9 @@ class OuterLoop(LowcommOptimizer):
                 state["outer_steps"] = 0
             if id(p) in owned_ids and "anchor" not in state:  # the global parameters every replica starts from
                 state["anchor"] = p.detach().to(self.state_dtype, copy=True)
-                if self.settings.outer_momentum > 0:
+                if self.settings.outer_optimizer == "sgd" and self.settings.outer_momentum > 0:
+                    # Zeros, as before SGD was torch's: torch would start from a copy of the first
+                    # update (equal but for the sign of zeros), and checkpoints keep their keys.
                     state["outer_momentum"] = torch.zeros_like(state["anchor"])
         if self._grads_finite([p.grad for p in params], "inner_step"):  # else this replica skips this inner step
             self.inner.step()
@@ -237,18 +313,40 @@ class OuterLoop(LowcommOptimizer):
             state["outer_steps"] += 1
 
     def _apply_outer(self, params: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
-        mu, mix = self.settings.outer_momentum, self.settings.streaming.fragment_mix
-        for p, g in zip(params, updates):
-            state = self.state[p]
-            if mu > 0:
-                buf = state["outer_momentum"]
-                buf.mul_(mu).add_(g)
-                g = g.add(buf, alpha=mu) if self.settings.nesterov else buf
-            state["anchor"].sub_(g, alpha=self.settings.outer_lr)
+        """The outer optimizer steps these parameters' anchors along ``updates`` (their ``.grad``;
+        the other anchors have none, so it leaves them be); the parameters take the new anchors."""
+        anchors = [self.state[p]["anchor"] for p in params]
+        optimizer = self._anchor_optimizer_for(params)
+        for anchor, update in zip(anchors, updates):
+            # The compressed exchanges decode to fp32; a torch optimizer takes a .grad of its
+            # parameter's dtype, so with state_dtype bf16/fp16 the outer step runs in that dtype.
+            anchor.grad = update.to(anchor.dtype)
+        try:
+            optimizer.step()
+        finally:
+            for anchor in anchors:
+                anchor.grad = None
+        mix = self.settings.streaming.fragment_mix
+        for p, anchor in zip(params, anchors):
             if mix:
-                p.mul_(mix).add_(state["anchor"].to(p.dtype), alpha=1.0 - mix)
+                p.mul_(mix).add_(anchor.to(p.dtype), alpha=1.0 - mix)
             else:
-                p.copy_(state["anchor"])
+                p.copy_(anchor)
+
+    def _anchor_optimizer_for(self, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+        """The outer optimizer, holding these parameters' anchors, its state for each a view of the
+        parameter's state (:class:`_AnchorState`)."""
+        new = [p for p in params if id(self.state[p]["anchor"]) not in self._anchor_ids]
+        if new:
+            anchors = [self.state[p]["anchor"] for p in new]
+            if self.anchor_optimizer is None:
+                self.anchor_optimizer = build_outer_optimizer(self.settings, anchors)
+            else:
+                self.anchor_optimizer.add_param_group({"params": anchors})
+            for p, anchor in zip(new, anchors):
+                self.anchor_optimizer.state[anchor] = _AnchorState(self.state[p])
+                self._anchor_ids.add(id(anchor))
+        return self.anchor_optimizer
 
     def _start_combine(self, params: list[torch.Tensor], deltas: list[torch.Tensor]) -> Pending:
         """Local pseudo-gradients -> (in flight) the update every replica applies, identical on all."""
@@ -270,9 +368,20 @@ class OuterLoop(LowcommOptimizer):
     def _extra_state(self):
         return {"inner": self.inner.state_dict()}
 
+    def load_state_dict(self, state_dict):
+        lowcomm = state_dict.get("lowcomm") if isinstance(state_dict, dict) else None
+        if lowcomm is not None and "outer_optimizer" not in lowcomm["settings"]:
+            # Saved before the outer optimizer was a setting: with its defaults (the state's keys did not change).
+            defaults = self.settings_class().flat()
+            saved = {**{k: defaults[k] for k in _OUTER_OPTIMIZER_KEYS}, **lowcomm["settings"]}
+            state_dict = {**state_dict, "lowcomm": {**lowcomm, "settings": saved}}
+        super().load_state_dict(state_dict)
+
     def _load_extra_state(self, extra):
         self.inner.load_state_dict(extra["inner"])
         self._in_flight.clear()
+        # The load replaced the anchors and their state: the outer optimizer is rebuilt around them.
+        self.anchor_optimizer, self._anchor_ids = None, set()
 
 
 class DiLoCo(OuterLoop):
