@@ -7,6 +7,8 @@ the way out, not re-read). :func:`load_file` checks that digest, then reads the 
 ``torch.load(weights_only=True)``: tensors, containers and plain types only, so a pickled
 ``os.system`` in a checkpoint is refused, not run. Which checkpoint is the latest is written last
 (:func:`write_text`), so a crash mid-save leaves the previous complete one named.
+:func:`params_digest` is the digest of parameters themselves, by which runs, resumes and
+replicas are compared bit for bit (one function for the library, the integrations and the tests).
 """
 
 from __future__ import annotations
@@ -95,6 +97,19 @@ def file_digest(path: str | os.PathLike) -> str:
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             sha.update(block)
+    return sha.hexdigest()
+
+
+def params_digest(model: torch.nn.Module | Iterable[torch.nn.Module | torch.Tensor]) -> str:
+    """sha256 over parameters' bytes as they are stored (any dtype, on any device), in order: of
+    a module, of a model's chunks (Megatron's virtual pipeline stages), or of the tensors given.
+    Equal digests mean bit-identical parameters: runs and replicas are compared by it."""
+    items = [model] if isinstance(model, torch.nn.Module) else model
+    sha = hashlib.sha256()
+    for item in items:
+        for t in item.parameters() if isinstance(item, torch.nn.Module) else [item]:
+            # the stored bytes, uncast: bf16 has no numpy dtype; bytes are what bit-identical means
+            sha.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return sha.hexdigest()
 
 

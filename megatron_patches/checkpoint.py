@@ -13,7 +13,6 @@ written with (TP, PP, DP sizes), checked at load.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from pathlib import Path
 from typing import Sequence
@@ -21,7 +20,7 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ds_lowcomm.checkpoint_io import agree_on_problems, check_digests, load_file, save_file, write_text
+from ds_lowcomm.checkpoint_io import agree_on_problems, check_digests, load_file, params_digest, save_file, write_text
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
@@ -74,16 +73,6 @@ def load(directory: str | os.PathLike, model_chunks: Sequence[torch.nn.Module], 
     optimizer.load_state_dict(state["optimizer"])
     torch.set_rng_state(state["rng"])
     return int(state["iteration"])
-
-
-def params_digest(model_chunks: Sequence[torch.nn.Module]) -> str:
-    """sha256 over this rank's parameters, in order (to compare runs bit for bit)."""
-    h = hashlib.sha256()
-    for chunk in model_chunks:
-        for name, p in chunk.named_parameters():
-            h.update(name.encode())
-            h.update(p.detach().float().cpu().numpy().tobytes())
-    return h.hexdigest()
 
 
 __all__ = ["save", "load", "latest_iteration", "params_digest", "rank_file", "TRACKER"]

@@ -1,13 +1,14 @@
 """Helpers shared by the tests: a tiny model and its per-rank batches, a digest of parameters,
 one plain SGD step for single-process replays, and the DCT written from its definition."""
 
-import hashlib
 import math
 import os
 import sys
 
 import numpy as np
 import torch
+
+from ds_lowcomm.checkpoint_io import params_digest  # noqa: F401 (the library's; tests import it from here)
 
 # The venv's tools first, as in an activated venv, for every process the tests start (spawned
 # workers and launchers alike). DeepSpeed JIT-builds its shared-memory comm op with whichever
@@ -60,10 +61,6 @@ def tiny_model():
 def tiny_batch(rank, step):
     g = torch.Generator().manual_seed(1000 * rank + step)
     return torch.randn(8, 16, generator=g), torch.randn(8, 4, generator=g)
-
-
-def params_digest(model):
-    return hashlib.sha256(b"".join(p.detach().numpy().tobytes() for p in model.parameters())).hexdigest()
 
 
 def tiny_loss(model, rank, step):

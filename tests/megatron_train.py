@@ -4,9 +4,9 @@ inside worker processes after ``initialize_model_parallel``."""
 
 from __future__ import annotations
 
-import hashlib
-
 import torch
+
+from ds_lowcomm.checkpoint_io import params_digest
 
 VOCAB, SEQ, BATCH = 32, 16, 4
 
@@ -16,13 +16,6 @@ def batch(gen: torch.Generator):
     start = torch.randint(0, VOCAB, (BATCH, 1), generator=gen)
     tokens = (start + torch.arange(SEQ + 1)) % VOCAB
     return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
-
-
-def digest(tensors) -> str:
-    h = hashlib.sha256()
-    for t in tensors:
-        h.update(t.detach().float().contiguous().numpy().tobytes())
-    return h.hexdigest()
 
 
 def train(lowcomm, steps, *, lr=1e-2, micro=1, overlap=False, bf16=False, on_inner_step=None, seed=1234):
@@ -94,7 +87,7 @@ def train(lowcomm, steps, *, lr=1e-2, micro=1, overlap=False, bf16=False, on_inn
         losses.append(sum(float(d["lm loss"]) for d in out) / len(out) if out else None)
         ok, _, _ = opt.step()
         assert ok
-        digests.append(digest(model.parameters()))
+        digests.append(params_digest(model))
     return model, opt, losses, digests
 
 

@@ -3,7 +3,6 @@ and over torch.distributed (gloo) in one job, for the same inputs. Writes OUT/ra
 ``mpi_worker.py OUT cuda`` puts the tensors on the GPU (tests/test_gpu.py): both transports then
 stage them through host memory, or MPI reads them in place where it is CUDA-aware."""
 
-import hashlib
 import json
 import os
 import sys
@@ -11,6 +10,7 @@ import sys
 import torch
 import torch.distributed as dist
 
+from ds_lowcomm.checkpoint_io import params_digest
 from ds_lowcomm.comm import ByteLedger, SparseAllGather, TorchDistTransport, all_reduce_mean_
 from ds_lowcomm.comm.mpi import MPITransport, cuda_aware, finalize_if_used
 from ds_lowcomm.config import LowcommConfig
@@ -105,7 +105,7 @@ def train(rank, lowcomm, transport, device):
         opt.step()
         opt.zero_grad()
     params = [p.detach().cpu() for p in model.parameters()]
-    digest = hashlib.sha256(b"".join(p.numpy().tobytes() for p in params)).hexdigest()
+    digest = params_digest(params)
     return digest, params, opt.ledger.sent
 
 

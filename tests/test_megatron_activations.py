@@ -82,7 +82,8 @@ def _interleaved(overlap):
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from tests.megatron_train import VOCAB, batch, digest
+    from ds_lowcomm.checkpoint_io import params_digest
+    from tests.megatron_train import VOCAB, batch
 
     torch.manual_seed(0)
     config = TransformerConfig(num_layers=4, hidden_size=HIDDEN, num_attention_heads=4, use_cpu_initialization=True,
@@ -105,7 +106,7 @@ def _interleaved(overlap):
     out = get_forward_backward_func()(forward_step_func=forward_step, data_iterator=[iter(data), iter(data)],
                                       model=chunks, num_microbatches=4, seq_length=SEQ, micro_batch_size=BATCH)
     grads = [p.grad for m in chunks for p in m.parameters() if p.grad is not None]
-    return [float(d["lm loss"]) for d in out], digest(grads)
+    return [float(d["lm loss"]) for d in out], params_digest(grads)
 
 
 @pytest.fixture(scope="module")

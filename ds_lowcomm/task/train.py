@@ -12,13 +12,13 @@ evaluation metrics are averaged over ranks with a separate all-reduce that is no
 
 from __future__ import annotations
 
-import hashlib
 import time
 from typing import Callable, Protocol
 
 import torch
 import torch.distributed as dist
 
+from ..checkpoint_io import params_digest
 from ..comm import backend_device
 from .reference import ReferenceTask
 from .spec import TrainSpec
@@ -41,13 +41,6 @@ class Task(Protocol):
 
     def val_batches(self, batch: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """The held-out batches, on the CPU (only pipeline steps ask: they evaluate by eval_batch)."""
-
-
-def params_digest(model: torch.nn.Module) -> str:
-    h = hashlib.sha256()
-    for p in model.parameters():
-        h.update(p.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy().tobytes())  # any dtype
-    return h.hexdigest()
 
 
 def mean_over_ranks(*values: float) -> list[float]:
