@@ -230,7 +230,7 @@ def apply(model_chunks, optimizer, config: LowcommConfig | dict | None) -> Megat
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
     _check_supported(model_chunks, optimizer, config)
-    transport = build_transport("torch", group=ps.get_data_parallel_group())
+    transport = build_transport("torch", group=ps.get_data_parallel_group(), timeout_s=config.comm.timeout_s)
     transport.nonfinite = config.comm.nonfinite  # a rank with NaN/inf to send: skip it, or raise (lowcomm.nonfinite)
     _mark_main_params_trainable(optimizer)
 

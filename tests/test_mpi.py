@@ -106,7 +106,8 @@ def test_pipeline_replicas_over_mpi(tmp_path):
 
 def test_a_stalled_peer_fails_the_mpi_collective_within_the_timeout(tmp_path):
     """lowcomm.timeout_s reaches the MPI transport too (MPI itself would wait forever): rank 0
-    fails after about 2 s naming the operation, while rank 1 sleeps 30 s."""
+    fails after about 2 s naming the operation, while rank 1 sleeps 30 s; and again in a broadcast
+    from rank 1."""
     env = {**os.environ, **ENV, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
     cmd = ["mpirun", "--allow-run-as-root", "--oversubscribe", "-np", "2", sys.executable,
            str(ROOT / "tests" / "mpi_stall_worker.py"), str(tmp_path)]
@@ -115,3 +116,5 @@ def test_a_stalled_peer_fails_the_mpi_collective_within_the_timeout(tmp_path):
     r = json.loads((tmp_path / "rank0.json").read_text())
     assert r["error"] is not None and "sparse_all_gather" in r["error"] and "within 2 s" in r["error"], r
     assert 1.9 < r["waited_s"] < 10, r
+    assert "replica_broadcast" in r["broadcast_error"] and "within 2 s" in r["broadcast_error"], r
+    assert 1.9 < r["broadcast_waited_s"] < 10, r

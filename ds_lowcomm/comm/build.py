@@ -15,14 +15,15 @@ def build_transport(name: str, *, group: dist.ProcessGroup | None = None, cross:
                     ledger: ByteLedger | None = None, timeout_s: float = 300.0) -> Transport:
     """The transport ``lowcomm.transport`` names, over ``group`` (torch) or the matching MPI
     communicator (mpi: the whole world, or, with ``cross`` = (local rank, replica) from the replica
-    topology, the ranks of this local rank in every replica)."""
+    topology, the ranks of this local rank in every replica). Each of its collectives waits at
+    most ``timeout_s`` for a peer (lowcomm.timeout_s), whatever the group's own timeout."""
     if name == "torch":
-        return TorchDistTransport(group, ledger)
+        return TorchDistTransport(group, ledger, timeout_s=timeout_s)
     if name != "mpi":
         raise ValueError(f"lowcomm.transport must be one of torch, mpi; got {name!r}")
     if not started_by_mpirun():
         raise ConfigError(f"lowcomm.transport is 'mpi' but this process was not started by mpirun: {LAUNCH_HINT}")
-    # torch groups take their timeout where they are made (comm/topology.py); MPI's waits poll to it
+    # MPI's waits poll to the timeout (MPI itself has none)
     transport = (MPITransport.cross_replica(*cross, ledger, timeout_s=timeout_s) if cross is not None
                  else MPITransport(ledger=ledger, timeout_s=timeout_s))
     if dist.is_initialized():  # MPI's ranks must be torch.distributed's, or syncs would pair the wrong peers

@@ -1,5 +1,5 @@
 """The MPI transport: the same collectives over mpi4py (``Iallgather``, ``Iallreduce`` SUM,
-``Bcast``), for clusters launched with mpirun.
+``Ibcast``), for clusters launched with mpirun; each waits at most ``timeout_s`` for a peer.
 
 CPU tensors are handed to MPI as numpy views of their memory (no copy). GPU tensors go to MPI
 directly when the MPI library is CUDA-aware (:func:`cuda_aware`), otherwise they are staged
@@ -96,7 +96,8 @@ class MPITransport(Transport):
         return _track(self.comm.Iallreduce(self._in_place, view, op=self._sum), [buf, view], self.timeout_s)
 
     def _broadcast(self, buf, src):
-        self.comm.Bcast(_buffer(buf), root=src)
+        view = _buffer(buf)  # non-blocking too: a blocking Bcast would wait for a stalled root forever
+        _track(self.comm.Ibcast(view, root=src), [buf, view], self.timeout_s)()
 
 
 def _buffer(t: torch.Tensor):

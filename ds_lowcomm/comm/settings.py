@@ -15,8 +15,8 @@ TRANSPORTS = ("torch", "mpi")
 class CommSettings(Settings):
     transport: str = "torch"  # torch.distributed, or MPI (mpi4py) under mpirun
     replica_size: int = 1  # ranks per replica (the DeepSpeed glue's data-parallel group)
-    # Seconds a collective of the groups ds_lowcomm creates may wait for a peer before every
-    # waiting rank fails naming the operation (torch's default would be 30 minutes).
+    # Seconds any collective ds_lowcomm issues may wait for a peer before every waiting rank fails
+    # naming the operation: on its own groups, on the user's (per operation, transport.py), over MPI.
     timeout_s: float = 300.0
     # A rank with NaN/inf to send: "skip" sends nothing of it and averages the healthy ranks
     # (counted and logged), "raise" stops every rank with an error naming the ranks.

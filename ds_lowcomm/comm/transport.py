@@ -8,15 +8,14 @@ back); a backend says where its buffers live and issues the raw collectives.
 from __future__ import annotations
 
 import time
+from datetime import timedelta
 from typing import Callable
 
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from .ledger import ByteLedger
-
-# torch >= 2.13 renamed all_gather_into_tensor (the old name warns); accept both.
-_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 class Pending:
@@ -56,6 +55,8 @@ class Transport:
     ledger: ByteLedger
     device: torch.device  # where this transport's buffers must live
     nonfinite: str = "skip"  # a rank with NaN/inf to send: "skip" it in that exchange, or "raise" (collectives.py)
+    # lowcomm.timeout_s: seconds a collective may wait for a peer; None: the backend's own limit
+    timeout_s: float | None = None
 
     # -- what a backend provides --------------------------------------------------------------
     def _home(self, t: torch.Tensor) -> torch.device:
@@ -129,9 +130,10 @@ class Transport:
         try:
             wait()
         except RuntimeError as err:
+            bound = "" if self.timeout_s is None else f" = {self.timeout_s:g}"
             raise CollectiveError(f"{op}: collective over ranks {self.describe_peers()} failed on rank "
                                   f"{self.rank} of {self.world_size} ({type(err).__name__}: {err}); a peer "
-                                  "stalled or died (lowcomm.timeout_s bounds the wait)") from err
+                                  f"stalled or died (lowcomm.timeout_s{bound} bounds the wait)") from err
 
     def describe_peers(self) -> str:
         return f"0..{self.world_size - 1} of this group"
@@ -165,9 +167,17 @@ class CollectiveError(RuntimeError):
 class TorchDistTransport(Transport):
     """torch.distributed over a process group (gloo on CPU, NCCL on GPUs). Tensors elsewhere are
     staged on the backend's device: GPU parameters over gloo (a cross-datacenter gloo group, say),
-    CPU-offloaded masters over NCCL."""
+    CPU-offloaded masters over NCCL.
 
-    def __init__(self, group: dist.ProcessGroup | None = None, ledger: ByteLedger | None = None):
+    ``timeout_s`` bounds each collective's wait for a peer on any group, the user's default group
+    included (whose own timeout, torch's 30 minutes by default, stays the user's): every operation
+    is issued with that timeout in its options, which gloo applies to that operation alone and
+    then aborts it (its worker thread is free again, so the process can exit); on other backends
+    (NCCL), whose operations do not read it, ``wait`` is given the timeout as well (torch: it then
+    blocks until the work completes or raises). None: the group's own timeout."""
+
+    def __init__(self, group: dist.ProcessGroup | None = None, ledger: ByteLedger | None = None,
+                 timeout_s: float | None = None):
         if not dist.is_initialized():
             raise RuntimeError("TorchDistTransport needs torch.distributed.init_process_group() first")
         self.group = group
@@ -175,6 +185,7 @@ class TorchDistTransport(Transport):
         self.world_size = dist.get_world_size(group)
         self.ledger = ledger if ledger is not None else ByteLedger()
         self.device = backend_device(group)
+        self.timeout_s = timeout_s
 
     def describe_peers(self) -> str:
         return "[" + ", ".join(map(str, self.peer_ranks())) + "] (global)"
@@ -184,14 +195,35 @@ class TorchDistTransport(Transport):
             return list(range(dist.get_world_size()))
         return list(dist.get_process_group_ranks(self.group))
 
+    # The operations go to the process group object itself (as torch.distributed's own functions
+    # do), with options: its functions have no timeout argument.
+    def _options(self, opts):
+        if self.timeout_s is not None:
+            opts.timeout = timedelta(seconds=self.timeout_s)
+        return opts
+
+    def _waiter(self, work) -> Callable[[], object]:
+        if self.timeout_s is None or self.device.type == "cpu":  # gloo (or none asked): the operation's own
+            return work.wait
+        timeout = timedelta(seconds=self.timeout_s)
+        return lambda: work.wait(timeout)
+
+    @property
+    def _pg(self) -> dist.ProcessGroup:
+        return self.group if self.group is not None else dist.group.WORLD
+
     def _all_gather(self, send, out):
-        return _all_gather_single(out.view(-1), send, group=self.group, async_op=True).wait
+        return self._waiter(self._pg._allgather_base(out.view(-1), send, self._options(c10d.AllgatherOptions())))
 
     def _all_reduce_sum(self, buf):
-        return dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=self.group, async_op=True).wait
+        opts = self._options(c10d.AllreduceOptions())
+        opts.reduceOp = dist.ReduceOp.SUM
+        return self._waiter(self._pg.allreduce([buf], opts))
 
     def _broadcast(self, buf, src):
-        dist.broadcast(buf, src=dist.get_global_rank(self.group, src) if self.group else src, group=self.group)
+        opts = self._options(c10d.BroadcastOptions())
+        opts.rootRank, opts.rootTensor = src, 0  # src: a rank of this group
+        self._waiter(self._pg.broadcast([buf], opts))()
 
 
 def backend_device(group: dist.ProcessGroup | None = None) -> torch.device:

@@ -16,7 +16,7 @@ from typing import Any, Callable, Iterable
 
 import torch
 
-from ..comm import ReplicaShard, Transport
+from ..comm import ReplicaShard, TorchDistTransport, Transport
 from ..comm.settings import CommSettings
 from ..settings import ConfigError, Settings, check_choice
 from .adamw import AdamSettings, AllReduceAdamW
@@ -113,9 +113,17 @@ def build_optimizer(
     :class:`AdamSettings` for their defaults) are the per-step optimizer's (AdamW's, DeMo's;
     MT-DAO takes its beta2 from ``betas[1]``, its first moments from its own settings) or, for
     outer-loop methods, the inner AdamW's, unless ``inner_factory(params)`` builds another inner
-    optimizer. ``transport``, ``shard`` and ``ledger_steps``: see :class:`LowcommOptimizer`."""
+    optimizer. ``transport``, ``shard`` and ``ledger_steps``: see :class:`LowcommOptimizer`;
+    without ``transport``, torch.distributed's default group. ``cfg.comm.timeout_s`` bounds every
+    collective of the transport and of the shard's, the start-up check included."""
     cfg.validate()
     hyper = AdamSettings.from_flat({"lr": lr, **adam}, where="optimizer", strict=True)
+    if transport is None:
+        transport = TorchDistTransport()
+    # Before the optimizer's start-up check, which is the first collective to wait on a peer.
+    for t in (transport, shard.transport if shard is not None else None):
+        if t is not None:
+            t.timeout_s = cfg.comm.timeout_s
     cls = METHOD_CLASSES[cfg.method]
     optimizer = _build(cfg, cls, params, hyper, transport, shard, ledger_steps, inner_factory)
     optimizer.transport.nonfinite = cfg.comm.nonfinite  # what the collectives do about a rank with NaN/inf
