@@ -3,7 +3,10 @@
 :func:`install_activation_compression` replaces four instructions of one ``PipelineEngine``
 instance (``SendActivation``, ``RecvActivation``, ``SendGrad``, ``RecvGrad``) through an
 instance-level copy of the engine's ``_INSTRUCTION_MAP``, which ``_exec_schedule`` reads as
-``self._INSTRUCTION_MAP`` (DeepSpeed 0.19.x). The class and every other engine stay untouched.
+``self._INSTRUCTION_MAP``. The class and every other engine stay untouched. The four are copies of
+DeepSpeed's own methods with the sends and receives coded; ``internals.py`` declares every
+DeepSpeed internal they use and checks that DeepSpeed's originals are still the bodies they were
+copied from.
 
 What changes on the wire, and what does not:
 
@@ -40,29 +43,37 @@ import time
 from typing import Sequence
 
 import torch
-from deepspeed.runtime.pipe import p2p, schedule
-from deepspeed.runtime.pipe.engine import (PIPE_RECV_GRAD_TIMER, PIPE_RECV_INPUT_TIMER, PIPE_SEND_GRAD_TIMER,
-                                           PIPE_SEND_OUTPUT_TIMER, PipelineEngine)
 
 from ..codec.activations import ActivationCodec, ActivationSettings
 from ..comm.activation_wire import ActivationWire
 from ..comm.ledger import ByteLedger
 from ..settings import ConfigError
+from . import internals as ds
 
 __all__ = ["install_activation_compression"]
 
-_OPS = {
-    schedule.SendActivation: "_exec_send_activations",
-    schedule.RecvActivation: "_exec_recv_activations",
-    schedule.SendGrad: "_exec_send_grads",
-    schedule.RecvGrad: "_exec_recv_grads",
-}
+# DeepSpeed's instruction (a schedule class) -> its method, and the one replacing it here
+_OPS = ((ds.SEND_ACTIVATION, ds.EXEC_SEND_ACTIVATIONS), (ds.RECV_ACTIVATION, ds.EXEC_RECV_ACTIVATIONS),
+        (ds.SEND_GRAD, ds.EXEC_SEND_GRADS), (ds.RECV_GRAD, ds.EXEC_RECV_GRADS))
 _MARK = "_lowcomm_activation_compression"
 
 
 class _Wire(ActivationWire):
     """The shared codecs, buffers and bookkeeping (:class:`ActivationWire`) over DeepSpeed's
-    blocking ``p2p.send``/``p2p.recv``."""
+    blocking ``p2p.send``/``p2p.recv``, and DeepSpeed's names of the instructions' timers."""
+
+    def __init__(self, settings: ActivationSettings, ledger: ByteLedger):
+        super().__init__(settings, ledger)
+        self._send, self._recv = ds.live(ds.P2P_SEND), ds.live(ds.P2P_RECV)
+        self._timer_names = {item.name: ds.live(item) for item in (ds.SEND_OUTPUT_TIMER, ds.RECV_INPUT_TIMER,
+                                                                  ds.SEND_GRAD_TIMER, ds.RECV_GRAD_TIMER)}
+
+    def timer(self, engine, name: str, start: bool) -> None:
+        """Start or stop DeepSpeed's timer ``name`` (``PIPE_SEND_OUTPUT_TIMER``, ...) as its own
+        instruction does."""
+        if engine.wall_clock_breakdown():
+            timer = engine.timers(self._timer_names[name])
+            timer.start() if start else timer.stop()
 
     def send(self, tensors: Sequence[torch.Tensor], codecs: Sequence[ActivationCodec], dest: int, op: str) -> None:
         sent = 0
@@ -70,7 +81,7 @@ class _Wire(ActivationWire):
             payload = self.encode(x, codec)
             start = time.perf_counter()
             if payload.numel():  # both sides know an empty payload from the shape: nothing to send
-                p2p.send(payload, dest)
+                self._send(payload, dest)
             self.comm_time(time.perf_counter() - start)
             sent += payload.numel()
         self.book(op, sent=sent)
@@ -82,7 +93,7 @@ class _Wire(ActivationWire):
             start = time.perf_counter()
             if nbytes:
                 buf = self.buffer(op, idx, nbytes, device)
-                p2p.recv(buf, src)
+                self._recv(buf, src)
             else:
                 buf = torch.empty(0, dtype=torch.uint8, device=device)
             self.comm_time(time.perf_counter() - start)
@@ -97,16 +108,10 @@ def _mask_last(engine) -> bool:
     return bool(engine.has_attention_mask or engine.has_bool_tensors)
 
 
-def _timer(engine, name: str, start: bool) -> None:
-    if engine.wall_clock_breakdown():
-        timer = engine.timers(name)
-        timer.start() if start else timer.stop()
-
-
 # -- the four instructions (bound to the engine by _exec_schedule through MethodType) ----------
 def _send_activations(wire: _Wire):
     def _exec_send_activations(self, buffer_id):
-        _timer(self, PIPE_SEND_OUTPUT_TIMER, True)
+        wire.timer(self, "PIPE_SEND_OUTPUT_TIMER", True)
         outputs = self.pipe_buffers['outputs'][buffer_id]
         if not isinstance(outputs, (torch.Tensor, tuple)):
             raise NotImplementedError(f'Could not send output of type {type(outputs)}')
@@ -114,23 +119,23 @@ def _send_activations(wire: _Wire):
             outputs = (*outputs[:-1], outputs[-1].half())
         if self.dynamic_shape or self.first_output_send:
             self.first_output_send = False
-            self._send_tensor_meta(outputs, self.next_stage)  # DeepSpeed's own, uncompressed
+            ds.method(self, ds.SEND_TENSOR_META)(outputs, self.next_stage)  # DeepSpeed's own, uncompressed
         tensors = [outputs] if isinstance(outputs, torch.Tensor) else list(outputs)
         codecs = [wire.forward] * len(tensors)
         if isinstance(outputs, tuple) and _mask_last(self):
             codecs[-1] = wire.raw
         wire.send(tensors, codecs, self.next_stage, "activation_send")
-        _timer(self, PIPE_SEND_OUTPUT_TIMER, False)
+        wire.timer(self, "PIPE_SEND_OUTPUT_TIMER", False)
 
     return _exec_send_activations
 
 
 def _recv_activations(wire: _Wire):
     def _exec_recv_activations(self, buffer_id):
-        _timer(self, PIPE_RECV_INPUT_TIMER, True)
+        wire.timer(self, "PIPE_RECV_INPUT_TIMER", True)
         if self.dynamic_shape or self.pipe_recv_buf is None:
             # DeepSpeed's own meta exchange; its buffers give the shapes and dtypes (not received into)
-            self.pipe_recv_buf = self._recv_tensor_meta(self.prev_stage)
+            self.pipe_recv_buf = ds.method(self, ds.RECV_TENSOR_META)(self.prev_stage)
         single = isinstance(self.pipe_recv_buf, torch.Tensor)
         metas = [self.pipe_recv_buf] if single else list(self.pipe_recv_buf)
         specs = [(tuple(t.shape), t.dtype) for t in metas]
@@ -148,14 +153,14 @@ def _recv_activations(wire: _Wire):
             for t in recvd:
                 t.requires_grad = t.is_floating_point()
         self.pipe_buffers['inputs'][buffer_id] = recvd
-        _timer(self, PIPE_RECV_INPUT_TIMER, False)
+        wire.timer(self, "PIPE_RECV_INPUT_TIMER", False)
 
     return _exec_recv_activations
 
 
 def _send_grads(wire: _Wire):
     def _exec_send_grads(self, buffer_id):
-        _timer(self, PIPE_SEND_GRAD_TIMER, True)
+        wire.timer(self, "PIPE_SEND_GRAD_TIMER", True)
         inputs = self.pipe_buffers['inputs'][buffer_id]
         if isinstance(inputs, torch.Tensor):
             assert inputs.grad is not None
@@ -173,14 +178,14 @@ def _send_grads(wire: _Wire):
                 grads.append(t.grad)
         wire.send(grads, [wire.backward] * len(grads), self.prev_stage, "activation_grad_send")
         self.pipe_buffers['inputs'][buffer_id] = None  # free the input buffer, as DeepSpeed does
-        _timer(self, PIPE_SEND_GRAD_TIMER, False)
+        wire.timer(self, "PIPE_SEND_GRAD_TIMER", False)
 
     return _exec_send_grads
 
 
 def _recv_grads(wire: _Wire):
     def _exec_recv_grads(self, buffer_id):
-        _timer(self, PIPE_RECV_GRAD_TIMER, True)
+        wire.timer(self, "PIPE_RECV_GRAD_TIMER", True)
         outputs = self.pipe_buffers['outputs'][buffer_id]
         # The gradients' shapes are the outputs' own: known here, no meta needed.
         if isinstance(outputs, torch.Tensor):
@@ -191,7 +196,7 @@ def _recv_grads(wire: _Wire):
                           "activation_grad_recv")
         # _exec_backward_pass reads self.grad_layer: a tensor for a tensor output, else a list
         self.grad_layer = grads[0] if isinstance(outputs, torch.Tensor) else grads
-        _timer(self, PIPE_RECV_GRAD_TIMER, False)
+        wire.timer(self, "PIPE_RECV_GRAD_TIMER", False)
 
     return _exec_recv_grads
 
@@ -209,7 +214,8 @@ def install_activation_compression(engine, settings: ActivationSettings, ledger:
     ``eval_batch``. ``none``/``none`` leaves training bit-identical to a stock engine and still
     counts the bytes. Raises :class:`ConfigError` for what it cannot support (see the module
     docstring)."""
-    if not isinstance(engine, PipelineEngine):
+    ds.ensure_checked()
+    if not isinstance(engine, ds.live(ds.PIPELINE_ENGINE)):
         raise ConfigError("lowcomm.activations: activation compression needs DeepSpeed's PipelineEngine "
                           f"(deepspeed.initialize with a deepspeed.pipe.PipelineModule); got {type(engine).__name__}")
     if not isinstance(settings, ActivationSettings):
@@ -219,26 +225,27 @@ def install_activation_compression(engine, settings: ActivationSettings, ledger:
         raise ConfigError(f"lowcomm.activations: ledger must be a ByteLedger; got {type(ledger).__name__}")
     if getattr(engine, _MARK, None) is not None:
         raise ConfigError("lowcomm.activations: activation compression is already installed on this engine")
-    if engine.is_pipe_partitioned or engine.is_grad_partitioned:
+    for item in (*ds.PIPE_INSTANCE, ds.ENGINE_DEVICE):  # what the copied instructions read, on this engine
+        ds.get(engine, item)
+    if ds.get(engine, ds.IS_PIPE_PARTITIONED) or ds.get(engine, ds.IS_GRAD_PARTITIONED):
         raise ConfigError(
             "lowcomm.activations: DeepSpeed's partitioned pipeline path (pipeline.pipe_partitioned / "
             "pipeline.grad_partitioned with model parallel size > 1) sends a partition-meta tensor and a "
             "slice per activation and is not supported; set both to false in the DeepSpeed config")
-    class_map = type(engine)._INSTRUCTION_MAP
-    for cmd, name in _OPS.items():
-        if class_map.get(cmd) is not PipelineEngine._INSTRUCTION_MAP[cmd]:
+    name = ds.INSTRUCTION_MAP.attr
+    stock, class_map = ds.live(ds.INSTRUCTION_MAP), getattr(type(engine), name)
+    for cmd, method in _OPS:
+        if class_map.get(ds.live(cmd)) is not stock[ds.live(cmd)] or stock[ds.live(cmd)] is not ds.live(method):
             raise ConfigError(
-                f"lowcomm.activations: {type(engine).__name__} maps {cmd.__name__} to its own method, "
-                f"not PipelineEngine.{name}; activation compression would bypass it")
-    if "_INSTRUCTION_MAP" in vars(engine):
-        raise ConfigError("lowcomm.activations: this engine already has an instance-level _INSTRUCTION_MAP "
+                f"lowcomm.activations: {type(engine).__name__} maps {cmd.name} to its own method, "
+                f"not {method.name}; activation compression would bypass it")
+    if name in vars(engine):
+        raise ConfigError(f"lowcomm.activations: this engine already has an instance-level {name} "
                           "(another override); activation compression would replace it")
 
     wire = _Wire(settings, ledger)
     instruction_map = dict(class_map)
-    instruction_map[schedule.SendActivation] = _send_activations(wire)
-    instruction_map[schedule.RecvActivation] = _recv_activations(wire)
-    instruction_map[schedule.SendGrad] = _send_grads(wire)
-    instruction_map[schedule.RecvGrad] = _recv_grads(wire)
-    engine._INSTRUCTION_MAP = instruction_map  # _exec_schedule looks it up on the instance
+    for (cmd, _), make in zip(_OPS, (_send_activations, _recv_activations, _send_grads, _recv_grads)):
+        instruction_map[ds.live(cmd)] = make(wire)
+    setattr(engine, name, instruction_map)  # _exec_schedule looks it up on the instance (internals.LOOKED_UP)
     setattr(engine, _MARK, wire)

@@ -59,6 +59,8 @@ import torch.distributed as dist
 from ..checkpoint_io import (DIGEST_SUFFIX, CheckpointError, agree_on_problems, check_digests, load_file, save_file,
                              write_text)
 from ..comm.consistency import settings_differences
+from ..settings import ConfigError
+from . import internals
 
 CHECKPOINT_META = "lowcomm.json"
 LATEST = "latest"  # DeepSpeed's name
@@ -77,10 +79,9 @@ def _link_or_copy(src: str, dst: str) -> None:
 
 def _stage0_export(engine, path: str) -> None:
     """``zero_to_fp32``-readable files of a ZeRO 0 engine (see the module docstring)."""
-    from deepspeed.checkpoint.constants import (BUFFER_NAMES, FROZEN_PARAM_FRAGMENTS, FROZEN_PARAM_SHAPES,
-                                                OPTIMIZER_STATE_DICT, PARAM_SHAPES, PARTITION_COUNT,
-                                                SINGLE_PARTITION_OF_FP32_GROUPS, ZERO_STAGE)
-    from deepspeed.git_version_info import version
+    (BUFFER_NAMES, FROZEN_PARAM_FRAGMENTS, FROZEN_PARAM_SHAPES, OPTIMIZER_STATE_DICT, PARAM_SHAPES, PARTITION_COUNT,
+     SINGLE_PARTITION_OF_FP32_GROUPS, ZERO_STAGE) = (internals.live(item) for item in internals.CHECKPOINT_KEYS)
+    version = internals.live(internals.DS_VERSION)
 
     # One group, the module's trainable parameters in named_parameters() order (shared ones once:
     # zero_to_fp32 restores them from shared_params); the optimizer's groups are not used, since a
@@ -90,12 +91,12 @@ def _stage0_export(engine, path: str) -> None:
     frozen = [(n, p) for n, p in named if not p.requires_grad]
     model = {
         "module": engine.module_state_dict(),
-        BUFFER_NAMES: engine._get_buffer_names(),
+        BUFFER_NAMES: internals.method(engine, internals.GET_BUFFER_NAMES)(),
         "optimizer": None,
         PARAM_SHAPES: [OrderedDict((n, p.shape) for n, p in trainable)],
         FROZEN_PARAM_SHAPES: OrderedDict((n, p.shape) for n, p in frozen),
         FROZEN_PARAM_FRAGMENTS: OrderedDict((n, p.detach().cpu()) for n, p in frozen),
-        "shared_params": engine._get_shared_params(),
+        "shared_params": internals.method(engine, internals.GET_SHARED_PARAMS)(),
         "lr_scheduler": None,
         "skipped_steps": engine.skipped_steps,
         "global_steps": engine.global_steps,
@@ -154,11 +155,7 @@ def _map_adam_state(target: torch.optim.Optimizer, saved: Any) -> str | None:
 def _deepspeed_globals() -> list:
     """The classes DeepSpeed's own checkpoint files hold besides data, allowed by name at load
     (its ZeRO stage enum, its loss scalers: plain attribute holders); nothing else is unpickled."""
-    from deepspeed.runtime.fp16.loss_scaler import DynamicLossScaler, LossScaler
-    from deepspeed.runtime.zero.config import ZeroStageEnum
-    from deepspeed.utils.tensor_fragment import fragment_address
-
-    return [ZeroStageEnum, fragment_address, LossScaler, DynamicLossScaler]
+    return [internals.live(item) for item in internals.CHECKPOINT_CLASSES]
 
 
 def safe_checkpoint_engine(engine) -> None:
@@ -166,16 +163,24 @@ def safe_checkpoint_engine(engine) -> None:
     loads with ``weights_only=True`` (DeepSpeed's own loads with ``weights_only=False``: a
     pickled call in a checkpoint would run). Files DeepSpeed wrote without ds_lowcomm (a warm
     start's) have no digest; the load checks it where there is one."""
-    ce = engine.checkpoint_engine
-    zipfile = getattr(ce, "zipfile_serialization", True)
+    ce = internals.get(engine, internals.CHECKPOINT_ENGINE)
+    if not isinstance(ce, internals.live(internals.TORCH_CHECKPOINT_ENGINE)):
+        raise ConfigError(f"checkpoint.writer / datastates: DeepSpeed chose its {type(ce).__name__}; ds_lowcomm "
+                          "replaces the checkpoint engine's save and load and supports DeepSpeed's default "
+                          "TorchCheckpointEngine only: leave checkpoint.writer and datastates out of the config")
+    zipfile = internals.get(ce, internals.ZIPFILE_SERIALIZATION)
     allowed = _deepspeed_globals()
-    ce.save = lambda state_dict, path: save_file(state_dict, path, _use_new_zipfile_serialization=zipfile)
-    ce.load = lambda path, map_location=None: load_file(path, map_location, allowed=allowed, digest="if_present")
+    internals.replace_method(ce, internals.CHECKPOINT_SAVE, lambda state_dict, path: save_file(
+        state_dict, path, _use_new_zipfile_serialization=zipfile))
+    internals.replace_method(ce, internals.CHECKPOINT_LOAD, lambda path, map_location=None: load_file(
+        path, map_location, allowed=allowed, digest="if_present"))
 
 
 def patch_checkpoint(engine, run) -> None:
     safe_checkpoint_engine(engine)
-    save, load = engine.save_checkpoint, engine.load_checkpoint
+    # wrapped below; declared with the parameters the wrappers pass by name
+    save = internals.method(engine, internals.SAVE_CHECKPOINT)
+    load = internals.method(engine, internals.LOAD_CHECKPOINT)
     topology = run.topology
 
     def replica_dir(base: str) -> str:
@@ -235,7 +240,7 @@ def patch_checkpoint(engine, run) -> None:
             export(self, save_dir, tag)
             # DeepSpeed copies zero_to_fp32.py / zero_to_torch.py next to the tags it saves (here the
             # replica folders, and at ZeRO 1-3 only): they belong beside the export too.
-            self._copy_recovery_script(save_dir)
+            internals.method(self, internals.COPY_RECOVERY_SCRIPT)(save_dir)
             path = os.path.join(save_dir, CHECKPOINT_META)
             latest = tag
             if not save_latest and os.path.exists(path):

@@ -23,6 +23,7 @@ import torch.distributed as dist
 import ds_lowcomm
 
 from ..comm import ByteLedger
+from . import internals
 
 _depth = threading.local()
 
@@ -102,19 +103,20 @@ def _broadcast(a):
     return (n, 0) if dist.get_rank() == a.get("src", 0) else (0, n)
 
 
-# The backend's methods hide their signatures behind decorators; these are their parameters
-# (deepspeed/comm/torch.py, TorchBackend), in order.
+# op -> (sent, received) from its arguments, bound by name to the live backend's signature
+# (internals.backend_signature); internals.COUNTED_READS declares the names each one reads.
 COUNTED = {
-    "all_reduce": (_one, ("tensor", "op", "group", "async_op")),
-    "inference_all_reduce": (_one, ("tensor", "op", "group")),
-    "all_reduce_coalesced": (_coalesced, ("tensors", "op", "group", "async_op")),
-    "reduce": (_one, ("tensor", "dst", "op", "group", "async_op")),
-    "reduce_scatter_tensor": (_reduce_scatter_tensor, ("output_tensor", "input_tensor", "op", "group", "async_op")),
-    "all_gather_into_tensor": (_all_gather_into_tensor, ("output_tensor", "input_tensor", "group", "async_op")),
-    "all_gather_base": (_all_gather_into_tensor, ("output_tensor", "input_tensor", "group", "async_op")),
-    "all_gather": (_all_gather, ("tensor_list", "tensor", "group", "async_op")),
-    "broadcast": (_broadcast, ("tensor", "src", "group", "async_op")),
+    "all_reduce": _one,
+    "inference_all_reduce": _one,
+    "all_reduce_coalesced": _coalesced,
+    "reduce": _one,
+    "reduce_scatter_tensor": _reduce_scatter_tensor,
+    "all_gather_into_tensor": _all_gather_into_tensor,
+    "all_gather_base": _all_gather_into_tensor,
+    "all_gather": _all_gather,
+    "broadcast": _broadcast,
 }
+assert COUNTED.keys() == internals.COUNTED_READS.keys()
 
 
 def count_deepspeed_collectives(ledger: ByteLedger, user_ledger: ByteLedger | None = None) -> None:
@@ -124,22 +126,22 @@ def count_deepspeed_collectives(ledger: ByteLedger, user_ledger: ByteLedger | No
     calls to ``user_ledger`` as ``user.<op>`` (to ``ledger`` as well when it is None). The wall
     time inside the calls is added to the ledger's ``"comm"`` seconds (an async op's: its launch).
     """
-    from deepspeed.comm import comm as ds_comm
-
-    cdb = ds_comm.cdb
+    internals.ensure_checked()
+    cdb = internals.backend()
     if cdb is None:
         raise RuntimeError("deepspeed.comm is not initialised")
+    real = internals.real_backend()  # under a sub-world: the backend it wraps, whose signatures count
+    internals.check_backend(real)
     cdb._ds_lowcomm_ledger = ledger
     cdb._ds_lowcomm_user_ledger = user_ledger if user_ledger is not None else ledger
     if getattr(cdb, "_ds_lowcomm_counted", False):
         return
     cdb._ds_lowcomm_counted = True
-    for name, (sizes, names) in COUNTED.items():
-        original = getattr(cdb, name, None)
-        if original is None:
-            continue
+    for name, sizes in COUNTED.items():
+        original = getattr(cdb, name)
+        sig = internals.backend_signature(real, name)
 
-        def wrapped(*args, _original=original, _name=name, _sizes=sizes, _names=names, **kw):
+        def wrapped(*args, _original=original, _name=name, _sizes=sizes, _sig=sig, **kw):
             outer = getattr(_depth, "value", 0) == 0
             if outer:  # a nested call is part of the outer one
                 user = called_by_user(sys._getframe(1))
@@ -150,7 +152,9 @@ def count_deepspeed_collectives(ledger: ByteLedger, user_ledger: ByteLedger | No
             finally:
                 _depth.value -= 1
                 if outer:
-                    bound = {**dict(zip(_names, args)), **kw}
+                    bound = _sig.bind(*args, **kw)
+                    bound.apply_defaults()
+                    bound = bound.arguments
                     # A call over a one-rank group is counted, with no bytes: nothing left the rank.
                     sent, received = _sizes(bound) if _size(bound.get("group")) > 1 else (0, 0)
                     target = cdb._ds_lowcomm_user_ledger if user else cdb._ds_lowcomm_ledger

@@ -10,13 +10,13 @@ The same holds for the user's own ``engine.set_train_batch_size(n)`` and ``engin
 
 from __future__ import annotations
 
-import types
 from typing import Any
 
 import torch.distributed as dist
 
 from ..comm import ReplicaTopology
 from ..settings import ConfigError
+from . import internals
 
 BATCH_FIELDS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
 
@@ -86,21 +86,24 @@ def replica_batch_config(ds: dict[str, Any], topology: ReplicaTopology) -> int:
     return tbs
 
 
+def _timer_batch_size(engine) -> None:
+    """The throughput timer's samples per step: ``engine.train_batch_size()``, every replica's."""
+    internals.put(internals.get(engine, internals.TPUT_TIMER), internals.TIMER_BATCH_SIZE, engine.train_batch_size())
+
+
 def report_global_batch(engine, topology: ReplicaTopology) -> None:
     """Make ``engine.train_batch_size()`` (and so ``engine.global_samples``, its throughput timer and
     checkpoints) count every replica, as plain DeepSpeed over the whole world does."""
     world, size = topology.data_world, topology.data_per_replica
     if topology.num_replicas == 1:
         return
-    cls_method = type(engine).train_batch_size
+    per_replica = internals.method(engine, internals.TRAIN_BATCH_SIZE, of_class=True)
 
-    def train_batch_size(self):  # replicas may differ in data-parallel ranks (lowcomm.replicas)
-        return cls_method(self) // size * world
+    def train_batch_size():  # replicas may differ in data-parallel ranks (lowcomm.replicas)
+        return per_replica() // size * world
 
-    engine.train_batch_size = types.MethodType(train_batch_size, engine)
-    timer = getattr(engine, "tput_timer", None)
-    if timer is not None and hasattr(timer, "batch_size"):
-        timer.batch_size = engine.train_batch_size()
+    internals.replace_method(engine, internals.TRAIN_BATCH_SIZE, train_batch_size)
+    _timer_batch_size(engine)
 
 
 class _WorldDataView:
@@ -127,11 +130,11 @@ def patch_world_batch_and_io(engine, topology: ReplicaTopology) -> None:
     if replicas == 1 or getattr(engine, "_lowcomm_world_io", False):  # one replica: DeepSpeed's world is the world
         return
     engine._lowcomm_world_io = True
-    set_train_batch_size_per_replica = type(engine).set_train_batch_size
-    deepspeed_io_per_replica = type(engine).deepspeed_io
+    set_train_batch_size_per_replica = internals.method(engine, internals.SET_TRAIN_BATCH_SIZE, of_class=True)
+    deepspeed_io_per_replica = internals.method(engine, internals.DEEPSPEED_IO, of_class=True)
 
-    def set_train_batch_size(self, train_batch_size):
-        micro, world = self.train_micro_batch_size_per_gpu(), topology.data_world
+    def set_train_batch_size(train_batch_size):
+        micro, world = engine.train_micro_batch_size_per_gpu(), topology.data_world
         if (isinstance(train_batch_size, bool) or not isinstance(train_batch_size, int) or train_batch_size <= 0
                 or train_batch_size % (micro * world)):
             raise ConfigError(
@@ -139,24 +142,23 @@ def patch_world_batch_and_io(engine, topology: ReplicaTopology) -> None:
                 f"train_micro_batch_size_per_gpu {micro} x {world} data-parallel ranks ({replicas} replicas x "
                 f"{topology.data_per_replica}) = {micro * world} (as in DeepSpeed, every rank "
                 f"of every replica counts)")
-        set_train_batch_size_per_replica(self, train_batch_size // world * topology.data_per_replica)
-        timer = getattr(self, "tput_timer", None)
-        if timer is not None and hasattr(timer, "batch_size"):
-            timer.batch_size = self.train_batch_size()
+        set_train_batch_size_per_replica(train_batch_size // world * topology.data_per_replica)
+        _timer_batch_size(engine)
 
-    def deepspeed_io(self, dataset, *args, **kwargs):
-        if self.curriculum_learning_enabled():
+    def deepspeed_io(dataset, *args, **kwargs):
+        if engine.curriculum_learning_enabled():
             raise ConfigError("curriculum learning (data_efficiency) with DeepSpeed's loader shards by DeepSpeed's "
                               "data-parallel group, one replica: not supported with more than one replica yet")
-        mpu = self.mpu  # the sampler's rank and size come from the mpu: take them over every replica
-        self.mpu = _WorldDataView(mpu, topology)
+        # the sampler's rank and size come from the mpu (internals.LOOKED_UP): take them over every replica
+        mpu = internals.get(engine, internals.ENGINE_MPU)
+        internals.put(engine, internals.ENGINE_MPU, _WorldDataView(mpu, topology))
         try:
-            return deepspeed_io_per_replica(self, dataset, *args, **kwargs)
+            return deepspeed_io_per_replica(dataset, *args, **kwargs)
         finally:
-            self.mpu = mpu
+            internals.put(engine, internals.ENGINE_MPU, mpu)
 
-    engine.set_train_batch_size = types.MethodType(set_train_batch_size, engine)
-    engine.deepspeed_io = types.MethodType(deepspeed_io, engine)
+    internals.replace_method(engine, internals.SET_TRAIN_BATCH_SIZE, set_train_batch_size)
+    internals.replace_method(engine, internals.DEEPSPEED_IO, deepspeed_io)
 
 
 def build_training_loader(engine, training_data, topology: ReplicaTopology):
@@ -174,11 +176,15 @@ def build_pipeline_loader(engine, training_data, topology: ReplicaTopology):
     """A pipeline engine's repeating loader (first and last stage) built as DeepSpeed builds it
     (``_build_data_iter``), sharded over every pipeline of every replica: a pipeline's first and
     last stage read the same batches, each pipeline its own."""
-    mpu, dp_world = engine.mpu, engine.dp_world_size
-    engine.mpu, engine.dp_world_size = _WorldDataView(mpu, topology), topology.data_world
+    # _build_data_iter reads both (internals.LOOKED_UP)
+    mpu, dp_world = internals.get(engine, internals.ENGINE_MPU), internals.get(engine, internals.ENGINE_DP_WORLD_SIZE)
+    internals.put(engine, internals.ENGINE_MPU, _WorldDataView(mpu, topology))
+    internals.put(engine, internals.ENGINE_DP_WORLD_SIZE, topology.data_world)
     try:
-        engine._build_data_iter(training_data)
+        internals.method(engine, internals.BUILD_DATA_ITER)(training_data)
     finally:
-        engine.mpu, engine.dp_world_size = mpu, dp_world
+        internals.put(engine, internals.ENGINE_MPU, mpu)
+        internals.put(engine, internals.ENGINE_DP_WORLD_SIZE, dp_world)
     engine.training_data = training_data
-    return engine.training_dataloader if (engine.is_first_stage() or engine.is_last_stage()) else None
+    first_or_last = engine.is_first_stage() or engine.is_last_stage()
+    return internals.get(engine, internals.TRAINING_DATALOADER) if first_or_last else None

@@ -24,6 +24,7 @@ What it does, in order:
 from __future__ import annotations
 
 import argparse
+import functools
 import types
 
 import torch.distributed as dist
@@ -41,7 +42,7 @@ from .data import (build_pipeline_loader, build_training_loader, patch_world_bat
                    report_global_batch, set_current_topology)
 from .mpu import ReplicaMPU
 from .overflow import agree_on_overflow
-from . import hetero, pipeline, zero
+from . import hetero, internals, pipeline, zero
 from .activations import install_activation_compression
 
 
@@ -127,6 +128,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if raw is None:
         raw = getattr(args, "deepspeed_config", None)
     if raw is None:
+    internals.ensure_checked()  # a supported deepspeed, its private internals as declared, before touching any
         raise ConfigError("no DeepSpeed config: pass config=... or --deepspeed_config FILE")
     split = split_config(load_config(raw))
     if optimizer is not None:
@@ -196,9 +198,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         # Every data-parallel rank of a replica (of a stage) holds the same parameters: split the
         # cross-replica sync by owner.
         if piped:
-            grid = model._grid
-            shard = ReplicaShard(grid.data_parallel_id, grid.data_parallel_size,
-                                 TorchDistTransport(grid.dp_proc_group, ledger=engine_ledger))
+            grid = internals.grid(model)
+            field = functools.partial(internals.get, grid)
+            shard = ReplicaShard(field(internals.GRID_DATA_ID), field(internals.GRID_DATA_SIZE),
+                                 TorchDistTransport(field(internals.GRID_DP_PROC_GROUP), ledger=engine_ledger))
         else:
             shard = ReplicaShard(topology.local_rank, topology.replica_size,
                                  TorchDistTransport(topology.replica_group, ledger=engine_ledger))
@@ -219,10 +222,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if split.zero_stage == 0:
         # Inside a replica DeepSpeed averages gradients as usual; with one data-parallel rank per
         # replica there is nothing to average and the method does all the communication.
-        if piped:
-            engine.pipeline_enable_backward_allreduce = topology.data_per_replica > 1
-        else:
-            engine.enable_backward_allreduce = topology.data_per_replica > 1
+        flag = internals.PIPELINE_BACKWARD_ALLREDUCE if piped else internals.BACKWARD_ALLREDUCE
+        internals.put(engine, flag, topology.data_per_replica > 1)
     else:  # the method on ZeRO's flat partitions: parameter pieces, one exchange per step
         zero.install(engine.optimizer, opt, split.zero_stage)
     if place is not None:  # syncs across replicas by parameter name, weighted by tokens
@@ -234,9 +235,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     report_global_batch(engine, topology)
     assert engine.train_batch_size() == global_batch, (engine.train_batch_size(), global_batch)
     engine_ledger.drop_open_step()  # DeepSpeed's start-up collectives belong to no step
-    trainable = sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters() if p.requires_grad)  # ZeRO 3: whole
+    trainable = sum(internals.get(p, internals.PARAM_DS_NUMEL) if split.zero_stage == 3 else p.numel()
+                    for p in model.parameters() if p.requires_grad)  # ZeRO 3: a parameter's whole size
     run = LowcommRun(split, topology, opt, engine_ledger, user_ledger, dense_allreduce_bytes_per_step=4 * trainable)
-    if piped and model._grid.pipe_parallel_size > 1:  # activations between stages: counted apart, coded if asked
+    # activations between stages: counted apart, coded if asked
+    if piped and internals.get(internals.grid(model), internals.GRID_PIPE_SIZE) > 1:
         install_activation_compression(engine, split.activations, run.activation_ledger)
     engine.lowcomm = run
     _patch_engine(engine, run)
@@ -253,6 +256,7 @@ def replica_layout(config) -> hetero.ReplicaPlace:
     if not split.replicas:
         raise ConfigError("replica_layout: the config has no lowcomm.replicas (replicas of one shape need no "
                           "layout call: lowcomm.replica_size)")
+    internals.ensure_checked()  # a supported deepspeed, its private internals as declared, before touching any
     deepspeed.init_distributed(dist_backend=_default_backend())
     # Before any rank enters its replica: a rank with another layout would wait in other groups.
     assert_same_across_ranks(TorchDistTransport(), {"lowcomm.replicas": [spec.describe() for spec in split.replicas]})

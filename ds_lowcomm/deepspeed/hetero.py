@@ -41,6 +41,8 @@ from ..comm import ReplicaTopology, Routes
 from ..comm.routes import Piece, whole
 from ..optim.registry import OUTER_METHODS
 from ..settings import ConfigError
+from . import internals as ds
+from .zero import stage12_partitions
 
 SPEC_KEYS = ("ranks", "pipeline_stages", "inner_steps", "activations")
 
@@ -186,7 +188,7 @@ def current_place(specs: tuple[ReplicaSpec, ...]) -> ReplicaPlace:
 def check_model(model, place: ReplicaPlace) -> None:
     from deepspeed.pipe import PipelineModule
 
-    stages = model._grid.pipe_parallel_size if isinstance(model, PipelineModule) else 1
+    stages = ds.get(ds.grid(model), ds.GRID_PIPE_SIZE) if isinstance(model, PipelineModule) else 1
     if stages != place.pipeline_stages:
         raise ConfigError(f"lowcomm.replicas[{place.index}].pipeline_stages is {place.pipeline_stages} but this "
                           f"rank's model has {stages} stage(s): build PipelineModule(..., "
@@ -199,7 +201,7 @@ def topology(place: ReplicaPlace, model, timeout_s: float | None) -> ReplicaTopo
     from deepspeed.pipe import PipelineModule
 
     local = place.ranks.index(dist.get_rank())
-    dp_id = model._grid.data_parallel_id if isinstance(model, PipelineModule) else local
+    dp_id = ds.get(ds.grid(model), ds.GRID_DATA_ID) if isinstance(model, PipelineModule) else local
     first = sum(spec.data_parallel for spec in place.specs[: place.index])
     return ReplicaTopology(dist.get_world_size(), dist.get_rank(), place.replicas, None, None, None,
                            data_rank=first + dp_id, data_world=sum(s.data_parallel for s in place.specs),
@@ -261,17 +263,6 @@ def method_routes(model, optimizer, zero, zero_stage: int, place: ReplicaPlace, 
 
 
 def _partition_pieces(zero, names: dict[int, str]) -> list[list[Piece]]:
-    """ZeRO 1: each group's flat partition as pieces of named parameters (deepspeed 0.19
-    ``round_robin_bit16_groups/offsets``, ``partition_size``)."""
-    out = []
-    for i, params in enumerate(zero.round_robin_bit16_groups):
-        part = dist.get_rank(group=zero.real_dp_process_group[i])
-        size = int(zero.partition_size[i])
-        lo_part, pieces = part * size, []
-        for p, offset in zip(params, zero.round_robin_bit16_offsets[i]):
-            offset, numel = int(offset), p.numel()
-            lo, hi = max(offset, lo_part), min(offset + numel, lo_part + size)
-            if hi > lo:
-                pieces.append(Piece(names[id(p)], tuple(p.shape), lo - offset, hi - lo, lo - lo_part))
-        out.append(pieces)
-    return out
+    """ZeRO 1: each group's flat partition as pieces of named parameters (``zero.stage12_partitions``)."""
+    return [[Piece(names[id(s.param)], tuple(s.param.shape), s.start, s.length, s.at) for s in part.slices]
+            for part in stage12_partitions(zero)]

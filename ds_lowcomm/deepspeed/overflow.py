@@ -24,6 +24,7 @@ import torch.distributed as dist
 from datetime import timedelta
 
 from ..comm import ByteLedger, TorchDistTransport
+from . import internals
 
 OP = "overflow_flag"
 
@@ -51,15 +52,14 @@ def _agreed(decide, transport: TorchDistTransport):
 def overflow_deciders(wrapper) -> list[tuple[object, str]]:
     """The (object, method name) pairs through which DeepSpeed's fp16 ``wrapper`` decides to skip
     a step (module docstring). An fp16 wrapper of another kind is refused, never left unagreed."""
-    from deepspeed.runtime.fp16.fused_optimizer import FP16_Optimizer
-    from deepspeed.runtime.fp16.unfused_optimizer import FP16_UnfusedOptimizer
-    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
-    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
-
-    if isinstance(wrapper, (FP16_Optimizer, FP16_UnfusedOptimizer)):
-        return [(wrapper.overflow_checker, "has_overflow"), (wrapper.overflow_checker, "check_using_norm")]
-    if isinstance(wrapper, (DeepSpeedZeroOptimizer, DeepSpeedZeroOptimizer_Stage3)):
-        return [(wrapper, "has_overflow")]
+    # every one declared (and checked) in internals.py
+    fused, unfused = internals.live(internals.FP16_FUSED), internals.live(internals.FP16_UNFUSED)
+    if isinstance(wrapper, (fused, unfused)):
+        checker = internals.get(wrapper, internals.FUSED_OVERFLOW_CHECKER if isinstance(wrapper, fused)
+                                else internals.UNFUSED_OVERFLOW_CHECKER)
+        return [(checker, internals.CHECKER_HAS_OVERFLOW.attr), (checker, internals.CHECKER_USING_NORM.attr)]
+    if isinstance(wrapper, (internals.live(internals.ZERO12), internals.live(internals.ZERO3))):
+        return [(wrapper, internals.ZERO12_HAS_OVERFLOW.attr)]  # the same name at stage 3
     raise NotImplementedError(f"ds_lowcomm: fp16 with DeepSpeed's {type(wrapper).__name__}: its overflow decision "
                               "cannot be agreed across replicas; use bf16 or fp32")
 

@@ -24,18 +24,20 @@ import torch.distributed as dist
 
 from ..comm import ReplicaTopology
 from ..settings import ConfigError
+from . import internals as ds
+from .internals import get, put
 
 
 def _rank(topo, pipe: int, data: int) -> int:
-    ranks = topo.filter_match(pipe=pipe, data=data)
+    ranks = ds.method(topo, ds.TOPOLOGY_FILTER_MATCH)(pipe=pipe, data=data)
     return ranks[0]
 
 
 def pipeline_replicas(module, replica_size: int, zero_stage: int, timeout_s: float | None = None) -> ReplicaTopology:
     """The replica topology of a ``PipelineModule`` (collective: creates the process groups)."""
-    grid, topo = module._grid, module._topo
-    stages, pipelines = grid.pipe_parallel_size, grid.data_parallel_size
-    if grid.model_parallel_size > 1:
+    grid, topo = ds.grid(module), ds.method(module, ds.MODULE_TOPOLOGY)()
+    stages, pipelines = get(grid, ds.GRID_PIPE_SIZE), get(grid, ds.GRID_DATA_SIZE)
+    if get(grid, ds.GRID_MODEL_SIZE) > 1:
         raise ConfigError("model: a PipelineModule topology with a 'model' (tensor-slicing) axis > 1 is not "
                           "supported by ds_lowcomm")
     if zero_stage > 1:
@@ -49,20 +51,20 @@ def pipeline_replicas(module, replica_size: int, zero_stage: int, timeout_s: flo
     per = replica_size // stages  # pipelines per replica (data-parallel ranks inside a replica)
     replicas = [[_rank(topo, s, d) for d in range(k * per, (k + 1) * per) for s in range(stages)]
                 for k in range(pipelines // per)]
-    return ReplicaTopology.from_replicas(replicas, data_rank=grid.data_parallel_id, data_world=pipelines,
+    return ReplicaTopology.from_replicas(replicas, data_rank=get(grid, ds.GRID_DATA_ID), data_world=pipelines,
                                          data_per_replica=per, timeout_s=timeout_s)
 
 
 def stage_group(module):
     """This stage's ranks in every pipeline (DeepSpeed's data-parallel group before narrowing)."""
-    return module._grid.dp_proc_group
+    return get(ds.grid(module), ds.GRID_DP_PROC_GROUP)
 
 
 def narrow_data_parallel_to_replica(module, topology: ReplicaTopology) -> None:
     """Make the grid's data-parallel group (DeepSpeed's gradient reduction, ZeRO 1 partitions, its
     loader) the ranks of this stage inside this replica (collective)."""
-    grid, topo = module._grid, module._topo
-    stages, per = grid.pipe_parallel_size, topology.data_per_replica
+    grid, topo = ds.grid(module), ds.method(module, ds.MODULE_TOPOLOGY)()
+    stages, per = get(grid, ds.GRID_PIPE_SIZE), topology.data_per_replica
     me = dist.get_rank()
     groups = []
     for k in range(topology.num_replicas):
@@ -71,7 +73,8 @@ def narrow_data_parallel_to_replica(module, topology: ReplicaTopology) -> None:
             group = dist.new_group(ranks)
             groups.append(ranks)
             if me in ranks:
-                grid.dp_group, grid.dp_proc_group = ranks, group
-    grid.dp_groups = groups
-    grid.data_parallel_size = per
-    grid.data_parallel_id = grid.data_parallel_id % per
+                put(grid, ds.GRID_DP_RANKS, ranks)
+                put(grid, ds.GRID_DP_PROC_GROUP, group)
+    put(grid, ds.GRID_DP_GROUPS, groups)
+    put(grid, ds.GRID_DATA_SIZE, per)
+    put(grid, ds.GRID_DATA_ID, get(grid, ds.GRID_DATA_ID) % per)

@@ -36,36 +36,10 @@ import threading
 
 import torch.distributed as dist
 
-_active: "_SubWorldBackend | None" = None
+from . import internals
+from .internals import GROUP_METHODS
 
-# Backend methods to translate, with their parameters in order (deepspeed/comm/torch.py, TorchBackend:
-# its decorators hide the signatures), and which of them are ranks.
-_GROUP_METHODS = {
-    "all_reduce": (("tensor", "op", "group", "async_op"), ()),
-    "inference_all_reduce": (("tensor", "op", "group"), ()),
-    "all_reduce_coalesced": (("tensors", "op", "group", "async_op"), ()),
-    "reduce": (("tensor", "dst", "op", "group", "async_op"), ("dst",)),
-    "reduce_scatter": (("output", "input_list", "op", "group", "async_op"), ()),
-    "reduce_scatter_tensor": (("output_tensor", "input_tensor", "op", "group", "async_op"), ()),
-    "broadcast": (("tensor", "src", "group", "async_op"), ("src",)),
-    "broadcast_object_list": (("object_list", "src", "group", "device"), ("src",)),
-    "all_gather": (("tensor_list", "tensor", "group", "async_op"), ()),
-    "all_gather_into_tensor": (("output_tensor", "input_tensor", "group", "async_op"), ()),
-    "all_gather_base": (("output_tensor", "input_tensor", "group", "async_op"), ()),
-    "all_gather_coalesced": (("output_tensors", "input_tensors", "group", "async_op"), ()),
-    "all_gather_object": (("object_list", "obj", "group"), ()),
-    "all_to_all_single": (("output", "input", "output_split_sizes", "input_split_sizes", "group", "async_op"), ()),
-    "all_to_all": (("output_tensor_list", "input_tensor_list", "group", "async_op"), ()),
-    "send": (("tensor", "dst", "group", "tag"), ("dst",)),
-    "recv": (("tensor", "src", "group", "tag"), ("src",)),
-    "isend": (("tensor", "dst", "group", "tag"), ("dst",)),
-    "irecv": (("tensor", "src", "group", "tag"), ("src",)),
-    "gather": (("tensor", "gather_list", "dst", "group", "async_op"), ("dst",)),
-    "scatter": (("tensor", "scatter_list", "src", "group", "async_op"), ("src",)),
-    # TorchBackend's barriers default to WORLD rather than None: the group is always passed on
-    "barrier": (("group", "async_op", "device_ids"), ()),
-    "monitored_barrier": (("group", "timeout", "wait_all_ranks"), ()),
-}
+_active: "_SubWorldBackend | None" = None
 
 # Set while a translated call runs: the real backend's own nested calls, and a byte counter's wrapper
 # installed on the real backend (below), then pass through with the already translated arguments.
@@ -91,10 +65,17 @@ class _SubWorldBackend:
         setattr(self._sw_real, name, value)
 
     def __getattr__(self, name):  # only for names not found on the wrapper itself
-        spec = _GROUP_METHODS.get(name)
-        if spec is None:
-            return getattr(self._sw_real, name)
-        names, rank_args = spec
+        if name in GROUP_METHODS:
+            return self._translated(name)
+        if internals.takes_group(self._sw_real, name):  # one neither translated here nor implemented above
+            raise internals.unknown_group_method(self._sw_real, name)
+        return getattr(self._sw_real, name)
+
+    def _translated(self, name):
+        # The parameters come from the live backend's signature (internals.py checks the group and
+        # rank parameters are among them); GROUP_METHODS says which are ranks.
+        sig = internals.backend_signature(self._sw_real, name)
+        rank_args = GROUP_METHODS[name]
         # What the real backend has now. A byte counter installed after entry wraps *this* (it takes
         # the method it wraps from the wrapper) and puts its wrapper on the real backend; called from
         # inside a translated call, this goes on to the method it was made from, not to the counter.
@@ -104,15 +85,17 @@ class _SubWorldBackend:
             if getattr(_inside, "value", False):
                 return underlying(*args, **kw)
             method = getattr(self._sw_real, name)  # at each call: a counter may be on it since
-            bound = {**dict(zip(names, args)), **kw}
-            if "group" in names and _is_world(bound.get("group")):
-                bound["group"] = self._sw_group
+            bound = sig.bind(*args, **kw)
+            bound.apply_defaults()  # a rank left at its default (gather's dst=0) is a virtual rank too
+            call = bound.arguments
+            if _is_world(call["group"]):
+                call["group"] = self._sw_group
             for arg in rank_args:
-                if bound.get(arg) is not None:
-                    bound[arg] = self._global(bound[arg])
+                if call[arg] is not None:  # recv's src=None: any sender
+                    call[arg] = self._global(call[arg])
             _inside.value = True
             try:
-                result = method(**bound)
+                result = method(*bound.args, **bound.kwargs)
             finally:
                 _inside.value = False
             if name == "recv" and isinstance(result, int) and result >= 0:
@@ -161,10 +144,14 @@ class _SubWorldBackend:
         # DeepSpeed's tensor-parallel set-up (utils/groups.py, _init_tp_mesh_device) answers by making
         # its groups with new_group instead, which goes through the sub-world; a sequence-parallel mesh
         # (deepspeed.initialize's mesh_param) has no such fallback and fails here, by name.
-        from deepspeed.utils.groups import _DEVICE_MESH_SPLIT_UNSUPPORTED
+        unsupported = internals.live(internals.DEVICE_MESH_SPLIT_UNSUPPORTED)
+        raise RuntimeError(f"{unsupported} (ds_lowcomm sub-world {self._sw_ranks}: a DeviceMesh would span the "
+                           "whole job)")
 
-        raise RuntimeError(f"{_DEVICE_MESH_SPLIT_UNSUPPORTED} (ds_lowcomm sub-world {self._sw_ranks}: a DeviceMesh "
-                           "would span the whole job)")
+    def destroy_process_group(self, group=None):
+        # The world here is the job's: a script's closing deepspeed.comm.destroy_process_group() ends
+        # this process's torch.distributed state, as it does without a sub-world.
+        return self._sw_real.destroy_process_group(group=None if _is_world(group) else group)
 
     def batch_isend_irecv(self, p2p_op_list):
         ops = []
@@ -189,6 +176,7 @@ def enter_subworld(ranks: list[int], timeout_s: float | None = None) -> None:
     ``timeout_s``: how long the sub-world's groups wait for a stalled peer (torch's default if None).
     """
     global _active
+    internals.ensure_checked()
     ranks = [int(r) for r in ranks]
     if _active is not None:
         if ranks == _active._sw_ranks:
@@ -205,17 +193,18 @@ def enter_subworld(ranks: list[int], timeout_s: float | None = None) -> None:
         raise ValueError(f"rank {dist.get_rank()} is not in the sub-world {ranks}")
 
     import deepspeed
-    from deepspeed.comm import comm as ds_comm
 
-    if ds_comm.cdb is None:
+    if internals.backend() is None:
         # adopts the existing torch.distributed default group (no new rendezvous)
         deepspeed.init_distributed(dist_backend=dist.get_backend())
+    real = internals.backend()
+    internals.check_backend(real)
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     group = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
-    _active = _SubWorldBackend(ds_comm.cdb, ranks, group, timeout)
-    # Replacing the module global reroutes every deepspeed.comm function (they read it at each call);
-    # deepspeed.init_distributed() now finds an initialised backend and does nothing.
-    ds_comm.cdb = _active
+    _active = _SubWorldBackend(real, ranks, group, timeout)
+    # Every deepspeed.comm function reads the backend at each call (internals.LOOKED_UP): this reroutes
+    # them all; deepspeed.init_distributed() now finds an initialised backend and does nothing.
+    internals.replace_backend(_active, real)
     # The byte counter asks where a call came from by file; this module is part of the call path.
     from . import comm_counter
 

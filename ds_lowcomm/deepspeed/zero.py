@@ -14,25 +14,32 @@ right after its step. Two things follow for a lowcomm method, fixed here:
   last group (earlier groups' gradients are kept until then); the groups stepped before are then
   copied to the 16-bit weights again, which ZeRO did with their not yet updated values.
 
-Both read ZeRO's internals (deepspeed 0.19: ``stage_1_and_2.DeepSpeedZeroOptimizer``,
-``stage3.DeepSpeedZeroOptimizer_Stage3``); the configurations that take other paths through
-those (optimizer offload, torch autocast, ZenFlow) are refused in ``config.py``/below.
+Both read ZeRO's internals (``stage_1_and_2.DeepSpeedZeroOptimizer``,
+``stage3.DeepSpeedZeroOptimizer_Stage3``), every one through ``internals.py``, which checks them
+and checks that ZeRO's ``step`` still calls the ``_optimizer_step`` replaced here; the
+configurations that take other paths through those (optimizer offload, torch autocast, ZenFlow)
+are refused in ``config.py``/below.
 """
 
 from __future__ import annotations
 
-import math
+from dataclasses import dataclass
+
 import torch
 import torch.distributed as dist
 
 from ..comm import Pieces
 from ..optim import LowcommOptimizer
 from ..settings import ConfigError
+from . import internals as ds
+from .internals import get, method, replace_method
 
 
 def install(zero, optimizer: LowcommOptimizer, stage: int) -> None:
     """Declare the partitions' pieces and make ZeRO step the method once per step."""
-    if getattr(zero, "torch_autocast_gradscaler", None) or getattr(zero, "zenflow", False):
+    scaler, zenflow = (ds.ZERO3_AUTOCAST_SCALER, ds.ZERO3_ZENFLOW) if stage == 3 else (ds.ZERO12_AUTOCAST_SCALER,
+                                                                         ds.ZERO12_ZENFLOW)
+    if get(zero, scaler) is not None or get(zero, zenflow):
         raise ConfigError("torch_autocast / zenflow: not supported with lowcomm at ZeRO stages 1-3")
     if stage == 3:
         _install_stage3(zero, optimizer)
@@ -40,71 +47,105 @@ def install(zero, optimizer: LowcommOptimizer, stage: int) -> None:
         _install_stage12(zero, optimizer)
 
 
-def _pieces(offsets_shapes, start: int, size: int) -> Pieces:
-    """The parts of parameters (offset in the group's flat buffer, shape) inside [start, start+size)."""
-    pieces = []
-    for offset, shape in offsets_shapes:
-        numel = math.prod(shape)
-        lo, hi = max(offset, start), min(offset + numel, start + size)
-        if hi <= lo:
-            continue
-        whole = lo == offset and hi == offset + numel
-        pieces.append((lo - start, tuple(shape) if whole else (hi - lo,)))
-    return Pieces(size, tuple(sorted(pieces)))
+@dataclass(frozen=True)
+class Slice:
+    """The part of a parameter inside a flat partition."""
+
+    param: torch.Tensor
+    start: int  # its first element inside the partition (elements of the parameter, flattened)
+    length: int
+    at: int  # where that part begins in the partition's flat tensor
+
+    @property
+    def whole(self) -> bool:
+        return self.length == self.param.numel()
+
+
+@dataclass(frozen=True)
+class Partition:
+    """This rank's flat fp32 partition of one ZeRO 1/2 parameter group, and the parameter slices in it."""
+
+    flat: torch.Tensor
+    size: int
+    slices: tuple[Slice, ...]
+
+
+def stage12_partitions(zero) -> list[Partition]:
+    """ZeRO 1/2: per parameter group, this rank's partition. A group's parameters lie end to end in
+    its flat buffer (``round_robin_bit16_groups`` at ``round_robin_bit16_offsets``); rank r of the
+    group's data-parallel group holds elements [r * size, (r + 1) * size) of it."""
+    groups = get(zero, ds.ZERO12_PARAMS)
+    offsets = get(zero, ds.ZERO12_OFFSETS)
+    sizes = get(zero, ds.ZERO12_PARTITION_SIZE)
+    dp_groups = get(zero, ds.ZERO12_DP_GROUPS)
+    flats = get(zero, ds.ZERO12_FP32_PARTITIONS)
+    out = []
+    for i, params in enumerate(groups):
+        size = int(sizes[i])
+        first = dist.get_rank(group=dp_groups[i]) * size
+        slices = []
+        for p, offset in zip(params, offsets[i]):
+            offset = int(offset)
+            lo, hi = max(offset, first), min(offset + p.numel(), first + size)
+            if hi > lo:
+                slices.append(Slice(p, lo - offset, hi - lo, lo - first))
+        out.append(Partition(flats[i], size, tuple(slices)))
+    return out
 
 
 def _install_stage12(zero, optimizer: LowcommOptimizer) -> None:
-    if zero.cpu_offload:
+    if get(zero, ds.ZERO12_CPU_OFFLOAD):
         raise ConfigError("zero_optimization.offload_optimizer: not supported with lowcomm")
-    groups = len(zero.bit16_groups)
-    for i in range(groups):
-        flat = zero.single_partition_of_fp32_groups[i]
-        partition_id = dist.get_rank(group=zero.real_dp_process_group[i])
-        size = int(zero.partition_size[i])
-        layout = [(int(off), tuple(meta.shape))
-                  for off, meta in zip(zero.round_robin_bit16_offsets[i], zero.round_robin_bit16_meta[i])]
-        optimizer.set_pieces(flat, _pieces(layout, partition_id * size, size))
+    partitions = stage12_partitions(zero)
+    for part in partitions:
+        # a parameter wholly in the partition keeps its shape, one cut by its edge is a 1-D piece
+        optimizer.set_pieces(part.flat, Pieces(part.size, tuple(sorted(
+            (s.at, tuple(s.param.shape) if s.whole else (s.length,)) for s in part.slices))))
+    flats = get(zero, ds.ZERO12_FP32_PARTITIONS)
 
     def step_all() -> None:
-        zero.optimizer.step()
-        zero._lazy_init_hp_params_optimizer_state()
+        get(zero, ds.ZERO12_OPTIMIZER).step()
+        # as ZeRO's _optimizer_step does after its step
+        method(zero, ds.ZERO12_LAZY_INIT_HP)()
 
     def publish(i: int) -> None:  # ZeRO copied group i to the 16-bit weights before it was stepped
-        partition_id = dist.get_rank(group=zero.real_dp_process_group[i])
-        zero.parallel_partitioned_bit16_groups[i][partition_id].data.copy_(zero.single_partition_of_fp32_groups[i].data)
+        partition_id = dist.get_rank(group=get(zero, ds.ZERO12_DP_GROUPS)[i])
+        get(zero, ds.ZERO12_BIT16_PARTITIONS)[i][partition_id].data.copy_(flats[i].data)
 
-    zero._optimizer_step = _step_at_last_group(zero.single_partition_of_fp32_groups, groups, step_all, publish)
+    step = _step_at_last_group(flats, len(partitions), step_all, publish)
+    replace_method(zero, ds.ZERO12_OPTIMIZER_STEP, lambda group_no: step(group_no))
 
 
 def _install_stage3(zero, optimizer: LowcommOptimizer) -> None:
-    if zero.offload_optimizer or getattr(zero, "offload_param", False) or zero.swap_optimizer:
+    if any(get(zero, item) for item in (ds.ZERO3_OFFLOAD_OPTIMIZER, ds.ZERO3_OFFLOAD_PARAM, ds.ZERO3_SWAP_OPTIMIZER)):
         raise ConfigError("zero_optimization.offload_optimizer / offload_param: not supported with lowcomm")
-    rank = dist.get_rank(group=zero.dp_process_group)
-    subgroups = len(zero.fp16_groups)
-    for sg, params in enumerate(zero.fp16_groups):
-        flat = zero.fp32_partitioned_groups_flat[sg]
+    rank = dist.get_rank(group=get(zero, ds.ZERO3_DP_GROUP))
+    flats = get(zero, ds.ZERO3_FP32_FLAT)
+    for sg, params in enumerate(get(zero, ds.ZERO3_PARAMS)):
+        flat = flats[sg]
         # Each parameter's partition (ds_tensor, ceil(numel / ranks) elements) lies end to end in
         # the sub-group's flat buffer; this rank's holds elements [rank * size, ...) of the parameter.
         offset, layout = 0, []
         for p in params:
-            size = p.ds_tensor.numel()
-            real = max(0, min(size, p.ds_numel - rank * size))
-            if real == p.ds_numel:
-                layout.append((offset, tuple(p.ds_shape)))
+            size, numel = get(p, ds.PARAM_DS_TENSOR).numel(), get(p, ds.PARAM_DS_NUMEL)
+            real = max(0, min(size, numel - rank * size))
+            if real == numel:
+                layout.append((offset, tuple(get(p, ds.PARAM_DS_SHAPE))))
             elif real:
                 layout.append((offset, (real,)))
             offset += size
         optimizer.set_pieces(flat, Pieces(flat.numel(), tuple(layout)))
 
     def step_all() -> None:
-        zero._set_fp32_optimizer_param_groups()
+        method(zero, ds.ZERO3_SET_FP32_GROUPS)()
         try:
-            zero.optimizer.step()
+            get(zero, ds.ZERO3_OPTIMIZER).step()
         finally:
-            zero._clear_fp32_optimizer_param_groups()
+            method(zero, ds.ZERO3_CLEAR_FP32_GROUPS)()
 
-    zero._optimizer_step = _step_at_last_group(zero.fp32_partitioned_groups_flat, subgroups, step_all,
-                                               zero._reassign_or_swap_out_partitioned_parameters)
+    publish = method(zero, ds.ZERO3_PUBLISH)
+    step = _step_at_last_group(flats, len(flats), step_all, publish)
+    replace_method(zero, ds.ZERO3_OPTIMIZER_STEP, lambda sub_group_id: step(sub_group_id))
 
 
 def _step_at_last_group(flats, count: int, step_all, publish):

@@ -1,0 +1,523 @@
+"""Every private DeepSpeed internal the integration reads, replaces or copies, declared once and
+checked against the installed deepspeed before anything is touched.
+
+DeepSpeed has no public hooks for what ds_lowcomm does (its communication backend, ZeRO's
+per-group optimizer step, the pipeline's instruction map, its grid's groups, its loader set-up,
+its checkpoint engine), so the glue uses its private internals, which move between releases.
+Each one is an :class:`~ds_lowcomm.versions.Internal` in :data:`ITEMS` (module, name, kind, the
+parameters used), and the rest of ``ds_lowcomm.deepspeed`` reaches them only through this module.
+:func:`ensure_checked` (called first thing by ``initialize``, ``replica_layout``,
+``enter_subworld``, ``count_deepspeed_collectives`` and ``install_activation_compression``)
+checks, before anything is touched:
+
+- the deepspeed version is supported (:func:`ds_lowcomm.versions.check_supported`);
+- every item exists with the declared kind and parameters (``inspect.signature`` of the installed
+  code, seen through decorators), and every instance attribute is stored by its class's code;
+- what ds_lowcomm replaces is still looked up where DeepSpeed uses it (:data:`LOOKED_UP`: a
+  replaced ``_optimizer_step`` that ZeRO's ``step`` no longer calls would silently step the
+  method once per parameter group);
+- DeepSpeed's methods whose bodies activations.py copies have the bodies it copied (:data:`COPIED`).
+
+Anything missing or changed raises one :class:`FrameworkInternalsError` naming it and the
+installed and supported versions. Afterwards :func:`live` gives a declared class, function or
+attribute, :func:`get` / :func:`put` an attribute that exists only on constructed objects (checked
+again on the object where it is read: never a silent default), :func:`method` /
+:func:`replace_method` a private method of one object, and :func:`backend` /
+:func:`replace_backend` / :func:`backend_signature` the communication backend, whose group-taking
+methods the sub-world translates as :data:`GROUP_METHODS` says and refuses where it says nothing.
+``megatron_patches/internals.py`` is the same for Megatron-Core.
+
+Nothing here imports deepspeed at import time.
+"""
+
+from __future__ import annotations
+
+import inspect
+import types
+from typing import Any
+
+from ..versions import (FrameworkInternalsError, Internal, body_digest, check_supported, code_objects, functions_of,
+                        internals_error, read_instance, reads_name, resolve, signature, stores_attribute, unwrap)
+
+DISTRIBUTION = "deepspeed"
+
+_COMM = "deepspeed.comm.comm"
+_BACKEND = "deepspeed.comm.torch"
+_Z12 = "deepspeed.runtime.zero.stage_1_and_2"
+_Z3 = "deepspeed.runtime.zero.stage3"
+_ENGINE = "deepspeed.runtime.engine"
+_PIPE = "deepspeed.runtime.pipe.engine"
+_SCHEDULE = "deepspeed.runtime.pipe.schedule"
+_MODULE = "deepspeed.runtime.pipe.module"
+_TOPOLOGY = "deepspeed.runtime.pipe.topology"
+_CKPT = "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine"
+_CONST = "deepspeed.checkpoint.constants"
+
+# --- The communication backend (subworld.py, comm_counter.py) --------------------------------------
+# Backend methods that take a process group, as the sub-world translates them: name -> which of
+# their parameters are ranks (virtual -> global). The parameters themselves, in order, come from the
+# live backend (backend_signature). A group-taking method named neither here nor in SUBWORLD_OWN is
+# refused by the sub-world: passed on untranslated it would run over the whole job, across replicas.
+GROUP_METHODS = {
+    "all_reduce": (), "inference_all_reduce": (), "all_reduce_coalesced": (),
+    "reduce": ("dst",), "reduce_scatter": (), "reduce_scatter_tensor": (),
+    "broadcast": ("src",), "broadcast_object_list": ("src",),
+    "all_gather": (), "all_gather_into_tensor": (), "all_gather_base": (), "all_gather_coalesced": (),
+    "all_gather_object": (), "all_to_all_single": (), "all_to_all": (),
+    "send": ("dst",), "recv": ("src",), "isend": ("dst",), "irecv": ("src",),
+    "gather": ("dst",), "scatter": ("src",),
+    "barrier": (), "monitored_barrier": (), "get_backend": (),
+}
+# Backend methods the sub-world implements itself: name -> the parameters its versions take.
+SUBWORLD_OWN = {
+    "get_rank": ("group",), "get_world_size": ("group",), "get_world_group": (),
+    "get_global_rank": ("group", "group_rank"), "new_group": ("ranks",),
+    "init_device_mesh": ("mesh_shape", "mesh_dim_names"), "batch_isend_irecv": ("p2p_op_list",),
+    "destroy_process_group": ("group",),
+}
+# The arguments the byte counter reads by name from each method it counts.
+COUNTED_READS = {
+    "all_reduce": ("tensor", "group"), "inference_all_reduce": ("tensor", "group"),
+    "all_reduce_coalesced": ("tensors", "group"), "reduce": ("tensor", "group"),
+    "reduce_scatter_tensor": ("output_tensor", "input_tensor", "group"),
+    "all_gather_into_tensor": ("output_tensor", "input_tensor", "group"),
+    "all_gather_base": ("output_tensor", "input_tensor", "group"),
+    "all_gather": ("tensor_list", "tensor", "group"), "broadcast": ("tensor", "src", "group"),
+}
+
+CDB = Internal(_COMM, "cdb", "attribute", use="replaces it (subworld.py) and wraps its methods (comm_counter.py)")
+TORCH_BACKEND = Internal(_BACKEND, "TorchBackend", "class",
+                         use="translates and counts its methods (subworld.py, comm_counter.py)")
+BACKEND_METHODS = tuple(
+    [Internal(_BACKEND, f"TorchBackend.{name}", "method",
+              tuple(dict.fromkeys(("group", *GROUP_METHODS.get(name, ()), *COUNTED_READS.get(name, ())))), "has",
+              use="binds a call's arguments to its signature and reads these (subworld.py, comm_counter.py)")
+     for name in sorted({*GROUP_METHODS, *COUNTED_READS})]
+    + [Internal(_BACKEND, f"TorchBackend.{name}", "method", params, "override",
+                use="has its own version of it in the sub-world (subworld.py)")
+       for name, params in SUBWORLD_OWN.items()])
+DEVICE_MESH_SPLIT_UNSUPPORTED = Internal("deepspeed.utils.groups", "_DEVICE_MESH_SPLIT_UNSUPPORTED", "attribute",
+                                         use="refuses a DeviceMesh in the sub-world with DeepSpeed's own message "
+                                             "(subworld.py)")
+
+# --- ZeRO 1/2 (zero.py, hetero.py) -------------------------------------------------------------------
+_use12 = "reads ZeRO 1/2's partitions and refuses the paths it does not handle (zero.py, hetero.py)"
+ZERO12 = Internal(_Z12, "DeepSpeedZeroOptimizer", "class", use=_use12)
+ZERO12_OPTIMIZER_STEP = Internal(_Z12, "DeepSpeedZeroOptimizer._optimizer_step", "method", ("group_no",), "override",
+                                 use="steps the method once over every group, at the last one (zero.py)")
+ZERO12_LAZY_INIT_HP = Internal(_Z12, "DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state", "method", (),
+                               use="links the optimizer state after the step, as _optimizer_step does (zero.py)")
+ZERO12_AUTOCAST_SCALER = Internal(_Z12, "DeepSpeedZeroOptimizer.torch_autocast_gradscaler", "instance", use=_use12)
+ZERO12_ZENFLOW = Internal(_Z12, "DeepSpeedZeroOptimizer.zenflow", "instance", use=_use12)
+ZERO12_CPU_OFFLOAD = Internal(_Z12, "DeepSpeedZeroOptimizer.cpu_offload", "instance", use=_use12)
+ZERO12_OPTIMIZER = Internal(_Z12, "DeepSpeedZeroOptimizer.optimizer", "instance", use=_use12)
+ZERO12_PARAMS = Internal(_Z12, "DeepSpeedZeroOptimizer.round_robin_bit16_groups", "instance", use=_use12)
+ZERO12_OFFSETS = Internal(_Z12, "DeepSpeedZeroOptimizer.round_robin_bit16_offsets", "instance", use=_use12)
+ZERO12_PARTITION_SIZE = Internal(_Z12, "DeepSpeedZeroOptimizer.partition_size", "instance", use=_use12)
+ZERO12_DP_GROUPS = Internal(_Z12, "DeepSpeedZeroOptimizer.real_dp_process_group", "instance", use=_use12)
+ZERO12_FP32_PARTITIONS = Internal(_Z12, "DeepSpeedZeroOptimizer.single_partition_of_fp32_groups", "instance",
+                                  use=_use12)
+ZERO12_BIT16_PARTITIONS = Internal(_Z12, "DeepSpeedZeroOptimizer.parallel_partitioned_bit16_groups", "instance",
+                                   use=_use12)
+
+# --- ZeRO 3 (zero.py, engine.py) -----------------------------------------------------------------------
+_use3 = "reads ZeRO 3's sub-groups and refuses the paths it does not handle (zero.py)"
+ZERO3 = Internal(_Z3, "DeepSpeedZeroOptimizer_Stage3", "class", use=_use3)
+ZERO3_OPTIMIZER_STEP = Internal(_Z3, "DeepSpeedZeroOptimizer_Stage3._optimizer_step", "method", ("sub_group_id",),
+                                "override", use="steps the method once over every sub-group, at the last one (zero.py)")
+ZERO3_SET_FP32_GROUPS = Internal(_Z3, "DeepSpeedZeroOptimizer_Stage3._set_fp32_optimizer_param_groups", "method", (),
+                                 use=_use3)
+ZERO3_CLEAR_FP32_GROUPS = Internal(_Z3, "DeepSpeedZeroOptimizer_Stage3._clear_fp32_optimizer_param_groups", "method",
+                                   (), use=_use3)
+ZERO3_PUBLISH = Internal(_Z3, "DeepSpeedZeroOptimizer_Stage3._reassign_or_swap_out_partitioned_parameters", "method",
+                         ("sub_group_id",), use="publishes the sub-groups stepped after ZeRO copied them (zero.py)")
+ZERO3_AUTOCAST_SCALER = Internal(_Z3, "DeepSpeedZeroOptimizer_Stage3.torch_autocast_gradscaler", "instance", use=_use3)
+ZERO3_ZENFLOW = Internal(_Z3, "DeepSpeedZeroOptimizer_Stage3.zenflow", "instance", use=_use3)
+ZERO3_OFFLOAD_OPTIMIZER = Internal(_Z3, "DeepSpeedZeroOptimizer_Stage3.offload_optimizer", "instance", use=_use3)
+ZERO3_OFFLOAD_PARAM = Internal(_Z3, "DeepSpeedZeroOptimizer_Stage3.offload_param", "instance", use=_use3)
+ZERO3_SWAP_OPTIMIZER = Internal(_Z3, "DeepSpeedZeroOptimizer_Stage3.swap_optimizer", "instance", use=_use3)
+ZERO3_OPTIMIZER = Internal(_Z3, "DeepSpeedZeroOptimizer_Stage3.optimizer", "instance", use=_use3)
+ZERO3_DP_GROUP = Internal(_Z3, "DeepSpeedZeroOptimizer_Stage3.dp_process_group", "instance", use=_use3)
+ZERO3_PARAMS = Internal(_Z3, "DeepSpeedZeroOptimizer_Stage3.fp16_groups", "instance", use=_use3)
+ZERO3_FP32_FLAT = Internal(_Z3, "DeepSpeedZeroOptimizer_Stage3.fp32_partitioned_groups_flat", "instance", use=_use3)
+# set on every parameter by zero.Init (_convert_to_deepspeed_param): read from the parameter
+_PARAMS = "deepspeed.runtime.zero.partition_parameters"
+PARAM_DS_TENSOR = Internal(_PARAMS, "Init.ds_tensor", "instance", use="reads a ZeRO 3 parameter's partition (zero.py)")
+PARAM_DS_NUMEL = Internal(_PARAMS, "Init.ds_numel", "instance",
+                          use="reads a ZeRO 3 parameter's whole size (zero.py, engine.py)")
+PARAM_DS_SHAPE = Internal(_PARAMS, "Init.ds_shape", "instance", use="reads a ZeRO 3 parameter's whole shape (zero.py)")
+
+# --- Pipelines (pipeline.py, hetero.py, engine.py) ----------------------------------------------------
+_usegrid = "reads the pipeline grid, and narrows its data-parallel group to a replica (pipeline.py)"
+MODULE_GRID = Internal(_MODULE, "PipelineModule.mpu", "method", (),
+                       use="reads the module's grid (pipeline.py, hetero.py, engine.py)")
+MODULE_TOPOLOGY = Internal(_MODULE, "PipelineModule.topology", "method", (),
+                           use="reads the module's topology (pipeline.py)")
+GRID = Internal(_TOPOLOGY, "PipelineParallelGrid", "class", use=_usegrid)
+GRID_PIPE_SIZE = Internal(_TOPOLOGY, "PipelineParallelGrid.pipe_parallel_size", "instance", use=_usegrid)
+GRID_DATA_SIZE = Internal(_TOPOLOGY, "PipelineParallelGrid.data_parallel_size", "instance", use=_usegrid)
+GRID_MODEL_SIZE = Internal(_TOPOLOGY, "PipelineParallelGrid.model_parallel_size", "instance", use=_usegrid)
+GRID_DATA_ID = Internal(_TOPOLOGY, "PipelineParallelGrid.data_parallel_id", "instance", use=_usegrid)
+GRID_DP_RANKS = Internal(_TOPOLOGY, "PipelineParallelGrid.dp_group", "instance", use=_usegrid)
+GRID_DP_GROUPS = Internal(_TOPOLOGY, "PipelineParallelGrid.dp_groups", "instance", use=_usegrid)
+GRID_DP_PROC_GROUP = Internal(_TOPOLOGY, "PipelineParallelGrid.dp_proc_group", "instance", use=_usegrid)
+TOPOLOGY_FILTER_MATCH = Internal(_TOPOLOGY, "ProcessTopology.filter_match", "method", ("pipe", "data"),
+                                 use="finds a stage's rank in a pipeline (pipeline.py)")
+PIPELINE_ENGINE = Internal(_PIPE, "PipelineEngine", "class", use="tells pipeline engines apart (activations.py)")
+PIPELINE_BACKWARD_ALLREDUCE = Internal(_PIPE, "PipelineEngine.pipeline_enable_backward_allreduce", "instance",
+                                       use="switches the gradient all-reduce off with one rank per replica stage "
+                                           "(engine.py)")
+BUILD_DATA_ITER = Internal(_PIPE, "PipelineEngine._build_data_iter", "method", ("dataset",),
+                           use="builds the pipeline loader sharded over every replica (data.py)")
+
+# --- Activation compression (activations.py) ---------------------------------------------------------
+_useact = "reads and writes it in its copies of DeepSpeed's instructions, as they do (activations.py)"
+INSTRUCTION_MAP = Internal(_PIPE, "PipelineEngine._INSTRUCTION_MAP", "attribute",
+                           use="replaces four instructions on the engine instance (activations.py)")
+_exec = {name: Internal(_PIPE, f"PipelineEngine.{name}", "method", ("buffer_id",), "override",
+                        use="puts its own version of it in the instance's instruction map (activations.py)")
+         for name in ("_exec_send_activations", "_exec_recv_activations", "_exec_send_grads", "_exec_recv_grads")}
+EXEC_SEND_ACTIVATIONS, EXEC_RECV_ACTIVATIONS, EXEC_SEND_GRADS, EXEC_RECV_GRADS = _exec.values()
+SEND_ACTIVATION, RECV_ACTIVATION, SEND_GRAD, RECV_GRAD = (
+    Internal(_SCHEDULE, name, "class", use="replaces these instructions (activations.py)")
+    for name in ("SendActivation", "RecvActivation", "SendGrad", "RecvGrad"))
+SEND_TENSOR_META = Internal(_PIPE, "PipelineEngine._send_tensor_meta", "method", ("buffer", "recv_stage"),
+                            use="runs DeepSpeed's own meta exchange before the coded activations (activations.py)")
+RECV_TENSOR_META = Internal(_PIPE, "PipelineEngine._recv_tensor_meta", "method", ("send_stage",),
+                            use="runs DeepSpeed's own meta exchange before the coded activations (activations.py)")
+SEND_OUTPUT_TIMER, RECV_INPUT_TIMER, SEND_GRAD_TIMER, RECV_GRAD_TIMER = (
+    Internal(_PIPE, name, "attribute", use="times the replaced instructions with DeepSpeed's timers (activations.py)")
+    for name in ("PIPE_SEND_OUTPUT_TIMER", "PIPE_RECV_INPUT_TIMER", "PIPE_SEND_GRAD_TIMER", "PIPE_RECV_GRAD_TIMER"))
+PIPE_INSTANCE = tuple(Internal(_PIPE, f"PipelineEngine.{name}", "instance", use=_useact) for name in (
+    "pipe_buffers", "pipe_recv_buf", "grad_layer", "first_output_send", "dynamic_shape", "has_attention_mask",
+    "has_bool_tensors", "is_pipe_partitioned", "is_grad_partitioned", "next_stage", "prev_stage"))
+IS_PIPE_PARTITIONED = next(i for i in PIPE_INSTANCE if i.attr == "is_pipe_partitioned")
+IS_GRAD_PARTITIONED = next(i for i in PIPE_INSTANCE if i.attr == "is_grad_partitioned")
+P2P_SEND = Internal("deepspeed.runtime.pipe.p2p", "send", "function", ("tensor", "dest_stage"),
+                    use="moves the coded activations (activations.py)")
+P2P_RECV = Internal("deepspeed.runtime.pipe.p2p", "recv", "function", ("tensor", "src_stage"),
+                    use="moves the coded activations (activations.py)")
+
+# --- The engine (engine.py, data.py, checkpoint.py) -----------------------------------------------------
+_usedata = "takes DeepSpeed's loader and batch size over every replica (data.py)"
+ENGINE = Internal(_ENGINE, "DeepSpeedEngine", "class", use="wires the method into it")
+BACKWARD_ALLREDUCE = Internal(_ENGINE, "DeepSpeedEngine.enable_backward_allreduce", "instance",
+                              use="switches the gradient all-reduce off with one rank per replica (engine.py)")
+ENGINE_DEVICE = Internal(_ENGINE, "DeepSpeedEngine.device", "instance", use=_useact)
+ENGINE_MPU = Internal(_ENGINE, "DeepSpeedEngine.mpu", "instance", use=_usedata)
+ENGINE_DP_WORLD_SIZE = Internal(_ENGINE, "DeepSpeedEngine.dp_world_size", "instance", use=_usedata)
+TRAINING_DATALOADER = Internal(_ENGINE, "DeepSpeedEngine.training_dataloader", "instance", use=_usedata)
+TPUT_TIMER = Internal(_ENGINE, "DeepSpeedEngine.tput_timer", "instance", use=_usedata)
+TIMER_BATCH_SIZE = Internal("deepspeed.utils.timer", "ThroughputTimer.batch_size", "instance",
+                            use="makes the throughput timer count every replica's samples (data.py)")
+TRAIN_BATCH_SIZE = Internal(_ENGINE, "DeepSpeedEngine.train_batch_size", "method", (), "override", use=_usedata)
+SET_TRAIN_BATCH_SIZE = Internal(_ENGINE, "DeepSpeedEngine.set_train_batch_size", "method", ("train_batch_size",),
+                                "override", use=_usedata)
+DEEPSPEED_IO = Internal(_ENGINE, "DeepSpeedEngine.deepspeed_io", "method", ("dataset",), "has", use=_usedata)
+GET_BUFFER_NAMES = Internal(_ENGINE, "DeepSpeedEngine._get_buffer_names", "method", (),
+                            use="writes the ZeRO 0 export with it (checkpoint.py)")
+GET_SHARED_PARAMS = Internal(_ENGINE, "DeepSpeedEngine._get_shared_params", "method", (),
+                             use="writes the ZeRO 0 export with it (checkpoint.py)")
+COPY_RECOVERY_SCRIPT = Internal(_ENGINE, "DeepSpeedEngine._copy_recovery_script", "method", ("save_path",),
+                                use="copies zero_to_fp32.py beside the export (checkpoint.py)")
+SAVE_CHECKPOINT = Internal(_ENGINE, "DeepSpeedEngine.save_checkpoint", "method",
+                           ("save_dir", "tag", "client_state", "save_latest"), "has", use="wraps it (checkpoint.py)")
+LOAD_CHECKPOINT = Internal(_ENGINE, "DeepSpeedEngine.load_checkpoint", "method",
+                           ("load_dir", "tag", "load_module_only", "load_optimizer_states", "load_lr_scheduler_states"),
+                           "has", use="wraps it (checkpoint.py)")
+CHECKPOINT_ENGINE = Internal(_ENGINE, "DeepSpeedEngine.checkpoint_engine", "instance",
+                             use="replaces its save/load (checkpoint.py)")
+TORCH_CHECKPOINT_ENGINE = Internal(_CKPT, "TorchCheckpointEngine", "class",
+                                   use="replaces its save/load (checkpoint.py)")
+ZIPFILE_SERIALIZATION = Internal(_CKPT, "TorchCheckpointEngine.zipfile_serialization", "instance",
+                                 use="keeps DeepSpeed's serialisation in the save it replaces (checkpoint.py)")
+CHECKPOINT_SAVE = Internal(_CKPT, "TorchCheckpointEngine.save", "method", ("state_dict", "path"), "override",
+                           use="replaces it: atomic writes with a digest beside (checkpoint.py)")
+CHECKPOINT_LOAD = Internal(_CKPT, "TorchCheckpointEngine.load", "method", ("path", "map_location"), "override",
+                           use="replaces it: weights_only loads (checkpoint.py)")
+# (in this order: checkpoint.py unpacks them)
+CHECKPOINT_KEYS = tuple(Internal(_CONST, name, "attribute", use="writes the ZeRO 0 export's keys (checkpoint.py)")
+                        for name in ("BUFFER_NAMES", "FROZEN_PARAM_FRAGMENTS", "FROZEN_PARAM_SHAPES",
+                                     "OPTIMIZER_STATE_DICT", "PARAM_SHAPES", "PARTITION_COUNT",
+                                     "SINGLE_PARTITION_OF_FP32_GROUPS", "ZERO_STAGE"))
+DS_VERSION = Internal("deepspeed.git_version_info", "version", "attribute",
+                      use="writes the ZeRO 0 export's ds_version (checkpoint.py)")
+CHECKPOINT_CLASSES = tuple(
+    Internal(module, name, "class", use="allows it by name in DeepSpeed's checkpoint files at load (checkpoint.py)")
+    for module, name in (("deepspeed.runtime.fp16.loss_scaler", "LossScaler"),
+                         ("deepspeed.runtime.fp16.loss_scaler", "DynamicLossScaler"),
+                         ("deepspeed.runtime.zero.config", "ZeroStageEnum"),
+                         ("deepspeed.utils.tensor_fragment", "fragment_address")))
+
+# --- fp16: the loss scaler's overflow decision, agreed over every replica (overflow.py) -----------------
+_use16 = "agrees the fp16 overflow decision over every replica (overflow.py)"
+_FUSED, _UNFUSED = "deepspeed.runtime.fp16.fused_optimizer", "deepspeed.runtime.fp16.unfused_optimizer"
+FP16_FUSED = Internal(_FUSED, "FP16_Optimizer", "class", use=_use16)
+FP16_UNFUSED = Internal(_UNFUSED, "FP16_UnfusedOptimizer", "class", use=_use16)
+FUSED_OVERFLOW_CHECKER = Internal(_FUSED, "FP16_Optimizer.overflow_checker", "instance", use=_use16)
+UNFUSED_OVERFLOW_CHECKER = Internal(_UNFUSED, "FP16_UnfusedOptimizer.overflow_checker", "instance", use=_use16)
+CHECK_OVERFLOW = Internal("deepspeed.runtime.utils", "CheckOverflow", "class", use=_use16)
+CHECKER_HAS_OVERFLOW = Internal("deepspeed.runtime.utils", "CheckOverflow.has_overflow", "method", ("params",), "has",
+                                use=_use16)
+CHECKER_USING_NORM = Internal("deepspeed.runtime.utils", "CheckOverflow.check_using_norm", "method", ("norm_group",),
+                              "has", use=_use16)
+ZERO12_HAS_OVERFLOW = Internal(_Z12, "DeepSpeedZeroOptimizer.has_overflow", "method", ("partition_gradients",), "has",
+                               use=_use16)
+ZERO3_HAS_OVERFLOW = Internal(_Z3, "DeepSpeedZeroOptimizer_Stage3.has_overflow", "method", ("partition_gradients",),
+                              "has", use=_use16)
+_BF16 = "deepspeed.runtime.bf16_optimizer"
+BF16_OPTIMIZER = Internal(_BF16, "BF16_Optimizer", "class", use="agrees the bf16 skip of a step over every replica "
+                          "(overflow.py)")
+BF16_GRADS_FOR_NORM = Internal(_BF16, "BF16_Optimizer.get_grads_for_norm", "method", ("for_clipping",), "override",
+                               use="agrees the bf16 skip of a step over every replica (overflow.py)")
+
+
+def _collect(values) -> tuple[Internal, ...]:
+    out: dict[str, Internal] = {}
+    for value in values:
+        for item in (value if isinstance(value, tuple) else (value,)):
+            if isinstance(item, Internal):
+                out.setdefault(item.path, item)
+    return tuple(out.values())
+
+
+ITEMS: tuple[Internal, ...] = _collect(v for k, v in list(globals().items()) if not k.startswith("_"))
+
+# What ds_lowcomm replaces or switches takes effect only where DeepSpeed reads it by name at each
+# use: (the internal, the functions that must read it, in its module or the one given).
+LOOKED_UP = (
+    (CDB, _COMM, ("all_reduce", "broadcast", "send", "recv", "barrier", "new_group", "get_rank")),
+    (ZERO12_OPTIMIZER_STEP, _Z12, ("DeepSpeedZeroOptimizer.step",)),
+    (ZERO3_OPTIMIZER_STEP, _Z3, ("DeepSpeedZeroOptimizer_Stage3.step",)),
+    (INSTRUCTION_MAP, _PIPE, ("PipelineEngine._exec_schedule",)),
+    (PIPELINE_BACKWARD_ALLREDUCE, _PIPE, ("PipelineEngine._exec_reduce_grads",)),
+    (BACKWARD_ALLREDUCE, _ENGINE, ("DeepSpeedEngine._backward_epilogue", "DeepSpeedEngine.step")),
+    # data.py hands these a world-wide view of mpu / dp_world_size for the call
+    (ENGINE_MPU, _PIPE, ("PipelineEngine._build_data_iter",)),
+    (ENGINE_DP_WORLD_SIZE, _PIPE, ("PipelineEngine._build_data_iter",)),
+    (ENGINE_MPU, _ENGINE, ("DeepSpeedEngine.deepspeed_io",)),
+    # overflow.py replaces these on the instance that decides
+    (CHECKER_HAS_OVERFLOW, "deepspeed.runtime.utils", ("CheckOverflow.check",)),
+    (CHECKER_HAS_OVERFLOW, _FUSED, ("FP16_Optimizer.step",)),
+    (CHECKER_USING_NORM, _FUSED, ("FP16_Optimizer.step_fused_adam",)),
+    (CHECKER_USING_NORM, _UNFUSED, ("FP16_UnfusedOptimizer.step_fused_lamb",)),
+    (ZERO12_HAS_OVERFLOW, _Z12, ("DeepSpeedZeroOptimizer._check_overflow",)),
+    (ZERO3_HAS_OVERFLOW, _Z3, ("DeepSpeedZeroOptimizer_Stage3._check_overflow",)),
+    (BF16_GRADS_FOR_NORM, _BF16, ("BF16_Optimizer.step",)),
+)
+
+# Instance attributes stored by a function outside their class: (module, function).
+STORED_ELSEWHERE = {
+    # bound onto the stage 3 optimizer by its create_zenflow_hooks
+    ZERO3_ZENFLOW.path: ("deepspeed.runtime.zenflow.engine_stage3", "_initialize_zenflow_stage3_prologue"),
+}
+
+# DeepSpeed methods whose bodies activations.py copies (its versions code what they send): a digest
+# of each body's tokens (comments and layout left out) as copied, from deepspeed 0.19.8. Another
+# body means DeepSpeed changed what the copy is built on: the copy must be looked at again.
+COPIED = {
+    EXEC_SEND_ACTIVATIONS: "8fa315232e8c1e46",
+    EXEC_RECV_ACTIVATIONS: "cee17a4f74c1f4ab",
+    EXEC_SEND_GRADS: "e7b788327412b7d7",
+    EXEC_RECV_GRADS: "4027e2a7fb69e2f6",
+}
+
+
+# --- The checks ----------------------------------------------------------------------------------------
+def stored_by_class(cls, attr: str) -> bool:
+    """Whether the code of ``cls`` or of its DeepSpeed bases stores an attribute ``attr``."""
+    return stores_attribute(functions_of(cls, "deepspeed"), attr)
+
+
+def problems() -> list[str]:
+    """Every way the installed DeepSpeed differs from :data:`ITEMS`, :data:`LOOKED_UP` and
+    :data:`COPIED`, one message each (empty: as declared)."""
+    out = []
+
+    def note(check, *args):
+        try:
+            check(*args)
+        except FrameworkInternalsError as err:
+            out.append(str(err))
+
+    def declared(item):
+        live = resolve(DISTRIBUTION, item)
+        if item.kind != "instance":
+            return
+        if item.path in STORED_ELSEWHERE:
+            module, function = STORED_ELSEWHERE[item.path]
+            where = f"{module}.{function}"
+            fn = unwrap(resolve(DISTRIBUTION, Internal(module, function, "function")))
+            stored = stores_attribute(code_objects(fn.__code__), item.attr)
+        else:
+            where = f"the code of {item.owner}"
+            stored = stored_by_class(live, item.attr)
+        if not stored:
+            raise internals_error(DISTRIBUTION, item, f"is no longer set by {where}")
+
+    def looked_up(item, module, reader):
+        fn = resolve(DISTRIBUTION, Internal(module, reader, "method" if "." in reader else "function"))
+        if not reads_name(fn, item.attr):
+            raise internals_error(DISTRIBUTION, item, f"is no longer read by {module}.{reader}, so what ds_lowcomm "
+                                  "puts in its place would not be used")
+
+    def copied(item, digest):
+        if body_digest(resolve(DISTRIBUTION, item)) != digest:
+            raise internals_error(DISTRIBUTION, item, "has another body than the one ds_lowcomm's version of it was "
+                                  "copied from (ds_lowcomm/deepspeed/activations.py)")
+
+    for item in ITEMS:
+        note(declared, item)
+    for item, module, readers in LOOKED_UP:
+        for reader in readers:
+            note(looked_up, item, module, reader)
+    for item, digest in COPIED.items():
+        note(copied, item, digest)
+    return list(dict.fromkeys(out))  # a missing reader is named once
+
+
+_checked: list[bool] = []
+
+
+def ensure_checked() -> str:
+    """The supported-version check, then (once per process) every internal against the installed
+    deepspeed; one :class:`FrameworkInternalsError` listing every problem. Returns the version."""
+    version = check_supported(DISTRIBUTION)
+    if not _checked:
+        found = problems()
+        if len(found) == 1:
+            raise FrameworkInternalsError(found[0])
+        if found:
+            raise FrameworkInternalsError(f"{len(found)} private deepspeed internals changed:\n" + "\n".join(found))
+        _checked.append(True)
+    return version
+
+
+# --- Access ----------------------------------------------------------------------------------------------
+def live(item: Internal) -> Any:
+    """The live class / function / attribute ``item`` declares (checked)."""
+    return resolve(DISTRIBUTION, item)
+
+
+def get(obj: Any, item: Internal) -> Any:
+    """``obj``'s instance attribute ``item``; the named error where it is missing."""
+    return read_instance(DISTRIBUTION, item, obj)
+
+
+def put(obj: Any, item: Internal, value: Any) -> None:
+    """Set ``obj``'s instance attribute ``item``, which must already be there (a renamed one would
+    be created silently and never read by DeepSpeed)."""
+    get(obj, item)
+    setattr(obj, item.attr, value)
+
+
+def method(obj: Any, item: Internal, of_class: bool = False):
+    """``obj``'s method ``item`` (bound; ``of_class``: its class's, not one replaced on the
+    instance); the named error where it is missing."""
+    if item.kind != "method":
+        raise ValueError(f"{item.path} is a {item.kind}, not a method")
+    try:
+        return types.MethodType(getattr(type(obj), item.attr), obj) if of_class else getattr(obj, item.attr)
+    except AttributeError:
+        raise internals_error(DISTRIBUTION, item, f"is missing on a {type(obj).__name__}") from None
+
+
+def grid(module) -> Any:
+    """A ``PipelineModule``'s grid (``PipelineParallelGrid``: read its fields with :func:`read`)."""
+    return method(module, MODULE_GRID)()
+
+
+def replace_method(obj: Any, item: Internal, fn) -> None:
+    """Put ``fn`` in place of the method ``item`` on this one object (its class and every other
+    instance keep DeepSpeed's). ``fn`` must take the declared parameters by name (``override``:
+    exactly DeepSpeed's; ``has``: those it reads, the rest passed on)."""
+    if item.match not in ("override", "has"):
+        raise ValueError(f"{item.path} is not declared as replaced (match={item.match!r})")
+    owner = live(Internal(item.module, item.owner, "class"))
+    if not isinstance(obj, owner):
+        raise TypeError(f"{item.path}: expected a {owner.__name__}, got a {type(obj).__name__}")
+    method(obj, item)
+    try:
+        inspect.signature(fn).bind(**{p: None for p in item.params})
+    except TypeError as err:
+        raise TypeError(f"{fn.__qualname__} cannot stand in for {item.path}({', '.join(item.params)}): {err}") from None
+    setattr(obj, item.attr, fn)
+
+
+# --- The communication backend ----------------------------------------------------------------------------
+def backend():
+    """DeepSpeed's communication backend, which every ``deepspeed.comm`` function calls (None before
+    ``init_distributed``)."""
+    return live(CDB)
+
+
+_stands_for: dict[int, Any] = {}  # id(a replacement backend) -> the real backend it wraps
+
+
+def replace_backend(new, real) -> None:
+    """Make every ``deepspeed.comm`` function call ``new``, which wraps the backend ``real`` (they
+    read the module global at each call: :data:`LOOKED_UP`)."""
+    import importlib
+
+    _stands_for[id(new)] = real
+    setattr(importlib.import_module(CDB.module), CDB.name, new)
+
+
+def real_backend():
+    """The backend DeepSpeed made (under the sub-world's replacement, if there is one)."""
+    cdb = backend()
+    return _stands_for.get(id(cdb), cdb)
+
+
+def _on(real, name: str, params=None, match="call", use="") -> Internal:
+    cls = type(real)
+    return Internal(cls.__module__, f"{cls.__qualname__}.{name}", "method", params, match, use)
+
+
+_signatures: dict[tuple[type, str], inspect.Signature] = {}
+
+
+def backend_signature(real, name: str) -> inspect.Signature:
+    """The parameters (``self`` left out) of method ``name`` of the live backend ``real``'s class,
+    under its decorators."""
+    key = (type(real), name)
+    if key not in _signatures:
+        sig = signature(resolve(DISTRIBUTION, _on(real, name)), name)
+        _signatures[key] = sig.replace(parameters=list(sig.parameters.values())[1:])
+    return _signatures[key]
+
+
+def takes_group(real, name: str) -> bool:
+    """Whether the live backend's class has a method ``name`` with a ``group`` parameter."""
+    fn = inspect.getattr_static(type(real), name, None)
+    if isinstance(fn, (staticmethod, classmethod)):
+        fn = fn.__func__
+    return inspect.isfunction(fn) and "group" in signature(fn, name).parameters
+
+
+def check_backend(real) -> None:
+    """The declared backend methods against the live backend's own class (a subclass of TorchBackend
+    may redefine them): present, with the parameters ds_lowcomm reads."""
+    if type(real) is live(TORCH_BACKEND):
+        return  # checked by ensure_checked()
+    found = []
+    for item in BACKEND_METHODS:
+        try:
+            resolve(DISTRIBUTION, _on(real, item.attr, item.params, item.match, item.use))
+        except FrameworkInternalsError as err:
+            found.append(str(err))
+    if found:
+        raise FrameworkInternalsError("\n".join(found))
+
+
+def unknown_group_method(real, name: str) -> FrameworkInternalsError:
+    """The error for a backend method that takes a process group and is not in :data:`GROUP_METHODS`."""
+    item = _on(real, name, use="the sub-world translates the group and ranks of the backend methods it knows")
+    return internals_error(DISTRIBUTION, item, "takes a process group but the ds_lowcomm sub-world does not know it: "
+                           "passed on untranslated it would run over the whole job, across replicas, so it is refused "
+                           "(internals.GROUP_METHODS lists the known ones with their rank parameters)")
+
+
+__all__ = ["COPIED", "DISTRIBUTION", "FrameworkInternalsError", "GROUP_METHODS", "ITEMS", "LOOKED_UP", "backend",
+           "backend_signature", "ensure_checked", "get", "grid", "live", "method", "problems", "put", "replace_backend",
+           "replace_method"]

@@ -1,0 +1,243 @@
+"""The supported DeepSpeed versions and every DeepSpeed internal the integration uses
+(ds_lowcomm/deepspeed/internals.py): the declared list against the installed deepspeed, the named
+error where one is missing, renamed, no longer called or rewritten, the list against the
+package's own code, the version check and its escape, and the sub-world's refusal of a
+group-taking backend method it does not know (real processes, gloo). The pins in pyproject.toml
+against versions.SUPPORTED are tested once, in test_megatron_internals.py."""
+
+import ast
+import os
+from pathlib import Path
+
+import pytest
+
+from ds_lowcomm import versions
+from ds_lowcomm.versions import ALLOW_ENV, FrameworkInternalsError, UnsupportedVersionError
+from ds_lowcomm.workers import run_local_workers
+
+os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "ds_lowcomm" / "deepspeed"
+RANGE = "deepspeed>=0.19.8,<0.20"
+
+
+@pytest.fixture
+def internals(monkeypatch):
+    from ds_lowcomm.deepspeed import internals
+
+    monkeypatch.delenv(ALLOW_ENV, raising=False)
+    monkeypatch.setattr(internals, "_checked", [])  # check again, in this test's state
+    return internals
+
+
+def test_declared_internals_match_the_installed_deepspeed(internals):
+    import deepspeed
+    from deepspeed.comm.torch import TorchBackend
+
+    assert internals.problems() == []
+    assert internals.ensure_checked() == deepspeed.__version__
+    assert len(internals.ITEMS) > 100 and internals.LOOKED_UP and internals.COPIED
+    # The group-taking backend methods the sub-world knows are exactly the installed ones: a method
+    # a DeepSpeed release adds shows up here (and is refused by the sub-world until it is added).
+    taking_group = {name for name in dir(TorchBackend) if not name.startswith("_")
+                    and internals.takes_group(object.__new__(TorchBackend), name)}
+    assert taking_group == {*internals.GROUP_METHODS, *internals.SUBWORLD_OWN} - {"get_world_group", "new_group",
+                                                                                 "init_device_mesh",
+                                                                                 "batch_isend_irecv"}
+    # Signatures are read under DeepSpeed's decorators (stage_on_cpu's wrapper takes *args, **kwargs).
+    backend = object.__new__(TorchBackend)
+    assert list(internals.backend_signature(backend, "all_reduce").parameters) == ["tensor", "op", "group",
+                                                                                   "async_op"]
+    assert list(internals.backend_signature(backend, "gather").parameters) == ["tensor", "gather_list", "dst",
+                                                                               "group", "async_op"]
+    # The stored-attribute check tells a stored attribute from one that is only read.
+    engine = internals.live(internals.ENGINE)
+    assert internals.stored_by_class(engine, "tput_timer")
+    assert not internals.stored_by_class(engine, "module_state_dict")
+
+
+def _raises_named(internals, *words):
+    with pytest.raises(FrameworkInternalsError) as err:
+        internals.ensure_checked()
+    message = str(err.value)
+    for word in (*words, "deepspeed 0.19.8", RANGE):
+        assert word in message, (word, message)
+    return message
+
+
+def test_a_missing_or_changed_internal_stops_with_its_name(internals, monkeypatch):
+    from deepspeed.comm.torch import TorchBackend
+    from deepspeed.runtime.pipe.engine import PipelineEngine
+    from deepspeed.runtime.zero.stage_1_and_2 import DeepSpeedZeroOptimizer
+
+    with monkeypatch.context() as m:  # renamed away
+        m.delattr(DeepSpeedZeroOptimizer, "_optimizer_step")
+        _raises_named(internals, "deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer._optimizer_step",
+                      "is missing")
+    with monkeypatch.context() as m:  # another signature, under the same decorator
+        m.setattr(TorchBackend, "broadcast", lambda self, tensor, source, group=None, async_op=False: None)
+        _raises_named(internals, "deepspeed.comm.torch.TorchBackend.broadcast", "(tensor, source, group, async_op)",
+                      "src")
+    with monkeypatch.context() as m:  # ZeRO no longer steps through _optimizer_step: replacing it would do nothing
+        m.setattr(DeepSpeedZeroOptimizer, "step", lambda self, closure=None: self.optimizer.step())
+        _raises_named(internals, "DeepSpeedZeroOptimizer._optimizer_step",
+                      "no longer read by deepspeed.runtime.zero.stage_1_and_2.DeepSpeedZeroOptimizer.step")
+    with monkeypatch.context() as m:  # a body activations.py copied, changed
+        def _exec_send_grads(self, buffer_id):
+            self.pipe_buffers["inputs"][buffer_id] = None
+        m.setattr(PipelineEngine, "_exec_send_grads", _exec_send_grads)
+        _raises_named(internals, "PipelineEngine._exec_send_grads", "another body", "activations.py")
+    with monkeypatch.context() as m:  # two at once: one error listing everything they break
+        m.delattr(PipelineEngine, "_build_data_iter")
+        m.delattr(DeepSpeedZeroOptimizer, "_lazy_init_hp_params_optimizer_state")
+        message = _raises_named(internals, "3 private deepspeed internals changed:",
+                                "PipelineEngine._build_data_iter (ds_lowcomm builds the pipeline loader",
+                                "DeepSpeedZeroOptimizer._lazy_init_hp_params_optimizer_state (ds_lowcomm links")
+        # the third: _build_data_iter again, as the reader of mpu and dp_world_size (named once)
+        assert message.count("PipelineEngine._build_data_iter is missing") == 1
+    internals.ensure_checked()  # all back
+
+
+def test_an_instance_attribute_is_checked_where_it_is_read_and_written(internals):
+    from deepspeed.utils.config import DeepSpeedThroughputTimerConfig
+    from deepspeed.utils.timer import ThroughputTimer
+
+    timer = ThroughputTimer(DeepSpeedThroughputTimerConfig(), batch_size=4)
+    internals.put(timer, internals.TIMER_BATCH_SIZE, 8)
+    assert timer.batch_size == 8
+    del timer.batch_size  # as if a release renamed it: neither read as a default nor created anew
+    for use in (lambda: internals.get(timer, internals.TIMER_BATCH_SIZE),
+                lambda: internals.put(timer, internals.TIMER_BATCH_SIZE, 16)):
+        with pytest.raises(FrameworkInternalsError, match=r"ThroughputTimer\.batch_size .* is missing on a "
+                                                          r"ThroughputTimer.*deepspeed>=0\.19\.8,<0\.20"):
+            use()
+    assert not hasattr(timer, "batch_size")
+
+
+def test_the_deepspeed_version_is_checked_first(internals, monkeypatch):
+    import ds_lowcomm.deepspeed as glue
+
+    monkeypatch.setattr(versions, "_warned", set())
+    real = versions.installed_version
+    monkeypatch.setattr(versions, "installed_version", lambda name: "0.20.1" if name == "deepspeed" else real(name))
+    # initialize(config=None) and replica_layout({}) would refuse their config: the version comes first
+    for call in (lambda: glue.initialize(model=None), lambda: glue.replica_layout({}),
+                 lambda: versions.check_supported("deepspeed")):
+        with pytest.raises(UnsupportedVersionError) as err:
+            call()
+        assert f"deepspeed 0.20.1 is installed; ds_lowcomm supports {RANGE}" in str(err.value)
+        assert ALLOW_ENV in str(err.value)
+    assert versions.check_supported("deepspeed", installed="0.19.9+cpu") == "0.19.9+cpu"
+    monkeypatch.setenv(ALLOW_ENV, "1")
+    with pytest.warns(RuntimeWarning, match=r"deepspeed 0\.20\.1 is installed.*>=0\.19\.8,<0\.20.*going on"):
+        assert internals.ensure_checked() == "0.20.1"  # and the internals are still checked
+
+
+def _own_names() -> set[str]:
+    """Names ds_lowcomm defines itself (functions, classes, attributes and variables it stores)."""
+    own = set()
+    for path in (ROOT / "ds_lowcomm").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
+                own.add(node.name)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                own.add(node.attr)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                own.add(node.id)
+            elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):  # d["_sw_real"] = ...
+                if isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
+                    own.add(node.slice.value)
+    return own
+
+
+# Public DeepSpeed the glue imports directly; every other DeepSpeed name goes through internals.py.
+PUBLIC_IMPORTS = {"deepspeed": None, "deepspeed.pipe": {"PipelineModule"}, "deepspeed.accelerator": {"get_accelerator"},
+                  "deepspeed.runtime.pipe.engine": {"PipelineEngine"}}
+NOT_DEEPSPEED = {"_getframe", "_get_default_group"}  # sys's and torch's
+
+
+def test_every_deepspeed_internal_goes_through_internals_py():
+    """Outside internals.py: deepspeed is imported only for public names, no private name of anyone
+    but ds_lowcomm's own is read, and no attribute of a DeepSpeed object is probed with a default
+    (getattr(x, name, default) / hasattr), so a renamed internal cannot go unnoticed. Every
+    declared item is used."""
+    from ds_lowcomm.deepspeed import internals
+
+    own, bad, used = _own_names(), [], set()
+    declared = {name for name, value in vars(internals).items() if isinstance(value, (versions.Internal, tuple))}
+    for path in sorted(PACKAGE.glob("*.py")):
+        if path.name == "internals.py":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            where = f"{path.name}:{getattr(node, 'lineno', '?')}"
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("deepspeed"):
+                if not {a.name for a in node.names} <= (PUBLIC_IMPORTS.get(node.module) or set()):
+                    bad.append(f"{where}: from {node.module} import {', '.join(a.name for a in node.names)}")
+            elif isinstance(node, ast.Import) and any(a.name.startswith("deepspeed") for a in node.names):
+                if any(a.name not in PUBLIC_IMPORTS for a in node.names):
+                    bad.append(f"{where}: import {', '.join(a.name for a in node.names)}")
+            elif isinstance(node, ast.Attribute):
+                if (node.attr.startswith("_") and not node.attr.startswith("__") and node.attr not in own
+                        and node.attr not in NOT_DEEPSPEED):
+                    bad.append(f"{where}: .{node.attr}")
+                if isinstance(node.value, ast.Name) and node.value.id in ("ds", "internals") and node.attr in declared:
+                    used.add(node.attr)
+            elif isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
+                probe = node.func.id == "hasattr" or (node.func.id == "getattr" and len(node.args) == 3)
+                name = node.args[1] if probe and len(node.args) > 1 else None
+                known = (isinstance(name, ast.Constant) and name.value in own) or (
+                    isinstance(name, ast.Name) and name.id in own)
+                if probe and not known and ast.unparse(node.args[0]) != "args":  # args: an argparse namespace
+                    bad.append(f"{where}: {ast.unparse(node)}")
+    assert not bad, "DeepSpeed internals reached around ds_lowcomm/deepspeed/internals.py:\n" + "\n".join(bad)
+    # declared for internals.py's own use (the backend, the checks) or for the glue's
+    internal_use = {"CDB", "TORCH_BACKEND", "BACKEND_METHODS", "MODULE_GRID", "ITEMS", "LOOKED_UP", "COPIED",
+                    "PIPE_INSTANCE", "EXEC_SEND_ACTIVATIONS", "EXEC_RECV_ACTIVATIONS", "EXEC_SEND_GRADS",
+                    "EXEC_RECV_GRADS", "SEND_ACTIVATION", "RECV_ACTIVATION", "SEND_GRAD", "RECV_GRAD",
+                    "SEND_OUTPUT_TIMER", "RECV_INPUT_TIMER", "SEND_GRAD_TIMER", "RECV_GRAD_TIMER",
+                    "CHECK_OVERFLOW", "GRID", "PIPELINE_ENGINE", "ENGINE",
+                    "ZERO3_HAS_OVERFLOW"}  # overflow.py replaces it by ZERO12_HAS_OVERFLOW's name, the same
+    unused = sorted(n for n in declared - used - internal_use if n.isupper())
+    assert not unused, f"declared in internals.py but used nowhere: {unused}"
+
+
+def _subworld_worker(rank, world):
+    import torch
+    import torch.distributed as dist
+    import deepspeed.comm as ds_dist
+    from deepspeed.comm.torch import TorchBackend
+
+    from ds_lowcomm.deepspeed import internals
+    from ds_lowcomm.deepspeed.subworld import enter_subworld
+
+    enter_subworld([rank], timeout_s=60)  # each rank its own world: nothing of DeepSpeed's crosses ranks
+    backend, out = internals.backend(), {}
+    t = torch.tensor([float(rank + 1)])
+    ds_dist.all_reduce(t)
+    out["all_reduce"] = t.item()
+    # gather's dst left at its default, DeepSpeed's (virtual) rank 0: this rank, not the job's rank 0
+    gathered = [torch.zeros(1)]
+    backend.gather(torch.tensor([rank + 10.0]), gathered)
+    out["gather"] = gathered[0].item()
+    out["initialized"] = backend.is_initialized()  # no group: passed on
+    # a group-taking method DeepSpeed might add in a release, which the sub-world does not know
+    TorchBackend.all_reduce_twice = lambda self, tensor, op=None, group=None, async_op=False: None
+    try:
+        backend.all_reduce_twice(t)
+        out["unknown"] = None
+    except Exception as err:  # noqa: BLE001 (its type and words are the result)
+        out["unknown"] = f"{type(err).__name__}: {err}"
+    dist.barrier()
+    return out
+
+
+def test_subworld_refuses_a_group_method_it_does_not_know():
+    for rank, out in enumerate(run_local_workers(_subworld_worker, 2, threads=1)):
+        assert out["all_reduce"] == rank + 1  # within the sub-world only
+        assert out["gather"] == rank + 10
+        assert out["initialized"] is True
+        assert out["unknown"].startswith("FrameworkInternalsError: deepspeed 0.19.8: method "
+                                         "deepspeed.comm.torch.TorchBackend.all_reduce_twice"), out["unknown"]
+        assert "takes a process group" in out["unknown"] and "across replicas" in out["unknown"]
+        assert RANGE in out["unknown"]
