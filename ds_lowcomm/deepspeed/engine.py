@@ -122,13 +122,13 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
                lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None, config=None,
                config_params=None, **kwargs):
     """Same arguments and return tuple as ``deepspeed.initialize``; the engine gains ``engine.lowcomm``."""
+    internals.ensure_checked()  # a supported deepspeed, its private internals as declared, before touching any
     import deepspeed
 
     raw = config if config is not None else config_params
     if raw is None:
         raw = getattr(args, "deepspeed_config", None)
     if raw is None:
-    internals.ensure_checked()  # a supported deepspeed, its private internals as declared, before touching any
         raise ConfigError("no DeepSpeed config: pass config=... or --deepspeed_config FILE")
     split = split_config(load_config(raw))
     if optimizer is not None:
@@ -250,13 +250,13 @@ def replica_layout(config) -> hetero.ReplicaPlace:
     """This rank's replica under ``lowcomm.replicas`` (replicas of different shapes; see
     ``hetero.py``). Call it before building the model: it checks the layout against the world size
     and makes DeepSpeed see this replica's ranks as its world."""
+    internals.ensure_checked()  # a supported deepspeed, its private internals as declared, before touching any
     import deepspeed
 
     split = split_config(load_config(config))
     if not split.replicas:
         raise ConfigError("replica_layout: the config has no lowcomm.replicas (replicas of one shape need no "
                           "layout call: lowcomm.replica_size)")
-    internals.ensure_checked()  # a supported deepspeed, its private internals as declared, before touching any
     deepspeed.init_distributed(dist_backend=_default_backend())
     # Before any rank enters its replica: a rank with another layout would wait in other groups.
     assert_same_across_ranks(TorchDistTransport(), {"lowcomm.replicas": [spec.describe() for spec in split.replicas]})
