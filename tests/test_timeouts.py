@@ -6,6 +6,7 @@ import os
 import signal
 import tempfile
 import time
+import traceback
 
 import pytest
 import torch
@@ -55,6 +56,8 @@ def _stalling_worker(rank, world, store_dir, where, timeout_s):
             result["steps"] = step + 1
     except CollectiveError as err:
         result.update(error=str(err), waited=time.monotonic() - start)
+    except BaseException:  # anything else: for the parent to show
+        result.update(crash=traceback.format_exc())
     torch.save(result, os.path.join(store_dir, f"result{rank}.pt"))
     os._exit(0)  # no barrier or teardown: the peer is stopped
 
@@ -75,7 +78,11 @@ def _run_with_a_stopped_peer(where: str, timeout_s: float, deadline_s: float = 6
                     os.kill(p.pid, signal.SIGKILL)
                 p.join()
         assert not still_waiting, f"rank 0 still waiting {deadline_s:g} s after start (lowcomm.timeout_s {timeout_s:g})"
-        return torch.load(os.path.join(store_dir, "result0.pt"), weights_only=True)
+        path = os.path.join(store_dir, "result0.pt")
+        assert os.path.exists(path), f"rank 0 left without a result (exit code {procs[0].exitcode})"
+        result = torch.load(path, weights_only=True)
+        assert "crash" not in result, result["crash"]
+        return result
 
 
 @pytest.mark.parametrize("where, timeout_s, steps, op", [
