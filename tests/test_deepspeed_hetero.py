@@ -300,3 +300,52 @@ def test_a_replica_slow_or_failing_to_save_never_leaves_latest_naming_an_unfinis
         assert "rank 2: OSError" in r["error"] and "No space left on device" in r["error"], r["error"]
     assert results[0]["latest"] == results[0]["meta_latest"] == "slow"
     assert not results[0]["failed_exported"]
+
+
+def _sync_count_worker(rank, world):
+    """Replicas [1 rank, 4 inner steps] + [1 rank, 2 inner steps], diloco: a loop of syncs x
+    place.steps_per_sync steps, then a loop of the same 8 steps on every replica."""
+    import ds_lowcomm.deepspeed as dl
+    from ds_lowcomm.comm import CollectiveError
+
+    from .conftest import params_digest, tiny_loss, tiny_model
+
+    cfg = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 1, "steps_per_print": 10**6,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}, "zero_optimization": {"stage": 0},
+           "lowcomm": {"method": "diloco", "sync_every": 3, "timeout_s": 120,
+                       "replicas": [{"ranks": 1, "inner_steps": 4}, {"ranks": 1, "inner_steps": 2}]}}
+    place = dl.replica_layout(cfg)
+    out = {"steps_per_sync": place.steps_per_sync}
+
+    def train(steps):
+        engine, *_ = dl.initialize(model=tiny_model(), config=cfg)
+        for step in range(steps):
+            engine.backward(tiny_loss(engine.module, rank, step))
+            engine.step()
+        engine.lowcomm.done()
+        return engine
+
+    engine = train(2 * place.steps_per_sync)  # 2 syncs on each replica
+    out["digest"], out["syncs"] = params_digest(engine.module), engine.lowcomm.ledger.by_op["outer_all_reduce"][0]
+    try:
+        train(8)  # 2 syncs on replica 0, 4 on replica 1
+        out["error"] = None
+    except CollectiveError as err:
+        out["error"] = str(err)
+    return out
+
+
+def test_replicas_that_run_different_numbers_of_syncs_are_told_at_the_first_sync_one_never_joins():
+    """place.steps_per_sync is each replica's inner_steps: a loop of 2 syncs x steps_per_sync ends
+    with identical parameters. The same 8 steps on every replica make replica 1 (2 inner steps)
+    wait at its sync 3 for replica 0, which ran its 2 syncs and is done: replica 1 raises at once,
+    naming both ranks and the steps per sync, instead of waiting timeout_s (120 s) for a peer."""
+    results = run_local_workers(_sync_count_worker, 2)
+    assert [r["steps_per_sync"] for r in results] == [4, 2]
+    assert results[0]["digest"] == results[1]["digest"]
+    assert [r["syncs"] for r in results] == [2, 2]
+    assert results[0]["error"] is None
+    message = results[1]["error"]
+    assert message is not None and "rank 1 (replica 1) is at its sync 3" in message, message
+    assert "rank 0 (replica 0) left the syncs after 2 (done)" in message, message
+    assert "steps per sync: replica 0: 4, replica 1: 2" in message, message

@@ -34,7 +34,7 @@ from ..settings import ConfigError
 from .collectives import Pieces, SparseAllGather, _numel, start_all_reduce_mean_
 from .consistency import assert_same_across_ranks
 from .ledger import ByteLedger
-from .transport import Pending, TorchDistTransport
+from .transport import CollectiveError, Pending, TorchDistTransport
 
 
 @dataclass(frozen=True)
@@ -101,19 +101,29 @@ class Routes:
     the order of the holdings given to :meth:`build`.
     """
 
-    def __init__(self, routes: list[Route], numels: list[int], ledger: ByteLedger):
+    def __init__(self, routes: list[Route], numels: list[int], ledger: ByteLedger, board: "SyncBoard | None" = None):
         self.routes = routes
         self.numels = numels
         self.ledger = ledger
+        self.board = board  # with ``sync_board``: where every peer is, checked before each exchange
+
+    def leave(self, what: str) -> None:
+        """Tell the peers this rank goes on to ``what`` (a whole-job step such as a checkpoint, or
+        the end of training) after the exchanges so far: a peer that waits for a further exchange
+        is told at once (:class:`SyncBoard`). Nothing without a board."""
+        if self.board is not None:
+            self.board.post(what)
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
     def build(cls, holdings: Sequence[Sequence[Piece]], numels: Sequence[int], replicas: Sequence[Sequence[int]],
               replica_weights: Sequence[float] | None = None, *, ledger: ByteLedger | None = None,
-              timeout_s: float | None = None, what: str = "parameter") -> "Routes":
+              timeout_s: float | None = None, what: str = "parameter", sync_board: str | None = None) -> "Routes":
         """``holdings[i]``: the pieces of this rank's tensor ``i`` (of ``numels[i]`` elements);
         ``replicas``: each replica's global ranks; ``replica_weights``: each replica's weight in
-        the means (default equal). Collective: every rank of the job calls it, at the same point."""
+        the means (default equal). ``sync_board``: keep a :class:`SyncBoard` of the exchanges,
+        this text added to its errors (what each replica must run). Collective: every rank of the
+        job calls it, at the same point."""
         if len(holdings) != len(numels):
             raise ValueError("holdings and numels: one entry per tensor")
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -147,7 +157,11 @@ class Routes:
                         break
             routes.append(Route(ranks, TorchDistTransport(group, ledger=ledger), route_weights,
                                 [(n, s, l) for n, _, s, l in segments], local))
-        return cls(routes, list(numels), ledger)
+        board = None
+        if sync_board is not None:
+            peers = sorted({r for route in routes for r in route.ranks} - {rank})
+            board = SyncBoard(peers, replica_of, timeout_s, sync_board)
+        return cls(routes, list(numels), ledger, board)
 
     # -- collectives -------------------------------------------------------------------------
     def check_same(self, settings: dict, tensors: Sequence[torch.Tensor]) -> None:
@@ -165,6 +179,8 @@ class Routes:
 
     def start_all_reduce_mean_(self, tensors: Sequence[torch.Tensor], op: str = "all_reduce") -> Pending:
         """Weighted mean over each route's ranks, in place once ``wait()`` returns."""
+        if self.board is not None:
+            self.board.enter(op)
         started = []
         for route in self.routes:
             flat = route.gather(tensors)
@@ -189,6 +205,7 @@ class RoutedSparseAllGather:
 
     def __init__(self, routes: Routes, op: str, codec: dict):
         self.routes = routes
+        self.op = op
         self.syncs = [SparseAllGather([route.pieces()], transport=route.transport, op=op, weights=route.weights,
                                       **codec) for route in routes.routes]
 
@@ -202,6 +219,8 @@ class RoutedSparseAllGather:
     def start(self, buffers: Sequence[torch.Tensor], healthy: bool = True) -> Pending:
         if len(buffers) != len(self.routes.numels):
             raise ValueError(f"expected {len(self.routes.numels)} tensors, got {len(buffers)}")
+        if self.routes.board is not None:
+            self.routes.board.enter(self.op)
         started = []
         for route, sync in zip(self.routes.routes, self.syncs):
             flat = route.gather(buffers)
@@ -219,6 +238,80 @@ class RoutedSparseAllGather:
             return out
 
         return Pending(finish, None)
+
+
+class SyncBoard:
+    """Where each rank is in the sequence of exchanges, on torch.distributed's store (the job's
+    rendezvous store, beside the collectives), so that replicas which run different numbers of
+    syncs are told so at the first sync one of them will never join, instead of at ``timeout_s``.
+
+    Replicas of different shapes run their own loops (``inner_steps`` apart): a script that runs
+    the same number of steps on every replica makes one replica sync more often than the other
+    ever will. Every rank posts ``"<exchanges done>|<where>"`` under its rank: before each exchange
+    ("exchange <op>"), and when it leaves for a whole-job step (a checkpoint, the end of training:
+    :meth:`Routes.leave`, and at exit). Before exchange ``k`` a rank waits until every peer of its
+    routes has posted exchange ``k`` too; a peer that posted anything else after fewer exchanges
+    will never come (it waits elsewhere for this rank), and every rank that sees it raises, naming
+    both. One store write and a few reads per exchange: latency, no payload.
+    """
+
+    _count = 0  # boards built in this process: every rank builds them in the same order
+
+    def __init__(self, peers: list[int], replica_of: dict[int, int], timeout_s: float | None, hint: str):
+        SyncBoard._count += 1
+        # torch's default store, private to torch.distributed but where every launcher puts it
+        self.store = dist.PrefixStore(f"lowcomm/board{SyncBoard._count}/", dist.distributed_c10d._get_default_store())
+        self.rank, self.peers, self.replica_of = dist.get_rank(), peers, replica_of
+        self.timeout_s, self.hint = timeout_s, hint
+        self.done = 0  # exchanges this rank entered
+        import atexit
+
+        atexit.register(self._exit)
+
+    def post(self, where: str) -> None:
+        self.store.set(str(self.rank), f"{self.done}|{where}")
+
+    def _exit(self) -> None:
+        try:
+            self.post("exited")
+        except Exception:  # noqa: BLE001 - the store may be gone with rank 0's process
+            pass
+
+    def _where(self, peer: int) -> tuple[int, str]:
+        key = str(peer)
+        if not self.store.check([key]):
+            return 0, "starting"
+        done, where = self.store.get(key).decode().split("|", 1)
+        return int(done), where
+
+    def _name(self, r: int) -> str:
+        return f"rank {r} (replica {self.replica_of[r]})"
+
+    def enter(self, op: str) -> None:
+        self.done += 1
+        k = self.done
+        self.post(f"exchange {op}")
+        waiting, pause = set(self.peers), 0.0005
+        deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
+        while waiting:
+            for peer in sorted(waiting):
+                done, where = self._where(peer)
+                if done >= k:
+                    waiting.discard(peer)
+                elif not where.startswith("exchange") and where != "starting":
+                    raise CollectiveError(
+                        f"{op}: this {self._name(self.rank)} is at its sync {k}, but {self._name(peer)} left the "
+                        f"syncs after {done} ({where}) and will not join it: the replicas ran different numbers "
+                        f"of syncs. {self.hint}")
+            if waiting and deadline is not None and time.monotonic() > deadline:
+                states = "; ".join(f"{self._name(p)}: sync {self._where(p)[0]} ({self._where(p)[1]})"
+                                   for p in sorted(waiting))
+                raise CollectiveError(f"{op}: this {self._name(self.rank)} waited {self.timeout_s} s at its sync {k} "
+                                      f"for {states}: a peer stalled or died, or the replicas run different "
+                                      f"numbers of syncs. {self.hint}")
+            if waiting:
+                time.sleep(pause)
+                pause = min(2 * pause, 0.05)
 
 
 _GROUPS: dict[tuple, tuple] = {}  # (ranks, timeout) -> (default group, group): reused by later builds

@@ -215,6 +215,7 @@ def patch_checkpoint(engine, run) -> None:
         tag = str(tag) if tag is not None else f"global_step{self.global_steps}"  # DeepSpeed's default
         if REPLICA_DIR.fullmatch(tag) or tag.startswith("."):
             raise ValueError(f"tag {tag!r}: names like replicaNNNNN and dot-names are ds_lowcomm's own")
+        run.optimizer.leave_syncs(f"save_checkpoint {tag!r}")  # a whole-job step: no sync until every rank is here
         problems, out = [], None
         try:
             # The run's other ledgers travel beside the method's (which is in the optimizer's state):

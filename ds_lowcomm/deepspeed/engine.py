@@ -62,6 +62,12 @@ class LowcommRun:
     def ledger(self) -> ByteLedger:  # the method's traffic (across replicas)
         return self.optimizer.ledger
 
+    def done(self) -> None:
+        """This rank runs no more syncs (call it after the training loop). With replicas of
+        different shapes, a peer replica still waiting for a sync is then told at once that the
+        replicas ran different numbers of syncs, instead of at ``timeout_s``; otherwise nothing."""
+        self.optimizer.leave_syncs("done")
+
     def ledgers(self) -> dict[str, ByteLedger]:
         """The run's ledgers besides the method's (saved in its checkpoints: checkpoint.py)."""
         return {"engine": self.engine_ledger, "user": self.user_ledger, "activations": self.activation_ledger}
@@ -260,7 +266,8 @@ def replica_layout(config) -> hetero.ReplicaPlace:
     deepspeed.init_distributed(dist_backend=_default_backend())
     # Before any rank enters its replica: a rank with another layout would wait in other groups.
     assert_same_across_ranks(TorchDistTransport(), {"lowcomm.replicas": [spec.describe() for spec in split.replicas]})
-    return hetero.enter_replica(split.replicas, split.lowcomm.comm.timeout_s)
+    return hetero.enter_replica(split.replicas, split.lowcomm.comm.timeout_s,
+                                split.lowcomm.effective().get("sync_every", 1))
 
 
 def _patch_engine(engine, run: LowcommRun) -> None:

@@ -136,6 +136,10 @@ class ReplicaPlace:
     ranks: tuple[int, ...]
     spec: ReplicaSpec
     specs: tuple[ReplicaSpec, ...]
+    # Engine steps (train_batch() calls) this replica runs per sync across replicas: its
+    # inner_steps, else lowcomm.sync_every (1 for the per-step methods). Every replica must run the
+    # same number of syncs, so a script runs syncs x steps_per_sync steps on each (README).
+    steps_per_sync: int = 1
 
     @property
     def pipeline_stages(self) -> int:
@@ -153,7 +157,7 @@ class ReplicaPlace:
 _PLACE: list[ReplicaPlace] = []
 
 
-def enter_replica(specs: tuple[ReplicaSpec, ...], timeout_s: float | None) -> ReplicaPlace:
+def enter_replica(specs: tuple[ReplicaSpec, ...], timeout_s: float | None, sync_every: int = 1) -> ReplicaPlace:
     """This rank's replica under ``specs`` (torch.distributed up): checks the layout against the
     world size and makes DeepSpeed see this replica as its world (``engine.replica_layout``)."""
     from .subworld import enter_subworld
@@ -166,7 +170,7 @@ def enter_replica(specs: tuple[ReplicaSpec, ...], timeout_s: float | None) -> Re
     at = 0
     for index, spec in enumerate(specs):
         if at <= rank < at + spec.ranks:
-            place = ReplicaPlace(index, tuple(range(at, at + spec.ranks)), spec, specs)
+            place = ReplicaPlace(index, tuple(range(at, at + spec.ranks)), spec, specs, spec.inner_steps or sync_every)
             break
         at += spec.ranks
     if _PLACE and _PLACE[0] != place:
@@ -258,7 +262,12 @@ def method_routes(model, optimizer, zero, zero_stage: int, place: ReplicaPlace, 
         holdings = _partition_pieces(zero, names)
         if len(holdings) != len(tensors):
             raise RuntimeError("ZeRO partitions and the optimizer's tensors do not line up")
+    default = lowcomm.effective().get("sync_every", 1)
+    per_replica = ", ".join(f"replica {i}: {spec.inner_steps or default}" for i, spec in enumerate(place.specs))
+    hint = (f"With lowcomm.replicas every replica runs the same number of syncs, so each runs syncs x "
+            f"place.steps_per_sync engine steps (steps per sync: {per_replica}).")
     return Routes.build(holdings, [t.numel() for t in tensors], place.replicas, replica_weights(place, lowcomm),
+                        sync_board=hint,
                         ledger=optimizer.ledger, timeout_s=timeout_s)
 
 

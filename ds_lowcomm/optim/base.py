@@ -123,6 +123,12 @@ class LowcommOptimizer(torch.optim.Optimizer):
             raise RuntimeError("set_pieces must come before the first step")
         self._pieces[id(flat)] = pieces
 
+    def leave_syncs(self, what: str) -> None:
+        """Replicas of different shapes: tell the peers this rank goes on to ``what`` (a checkpoint,
+        the end of training) after its syncs so far (``Routes.leave``). Nothing otherwise."""
+        if self._routes is not None:
+            self._routes.leave(what)
+
     def set_routes(self, routes: Routes) -> None:
         """Replicas of different shapes (comm/routes.py): every exchange goes along ``routes``,
         built over this rank's trainable tensors in ``param_groups`` order. Before the first step;
