@@ -208,6 +208,8 @@ def test_bf16_engines(two_ranks):
         (lambda c: c["optimizer"]["params"].update(fused=True),
          r"optimizer.params: unknown key\(s\) fused with lowcomm; allowed: lr, betas, eps, weight_decay, adam_w_mode"),
         (lambda c: c["optimizer"]["params"].update(betas=[0.9, 1.5]), r"optimizer.params.betas\[\] must be a number in"),
+        (lambda c: c.update(zero_optimization={"stage": 1}, bf16={"enabled": True}, data_types={"grad_accum_dtype": "fp32"}),
+         "data_types.grad_accum_dtype must not be fp32 with bf16 at zero_optimization.stage 1"),
     ],
 )
 def test_config_errors(mutate, message):

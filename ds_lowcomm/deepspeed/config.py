@@ -70,6 +70,11 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
         if str(device).lower() != "none":
             raise ConfigError(f"zero_optimization.{key}.device must be none with lowcomm; got {device!r} (the "
                               "method steps ZeRO's partitions in place, which offloading moves off the device)")
+    accumulate = str((ds.get("data_types") or {}).get("grad_accum_dtype", "")).lower()
+    if stage == 1 and (ds.get("bf16") or {}).get("enabled") and accumulate in ("fp32", "float32"):
+        # DeepSpeed then runs its BF16_Optimizer instead of ZeRO 1's, whose partitions zero.py steps
+        raise ConfigError("data_types.grad_accum_dtype must not be fp32 with bf16 at zero_optimization.stage 1 "
+                          "with lowcomm (DeepSpeed's BF16_Optimizer path); leave it out (bf16) or use stage 0 or 2")
     if (ds.get("zero_optimization") or {}).get("elastic_checkpoint"):
         raise ConfigError("zero_optimization.elastic_checkpoint must be false with lowcomm: elastic checkpoints "
                           "keep only per-group optimizer state and would drop the method's state")
