@@ -118,19 +118,33 @@ def build_optimizer(
     collective of the transport and of the shard's, the start-up check included."""
     cfg.validate()
     hyper = AdamSettings.from_flat({"lr": lr, **adam}, where="optimizer", strict=True)
-    if transport is None:
-        transport = TorchDistTransport()
-    # Before the optimizer's start-up check, which is the first collective to wait on a peer.
-    for t in (transport, shard.transport if shard is not None else None):
-        if t is not None:
-            t.timeout_s = cfg.comm.timeout_s
     cls = METHOD_CLASSES[cfg.method]
     optimizer = _build(cfg, cls, params, hyper, transport, shard, ledger_steps, inner_factory)
     optimizer.transport.nonfinite = cfg.comm.nonfinite  # what the collectives do about a rank with NaN/inf
     return optimizer
 
 
+def _timed(cfg: LowcommConfig, transport: Transport | None, shard: ReplicaShard | None) -> Transport:
+    """``transport`` (torch.distributed's default group if None) and the shard's, their waits bounded
+    by ``cfg.comm.timeout_s``: set before the optimizer's start-up check, the first collective to
+    wait on a peer, and after every setting error (which needs no process group)."""
+    transport = transport if transport is not None else TorchDistTransport()
+    for t in (transport, shard.transport if shard is not None else None):
+        if t is not None:
+            t.timeout_s = cfg.comm.timeout_s
+    return transport
+
+
 def _build(cfg, cls, params, hyper, transport, shard, ledger_steps, inner_factory) -> LowcommOptimizer:
+    inner = None
+    if issubclass(cls, OuterLoop):  # the inner optimizer first: inner_impl's error comes before any collective
+        if inner_factory is not None:
+            inner = inner_factory(params)
+        elif cfg.settings.inner_impl == "apex":
+            inner = _apex_fused_adamw(params, hyper)
+        else:
+            inner = torch.optim.AdamW(params, **hyper.torch_kwargs())
+    transport = _timed(cfg, transport, shard)
     comm = dict(settings=cfg.settings, transport=transport, shard=shard, ledger_steps=ledger_steps)
     if cls is AllReduceAdamW:
         return AllReduceAdamW(params, transport=transport, shard=shard, ledger_steps=ledger_steps,
@@ -139,11 +153,5 @@ def _build(cfg, cls, params, hyper, transport, shard, ledger_steps, inner_factor
         return DeMo(params, lr=hyper.lr, weight_decay=hyper.weight_decay, **comm)
     if cls is MTDAO:
         return MTDAO(params, lr=hyper.lr, beta2=hyper.betas[1], eps=hyper.eps, weight_decay=hyper.weight_decay, **comm)
-    assert issubclass(cls, OuterLoop), cls
-    if inner_factory is not None:
-        inner = inner_factory(params)
-    elif cfg.settings.inner_impl == "apex":
-        inner = _apex_fused_adamw(params, hyper)
-    else:
-        inner = torch.optim.AdamW(params, **hyper.torch_kwargs())
+    assert inner is not None, cls
     return cls(inner, **comm)
