@@ -107,12 +107,13 @@ class Routes:
         self.ledger = ledger
         self.board = board  # with ``sync_board``: where every peer is, checked before each exchange
 
-    def leave(self, what: str) -> None:
-        """Tell the peers this rank goes on to ``what`` (a whole-job step such as a checkpoint, or
-        the end of training) after the exchanges so far: a peer that waits for a further exchange
-        is told at once (:class:`SyncBoard`). Nothing without a board."""
+    def leave(self, what: str, final: bool = False) -> None:
+        """Tell the peers this rank goes on to ``what`` after the exchanges so far: a step every
+        rank of the job takes (a checkpoint), or, ``final``, no more exchanges at all (the end of
+        training). A peer waiting for a further exchange is told at once (:class:`SyncBoard`).
+        Nothing without a board."""
         if self.board is not None:
-            self.board.post(what)
+            self.board.leave(what, final)
 
     # -- construction ------------------------------------------------------------------------
     @classmethod
@@ -247,64 +248,72 @@ class SyncBoard:
 
     Replicas of different shapes run their own loops (``inner_steps`` apart): a script that runs
     the same number of steps on every replica makes one replica sync more often than the other
-    ever will. Every rank posts ``"<exchanges done>|<where>"`` under its rank: before each exchange
-    ("exchange <op>"), and when it leaves for a whole-job step (a checkpoint, the end of training:
-    :meth:`Routes.leave`, and at exit). Before exchange ``k`` a rank waits until every peer of its
-    routes has posted exchange ``k`` too; a peer that posted anything else after fewer exchanges
-    will never come (it waits elsewhere for this rank), and every rank that sees it raises, naming
-    both. One store write and a few reads per exchange: latency, no payload.
+    ever will. Every rank posts ``"<exchanges entered>|<steps left for>|<where>"`` under its rank:
+    before each exchange, and when it leaves the exchanges, either for a step every rank of the job
+    takes (a checkpoint: ``leave``) or for good (the end of training, exit: ``final``). Before
+    exchange ``k`` a rank waits until every peer of its routes has entered exchange ``k`` too. A peer
+    that entered fewer and left for good will never come; one that left for a job-wide step this
+    rank has not taken waits there for this rank: either way every rank that sees it raises,
+    naming both. (A peer still posted in a job-wide step this rank has taken too is on its way
+    back.) One store write and a few reads per exchange: latency, no payload.
     """
 
     _count = 0  # boards built in this process: every rank builds them in the same order
 
     def __init__(self, peers: list[int], replica_of: dict[int, int], timeout_s: float | None, hint: str):
         SyncBoard._count += 1
-        # torch's default store, private to torch.distributed but where every launcher puts it
+        # torch's default store (private to torch.distributed, but every launcher's rendezvous store)
         self.store = dist.PrefixStore(f"lowcomm/board{SyncBoard._count}/", dist.distributed_c10d._get_default_store())
         self.rank, self.peers, self.replica_of = dist.get_rank(), peers, replica_of
         self.timeout_s, self.hint = timeout_s, hint
-        self.done = 0  # exchanges this rank entered
+        self.entered = 0  # exchanges this rank entered
+        self.steps = 0  # job-wide steps this rank left the exchanges for
         import atexit
 
         atexit.register(self._exit)
 
-    def post(self, where: str) -> None:
-        self.store.set(str(self.rank), f"{self.done}|{where}")
+    def _post(self, where: str) -> None:
+        self.store.set(str(self.rank), f"{self.entered}|{self.steps}|{where}")
+
+    def leave(self, what: str, final: bool = False) -> None:
+        if not final:
+            self.steps += 1
+        self._post(("final " if final else "") + what)
 
     def _exit(self) -> None:
         try:
-            self.post("exited")
+            self.leave("exited", final=True)
         except Exception:  # noqa: BLE001 - the store may be gone with rank 0's process
             pass
 
-    def _where(self, peer: int) -> tuple[int, str]:
+    def _where(self, peer: int) -> tuple[int, int, str]:
         key = str(peer)
         if not self.store.check([key]):
-            return 0, "starting"
-        done, where = self.store.get(key).decode().split("|", 1)
-        return int(done), where
+            return 0, 0, "exchange (not yet posted)"
+        entered, steps, where = self.store.get(key).decode().split("|", 2)
+        return int(entered), int(steps), where
 
     def _name(self, r: int) -> str:
         return f"rank {r} (replica {self.replica_of[r]})"
 
     def enter(self, op: str) -> None:
-        self.done += 1
-        k = self.done
-        self.post(f"exchange {op}")
+        self.entered += 1
+        k = self.entered
+        self._post(f"exchange {op}")
         waiting, pause = set(self.peers), 0.0005
         deadline = None if self.timeout_s is None else time.monotonic() + self.timeout_s
         while waiting:
             for peer in sorted(waiting):
-                done, where = self._where(peer)
-                if done >= k:
+                entered, steps, where = self._where(peer)
+                if entered >= k:
                     waiting.discard(peer)
-                elif not where.startswith("exchange") and where != "starting":
+                elif where.startswith("final ") or (not where.startswith("exchange") and steps > self.steps):
                     raise CollectiveError(
                         f"{op}: this {self._name(self.rank)} is at its sync {k}, but {self._name(peer)} left the "
-                        f"syncs after {done} ({where}) and will not join it: the replicas ran different numbers "
-                        f"of syncs. {self.hint}")
+                        f"syncs after {entered} ({where.removeprefix('final ')}) and will not join it: the replicas "
+                        f"ran different numbers of syncs. {self.hint}")
             if waiting and deadline is not None and time.monotonic() > deadline:
-                states = "; ".join(f"{self._name(p)}: sync {self._where(p)[0]} ({self._where(p)[1]})"
+                states = "; ".join(f"{self._name(p)}: sync {self._where(p)[0]} ({self._where(p)[2]})"
                                    for p in sorted(waiting))
                 raise CollectiveError(f"{op}: this {self._name(self.rank)} waited {self.timeout_s} s at its sync {k} "
                                       f"for {states}: a peer stalled or died, or the replicas run different "

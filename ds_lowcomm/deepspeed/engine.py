@@ -66,7 +66,7 @@ class LowcommRun:
         """This rank runs no more syncs (call it after the training loop). With replicas of
         different shapes, a peer replica still waiting for a sync is then told at once that the
         replicas ran different numbers of syncs, instead of at ``timeout_s``; otherwise nothing."""
-        self.optimizer.leave_syncs("done")
+        self.optimizer.leave_syncs("done", final=True)
 
     def ledgers(self) -> dict[str, ByteLedger]:
         """The run's ledgers besides the method's (saved in its checkpoints: checkpoint.py)."""

@@ -30,6 +30,7 @@ in DeepSpeed), as in the Heterogeneous SparseLoCo code, which weights replicas b
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,7 +174,8 @@ def enter_replica(specs: tuple[ReplicaSpec, ...], timeout_s: float | None, sync_
             place = ReplicaPlace(index, tuple(range(at, at + spec.ranks)), spec, specs, spec.inner_steps or sync_every)
             break
         at += spec.ranks
-    if _PLACE and _PLACE[0] != place:
+    # (a later engine may run another method: its steps per sync are its own)
+    if _PLACE and dataclasses.replace(_PLACE[0], steps_per_sync=place.steps_per_sync) != place:
         raise ConfigError("replica_layout: called again with another layout; one layout per process")
     enter_subworld(list(place.ranks), timeout_s=timeout_s)
     _PLACE[:] = [place]

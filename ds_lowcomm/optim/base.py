@@ -123,11 +123,12 @@ class LowcommOptimizer(torch.optim.Optimizer):
             raise RuntimeError("set_pieces must come before the first step")
         self._pieces[id(flat)] = pieces
 
-    def leave_syncs(self, what: str) -> None:
-        """Replicas of different shapes: tell the peers this rank goes on to ``what`` (a checkpoint,
-        the end of training) after its syncs so far (``Routes.leave``). Nothing otherwise."""
+    def leave_syncs(self, what: str, final: bool = False) -> None:
+        """Replicas of different shapes: tell the peers this rank goes on to ``what`` after its
+        syncs so far: a step every rank takes (a checkpoint), or, ``final``, the end of its syncs
+        (``Routes.leave``). Nothing otherwise."""
         if self._routes is not None:
-            self._routes.leave(what)
+            self._routes.leave(what, final)
 
     def set_routes(self, routes: Routes) -> None:
         """Replicas of different shapes (comm/routes.py): every exchange goes along ``routes``,
