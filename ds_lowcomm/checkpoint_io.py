@@ -131,14 +131,18 @@ def check_digests(paths: Iterable[str | os.PathLike], required: bool = True) -> 
     return [why for p in paths if (why := check_digest(p, required)) is not None]
 
 
-def agree_on_problems(problems: list[str], what: str = "checkpoint not loaded") -> None:
-    """Collective (torch.distributed's default group, the whole job): raise on every rank if any
-    rank found a problem, naming them all, so that no rank goes on into collectives the others
-    never join. ``what``: the error's opening words."""
+def agree_on_problems(problems: list[str], what: str = "checkpoint not loaded",
+                      gather: Callable[[list[str]], list[list[str]]] | None = None) -> None:
+    """Collective (the whole job): raise on every rank if any rank found a problem, naming them
+    all, so that no rank goes on into collectives the others never join. ``what``: the error's
+    opening words; ``gather``: every rank's list from this rank's (a collective bounded by the
+    caller's timeout), by default torch.distributed's ``all_gather_object`` on the default group."""
     import torch.distributed as dist
 
     everyone = [problems]
-    if dist.is_initialized() and dist.get_world_size() > 1:
+    if gather is not None:
+        everyone = gather(problems)
+    elif dist.is_initialized() and dist.get_world_size() > 1:
         everyone = [None] * dist.get_world_size()
         dist.all_gather_object(everyone, problems)
     found = [f"rank {r}: {why}" for r, mine in enumerate(everyone) for why in mine]

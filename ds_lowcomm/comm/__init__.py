@@ -3,7 +3,7 @@
 from .build import build_transport
 from .collectives import (NonFiniteError, Pieces, SparseAllGather, all_finite, all_reduce_mean_,
                           start_all_reduce_mean_)
-from .consistency import assert_same_across_ranks
+from .consistency import assert_same_across_ranks, gather_json
 from .ledger import ByteLedger
 from .shard import ReplicaShard
 from .routes import Piece, Routes

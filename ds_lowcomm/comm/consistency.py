@@ -21,7 +21,9 @@ def param_checksums(params: Iterable[torch.Tensor]) -> list[float]:
     return out
 
 
-def _gather_json(transport: Transport, obj: Any) -> list[Any]:
+def gather_json(transport: Transport, obj: Any) -> list[Any]:
+    """Every rank's JSON-able ``obj``, in rank order (collective over ``transport``, bounded by its
+    ``timeout_s``; recorded as start-up traffic)."""
     dev = transport.device
     data = torch.tensor(list(json.dumps(obj, sort_keys=True).encode()), dtype=torch.uint8, device=dev)
     length = torch.tensor([data.numel()], dtype=torch.int64, device=dev).view(torch.uint8)
@@ -59,7 +61,7 @@ def assert_same_across_ranks(transport: Transport, settings: dict, params: Itera
     record = {"settings": settings}
     if params is not None:
         record["checksums"] = param_checksums(params)
-    everyone = _gather_json(transport, record)
+    everyone = gather_json(transport, record)
     mine = everyone[0]
     for rank, theirs in enumerate(everyone[1:], start=1):
         a, b = mine["settings"], theirs["settings"]

@@ -32,7 +32,7 @@ import torch.distributed as dist
 
 from ..settings import ConfigError
 from .collectives import Pieces, SparseAllGather, _numel, start_all_reduce_mean_
-from .consistency import assert_same_across_ranks
+from .consistency import assert_same_across_ranks, gather_json
 from .ledger import ByteLedger
 from .transport import CollectiveError, Pending, TorchDistTransport
 
@@ -130,8 +130,9 @@ class Routes:
         rank, world = dist.get_rank(), dist.get_world_size()
         mine = [[(p.name, list(p.shape), p.start, p.length, p.offset, i) for p in pieces]
                 for i, pieces in enumerate(holdings)]
-        everyone: list = [None] * world
-        dist.all_gather_object(everyone, [x for tensor in mine for x in tensor])
+        # every rank's holdings (a bounded collective over the whole job; start-up, in no ledger)
+        job = TorchDistTransport(ledger=ByteLedger(), timeout_s=timeout_s)
+        everyone = gather_json(job, [x for tensor in mine for x in tensor])
         replica_of = {r: k for k, ranks in enumerate(replicas) for r in ranks}
         if sorted(replica_of) != list(range(world)):
             raise ValueError(f"replicas must cover ranks 0..{world - 1} once; got {replicas}")

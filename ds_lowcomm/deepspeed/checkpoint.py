@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 from ..checkpoint_io import (DIGEST_SUFFIX, CheckpointError, agree_on_problems, check_digests, load_file, save_file,
                              write_text)
+from ..comm import ByteLedger, TorchDistTransport, gather_json
 from ..comm.consistency import settings_differences
 from ..settings import ConfigError
 from . import internals
@@ -182,6 +183,13 @@ def patch_checkpoint(engine, run) -> None:
     save = internals.method(engine, internals.SAVE_CHECKPOINT)
     load = internals.method(engine, internals.LOAD_CHECKPOINT)
     topology = run.topology
+    # Agreements of the whole job (torch.distributed's default group, every replica whatever the
+    # layout), each wait bounded by lowcomm.timeout_s; their few bytes are checkpoint traffic,
+    # in no ledger's totals.
+    job = TorchDistTransport(ledger=ByteLedger(), timeout_s=run.config.lowcomm.comm.timeout_s)
+
+    def agree(problems: list[str], **what) -> None:
+        agree_on_problems(problems, gather=lambda mine: gather_json(job, mine), **what)
 
     def replica_dir(base: str) -> str:
         return os.path.join(base, f"replica{topology.replica:05d}")
@@ -236,7 +244,7 @@ def patch_checkpoint(engine, run) -> None:
         # DeepSpeed's own closing barrier spans one replica's world only with replicas of different
         # shapes (subworld.py): every replica of the job must be done, and well, before rank 0
         # publishes; otherwise a `latest` naming an unfinished checkpoint could be left behind.
-        agree_on_problems(problems, what=f"checkpoint {tag!r} not saved ({save_dir}: latest left as it was)")
+        agree(problems, what=f"checkpoint {tag!r} not saved ({save_dir}: latest left as it was)")
         if dist.get_rank() == 0:
             export(self, save_dir, tag)
             # DeepSpeed copies zero_to_fp32.py / zero_to_torch.py next to the tags it saves (here the
@@ -252,7 +260,7 @@ def patch_checkpoint(engine, run) -> None:
             write_text(path, json.dumps({**meta(self), "latest": latest}))
             if save_latest:
                 write_text(os.path.join(save_dir, LATEST), tag)
-        dist.barrier()  # no rank reads the directory before it is complete
+        agree([])  # no rank reads the directory before it is complete
         return out
 
     def warm_start(self, load_dir, tag, kwargs):
@@ -309,14 +317,14 @@ def patch_checkpoint(engine, run) -> None:
         tag_dir = os.path.join(replica_dir(load_dir), str(tag))
         files = [os.path.join(tag_dir, n) for n in sorted(os.listdir(tag_dir))
                  if not n.endswith(DIGEST_SUFFIX) and not n.startswith(".")] if os.path.isdir(tag_dir) else []
-        agree_on_problems(check_digests(f for f in files if os.path.isfile(f)) if files
+        agree(check_digests(f for f in files if os.path.isfile(f)) if files
                           else [f"{tag_dir}: no such checkpoint"])
         problems, (path, client_state) = [], (None, None)
         try:
             path, client_state = load(replica_dir(load_dir), tag, **kwargs)
         except CheckpointError as err:  # a file that is not plain data: refused, and by every rank
             problems.append(str(err))
-        agree_on_problems(problems)
+        agree(problems)
         if path is None:
             raise FileNotFoundError(f"{replica_dir(load_dir)}/{tag}: DeepSpeed found no checkpoint to load")
         run.optimizer.check_replicas_agree()  # the replicas' copies of what must be equal are
