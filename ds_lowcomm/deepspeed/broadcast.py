@@ -42,10 +42,10 @@ def _tensors(model: torch.nn.Module | None, params: Iterable) -> list[torch.Tens
 
 @torch.no_grad()
 def broadcast_initial_state(model: torch.nn.Module | None, params: Iterable, ledger: ByteLedger,
-                            group=None) -> None:
+                            group=None, timeout_s: float | None = None) -> None:
     """Broadcast rank 0's parameters and buffers to every rank (one flat buffer per dtype/device);
     with ``group`` (a pipeline stage's ranks), the group's first rank's to the group."""
-    transport = TorchDistTransport(group, ledger=ledger)
+    transport = TorchDistTransport(group, ledger=ledger, timeout_s=timeout_s)
     if transport.world_size == 1:
         return
     buckets: dict[tuple, list[torch.Tensor]] = {}

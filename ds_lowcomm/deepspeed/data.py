@@ -17,15 +17,9 @@ import torch.distributed as dist
 from ..comm import ReplicaTopology
 from ..settings import ConfigError
 from . import internals
+from .state import STATE
 
 BATCH_FIELDS = ("train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps")
-
-
-_CURRENT: list[ReplicaTopology] = []  # the layout of the last engine ds_lowcomm built in this process
-
-
-def set_current_topology(topology: ReplicaTopology) -> None:
-    _CURRENT[:] = [topology]
 
 
 def data_parallel_rank() -> int:
@@ -33,14 +27,14 @@ def data_parallel_rank() -> int:
     of a loader you build yourself should use (the global rank; with pipeline replicas, the index
     of this rank's pipeline, the same on its first and last stage)."""
     _require_dist()
-    return _CURRENT[0].data_rank if _CURRENT else dist.get_rank()
+    return STATE.topology.data_rank if STATE.topology is not None else dist.get_rank()
 
 
 def data_parallel_world_size() -> int:
     """The number of data-parallel ranks across all replicas: the ``num_replicas`` of a
     ``DistributedSampler`` (the world size; with pipeline replicas, the number of pipelines)."""
     _require_dist()
-    return _CURRENT[0].data_world if _CURRENT else dist.get_world_size()
+    return STATE.topology.data_world if STATE.topology is not None else dist.get_world_size()
 
 
 def _require_dist() -> None:

@@ -24,26 +24,23 @@ What it does, in order:
 from __future__ import annotations
 
 import argparse
-import functools
 import types
 
-import torch.distributed as dist
 from dataclasses import dataclass, field
 from typing import Any
 
-from ..comm import ByteLedger, ReplicaShard, ReplicaTopology, TorchDistTransport, assert_same_across_ranks, build_transport
+from ..comm import ByteLedger, ReplicaTopology, TorchDistTransport, assert_same_across_ranks
 from ..optim import LowcommOptimizer, build_optimizer
 from ..settings import ConfigError
+from .activations import install_activation_compression
 from .checkpoint import patch_checkpoint
 from .comm_counter import count_deepspeed_collectives
-from .broadcast import broadcast_initial_state
 from .config import SplitConfig, load_config, split_config
-from .data import (build_pipeline_loader, build_training_loader, patch_world_batch_and_io, replica_batch_config,
-                   report_global_batch, set_current_topology)
-from .mpu import ReplicaMPU
+from .data import patch_world_batch_and_io, replica_batch_config, report_global_batch
+from .layout import choose_layout
 from .overflow import agree_on_overflow
-from . import hetero, internals, pipeline, zero
-from .activations import install_activation_compression
+from .state import STATE
+from . import hetero, internals, zero
 
 
 @dataclass
@@ -131,6 +128,71 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     internals.ensure_checked()  # a supported deepspeed, its private internals as declared, before touching any
     import deepspeed
 
+    # 1. Every setting checked before any communication.
+    split = _checked_config(args, config, config_params, optimizer, mpu, model)
+    if args is not None and getattr(args, "deepspeed_config", None) is not None:
+        args = argparse.Namespace(**{**vars(args), "deepspeed_config": None})  # the config goes by dict
+    # Also when torch.distributed is already up: DeepSpeed then wraps the existing group.
+    deepspeed.init_distributed(dist_backend=_default_backend())
+    engine_ledger, user_ledger = ByteLedger(), ByteLedger()
+    count_deepspeed_collectives(engine_ledger, user_ledger)
+
+    # 2. The layout of replicas (layout.py); every rank with the same settings, from rank 0's weights.
+    layout = choose_layout(split, model, engine_ledger)
+    topology, timeout_s = layout.topology, layout.timeout_s
+    STATE.topology = topology  # data_parallel_rank() / _world_size() for the user's own loaders
+    assert_same_across_ranks(TorchDistTransport(ledger=engine_ledger, timeout_s=timeout_s), {
+        # flat keys, so that a difference names its field
+        **{f"lowcomm.{k}": v for k, v in split.lowcomm.effective().items()},
+        **layout.shared_settings(),
+        "zero_optimization.stage": split.zero_stage,
+        # every replica skips an overflowed step together (overflow.py): one precision everywhere
+        **{f"{k}.enabled": bool(split.deepspeed.get(k, {}).get("enabled", False)) for k in ("fp16", "bf16")},
+        **{f"optimizer.params.{k}": v for k, v in split.optimizer.flat().items()}})
+    global_batch = replica_batch_config(split.deepspeed, topology)  # train_batch_size counts every replica
+    params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
+    layout.broadcast_initial_state(params)  # before the optimizer's own check of equal starts
+
+    # 3. The method's optimizer, handed to DeepSpeed as a client optimizer.
+    opt = build_optimizer(layout.method_settings(), params, transport=layout.transport(), shard=layout.shard(),
+                          ledger_steps=False,  # engine.step closes the ledgers' steps (_patch_engine)
+                          **split.optimizer.torch_kwargs())
+    opt.framework_setup = True  # DeepSpeed's construction-time step() calls are not training steps
+    engine, ds_opt, loader, sched = deepspeed.initialize(
+        args=args, model=model, optimizer=opt, model_parameters=params, training_data=None,  # loader: below
+        lr_scheduler=lr_scheduler, mpu=layout.mpu(), dist_init_required=dist_init_required,
+        collate_fn=collate_fn, config=split.deepspeed, **kwargs,
+    )
+    opt.framework_setup = False
+
+    # 4. The method meets the engine.
+    agree_on_overflow(engine, topology.num_replicas, opt.ledger, timeout_s)  # fp16/bf16: skip steps together
+    if split.zero_stage == 0:
+        # Inside a replica DeepSpeed averages gradients as usual; with one data-parallel rank per
+        # replica there is nothing to average and the method does all the communication.
+        internals.put(engine, layout.backward_allreduce_flag(), topology.data_per_replica > 1)
+    else:  # the method on ZeRO's flat partitions: parameter pieces, one exchange per step
+        zero.install(engine.optimizer, opt, split.zero_stage)
+    layout.connect(engine, opt)  # replicas of different shapes: routes by parameter name
+    patch_world_batch_and_io(engine, topology)  # the user's set_train_batch_size and deepspeed_io
+    if training_data:
+        loader = layout.loader(engine, training_data)
+    report_global_batch(engine, topology)
+    assert engine.train_batch_size() == global_batch, (engine.train_batch_size(), global_batch)
+    engine_ledger.drop_open_step()  # DeepSpeed's start-up collectives belong to no step
+    trainable = sum(internals.get(p, internals.PARAM_DS_NUMEL) if split.zero_stage == 3 else p.numel()
+                    for p in model.parameters() if p.requires_grad)  # ZeRO 3: a parameter's whole size
+    run = LowcommRun(split, topology, opt, engine_ledger, user_ledger, dense_allreduce_bytes_per_step=4 * trainable)
+    if layout.codes_activations():  # activations between stages: counted apart, coded if asked
+        install_activation_compression(engine, split.activations, run.activation_ledger)
+    engine.lowcomm = run
+    _patch_engine(engine, run)
+    return engine, ds_opt, loader, sched
+
+
+def _checked_config(args, config, config_params, optimizer, mpu, model) -> SplitConfig:
+    """The config's sections, checked (``ConfigError`` naming the field), and what ds_lowcomm
+    takes over from ``deepspeed.initialize``'s arguments refused."""
     raw = config if config is not None else config_params
     if raw is None:
         raw = getattr(args, "deepspeed_config", None)
@@ -144,112 +206,11 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         raise ConfigError("mpu=: the data-parallel layout comes from lowcomm.replica_size; leave mpu out")
     from deepspeed.pipe import PipelineModule
 
-    piped = isinstance(model, PipelineModule)
     compressing = (split.activations.forward, split.activations.backward) != ("none", "none")
-    if compressing and not piped and not split.replicas:  # with replicas: for the pipeline ones
+    if compressing and not isinstance(model, PipelineModule) and not split.replicas:  # replicas: the pipelined ones
         raise ConfigError("lowcomm.activations: codecs between pipeline stages need DeepSpeed's pipeline engine "
                           "(model=PipelineModule(...)); leave it out (or none/none) for other models")
-    if args is not None and getattr(args, "deepspeed_config", None) is not None:
-        args = argparse.Namespace(**{**vars(args), "deepspeed_config": None})  # config goes by dict
-
-    # Also when torch.distributed is already up: DeepSpeed then wraps the existing group.
-    deepspeed.init_distributed(dist_backend=_default_backend())
-    engine_ledger, user_ledger = ByteLedger(), ByteLedger()
-    count_deepspeed_collectives(engine_ledger, user_ledger)
-
-    replica_size = split.lowcomm.comm.replica_size
-    timeout_s = split.lowcomm.comm.timeout_s
-    place = hetero.current_place(split.replicas) if split.replicas else None  # replicas of different shapes
-    if place is not None:
-        hetero.check_model(model, place)
-        topology = hetero.topology(place, model, timeout_s)
-        if place.spec.activations is not None:  # this replica's own codecs between its stages
-            split.activations = place.spec.activations
-    else:
-        topology = (pipeline.pipeline_replicas(model, replica_size, split.zero_stage, timeout_s) if piped
-                    else ReplicaTopology.build(replica_size, timeout_s))
-    set_current_topology(topology)  # data_parallel_rank() / _world_size() for the user's own loaders
-    assert_same_across_ranks(  # flat keys, so that a difference names its field
-        TorchDistTransport(ledger=engine_ledger),
-        {**{f"lowcomm.{k}": v for k, v in split.lowcomm.effective().items()},
-         **({f"lowcomm.activations.{k}": v for k, v in split.activations.flat().items()} if place is None else
-            {"lowcomm.replicas": [spec.describe() for spec in split.replicas]}),
-         "zero_optimization.stage": split.zero_stage,
-         # every replica skips an overflowed step together (overflow.py): one precision everywhere
-         **{f"{k}.enabled": bool(split.deepspeed.get(k, {}).get("enabled", False)) for k in ("fp16", "bf16")},
-         **{f"optimizer.params.{k}": v for k, v in split.optimizer.flat().items()}},
-    )
-    global_batch = replica_batch_config(split.deepspeed, topology)  # train_batch_size counts every replica
-    params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
-    # Every rank, inside and across replicas, starts from rank 0's weights (before the optimizer's
-    # check); pipeline stages from their stage's first pipeline.
-    if place is not None:  # by parameter name: replicas hold different parts on each rank
-        hetero.broadcast_initial_state(model, timeout_s)
-    else:
-        broadcast_initial_state(model, params, engine_ledger, group=pipeline.stage_group(model) if piped else None)
-    if piped and place is None:  # DeepSpeed's data-parallel group: this stage inside this replica
-        pipeline.narrow_data_parallel_to_replica(model, topology)
-    # The method's traffic across replicas goes over lowcomm.transport (torch.distributed or MPI);
-    # DeepSpeed's own (inside a replica) and the check above stay on torch.distributed. Replicas of
-    # different shapes sync along routes by name (set below); the construction check is then this
-    # rank's own and the routes check the rest.
-    if place is not None:
-        transport = TorchDistTransport(dist.new_group([dist.get_rank()], use_local_synchronization=True))
-    else:
-        transport = build_transport(split.lowcomm.comm.transport, group=topology.cross_group,
-                                    cross=(topology.local_rank, topology.replica) if topology.num_replicas > 1 else None,
-                                    timeout_s=split.lowcomm.comm.timeout_s)
-    shard = None  # (replicas of different shapes: routes count a replica's equal ZeRO 0 copies as one)
-    if place is None and split.zero_stage == 0 and topology.data_per_replica > 1:
-        # Every data-parallel rank of a replica (of a stage) holds the same parameters: split the
-        # cross-replica sync by owner.
-        if piped:
-            grid = internals.grid(model)
-            field = functools.partial(internals.get, grid)
-            shard = ReplicaShard(field(internals.GRID_DATA_ID), field(internals.GRID_DATA_SIZE),
-                                 TorchDistTransport(field(internals.GRID_DP_PROC_GROUP), ledger=engine_ledger))
-        else:
-            shard = ReplicaShard(topology.local_rank, topology.replica_size,
-                                 TorchDistTransport(topology.replica_group, ledger=engine_ledger))
-    # engine.step closes the ledger's steps (ZeRO steps the optimizer once per parameter group)
-    lowcomm = hetero.inner_steps(place, split.lowcomm) if place is not None else split.lowcomm
-    opt = build_optimizer(lowcomm, params, transport=transport, shard=shard, ledger_steps=False,
-                          **split.optimizer.torch_kwargs())
-    opt.framework_setup = True  # DeepSpeed's construction-time step() calls are not training steps
-    engine, ds_opt, loader, sched = deepspeed.initialize(
-        args=args, model=model, optimizer=opt, model_parameters=params, training_data=None,  # loader: below
-        lr_scheduler=lr_scheduler,  # pipelines: the module's grid; replicas of different shapes: their own world
-        mpu=None if piped or place is not None else ReplicaMPU(topology),
-        dist_init_required=dist_init_required,
-        collate_fn=collate_fn, config=split.deepspeed, **kwargs,
-    )
-    opt.framework_setup = False
-    agree_on_overflow(engine, topology.num_replicas, opt.ledger, timeout_s)  # fp16: skip steps together
-    if split.zero_stage == 0:
-        # Inside a replica DeepSpeed averages gradients as usual; with one data-parallel rank per
-        # replica there is nothing to average and the method does all the communication.
-        flag = internals.PIPELINE_BACKWARD_ALLREDUCE if piped else internals.BACKWARD_ALLREDUCE
-        internals.put(engine, flag, topology.data_per_replica > 1)
-    else:  # the method on ZeRO's flat partitions: parameter pieces, one exchange per step
-        zero.install(engine.optimizer, opt, split.zero_stage)
-    if place is not None:  # syncs across replicas by parameter name, weighted by tokens
-        opt.set_routes(hetero.method_routes(model, opt, engine.optimizer, split.zero_stage, place, split.lowcomm,
-                                            timeout_s))
-    patch_world_batch_and_io(engine, topology)  # the user's set_train_batch_size and deepspeed_io
-    if training_data:  # DeepSpeed's loader, sharded over every rank (pipeline) of every replica
-        loader = (build_pipeline_loader if piped else build_training_loader)(engine, training_data, topology)
-    report_global_batch(engine, topology)
-    assert engine.train_batch_size() == global_batch, (engine.train_batch_size(), global_batch)
-    engine_ledger.drop_open_step()  # DeepSpeed's start-up collectives belong to no step
-    trainable = sum(internals.get(p, internals.PARAM_DS_NUMEL) if split.zero_stage == 3 else p.numel()
-                    for p in model.parameters() if p.requires_grad)  # ZeRO 3: a parameter's whole size
-    run = LowcommRun(split, topology, opt, engine_ledger, user_ledger, dense_allreduce_bytes_per_step=4 * trainable)
-    # activations between stages: counted apart, coded if asked
-    if piped and internals.get(internals.grid(model), internals.GRID_PIPE_SIZE) > 1:
-        install_activation_compression(engine, split.activations, run.activation_ledger)
-    engine.lowcomm = run
-    _patch_engine(engine, run)
-    return engine, ds_opt, loader, sched
+    return split
 
 
 def replica_layout(config) -> hetero.ReplicaPlace:
@@ -265,7 +226,8 @@ def replica_layout(config) -> hetero.ReplicaPlace:
                           "layout call: lowcomm.replica_size)")
     deepspeed.init_distributed(dist_backend=_default_backend())
     # Before any rank enters its replica: a rank with another layout would wait in other groups.
-    assert_same_across_ranks(TorchDistTransport(), {"lowcomm.replicas": [spec.describe() for spec in split.replicas]})
+    assert_same_across_ranks(TorchDistTransport(timeout_s=split.lowcomm.comm.timeout_s),
+                             {"lowcomm.replicas": [spec.describe() for spec in split.replicas]})
     return hetero.enter_replica(split.replicas, split.lowcomm.comm.timeout_s,
                                 split.lowcomm.effective().get("sync_every", 1))
 

@@ -43,6 +43,7 @@ from ..comm.routes import Piece, whole
 from ..optim.registry import OUTER_METHODS
 from ..settings import ConfigError
 from . import internals as ds
+from .state import STATE
 from .zero import stage12_partitions
 
 SPEC_KEYS = ("ranks", "pipeline_stages", "inner_steps", "activations")
@@ -155,7 +156,6 @@ class ReplicaPlace:
         return out
 
 
-_PLACE: list[ReplicaPlace] = []
 
 
 def enter_replica(specs: tuple[ReplicaSpec, ...], timeout_s: float | None, sync_every: int = 1) -> ReplicaPlace:
@@ -175,20 +175,20 @@ def enter_replica(specs: tuple[ReplicaSpec, ...], timeout_s: float | None, sync_
             break
         at += spec.ranks
     # (a later engine may run another method: its steps per sync are its own)
-    if _PLACE and dataclasses.replace(_PLACE[0], steps_per_sync=place.steps_per_sync) != place:
+    if STATE.place is not None and dataclasses.replace(STATE.place, steps_per_sync=place.steps_per_sync) != place:
         raise ConfigError("replica_layout: called again with another layout; one layout per process")
     enter_subworld(list(place.ranks), timeout_s=timeout_s)
-    _PLACE[:] = [place]
+    STATE.place = place
     return place
 
 
 def current_place(specs: tuple[ReplicaSpec, ...]) -> ReplicaPlace:
-    if not _PLACE:
+    if STATE.place is None:
         raise ConfigError("lowcomm.replicas: call ds_lowcomm.deepspeed.replica_layout(config) first, before "
                           "building the model (each replica builds its own shape)")
-    if _PLACE[0].specs != specs:
+    if STATE.place.specs != specs:
         raise ConfigError("lowcomm.replicas differs from the layout given to replica_layout()")
-    return _PLACE[0]
+    return STATE.place
 
 
 def check_model(model, place: ReplicaPlace) -> None:
@@ -242,7 +242,7 @@ def broadcast_initial_state(model, timeout_s: float | None) -> None:
     tensors = [t for _, t in model.named_parameters()] + [t for _, t in model.named_buffers()]
     names = [n for n, _ in model.named_parameters()] + [f"buffer:{n}" for n, _ in model.named_buffers()]
     routes = Routes.build([[whole(n, t.shape)] for n, t in zip(names, tensors)], [t.numel() for t in tensors],
-                          _PLACE[0].replicas, timeout_s=timeout_s)
+                          STATE.place.replicas, timeout_s=timeout_s)
     with torch.no_grad():
         routes.broadcast_([t.data for t in tensors])
 

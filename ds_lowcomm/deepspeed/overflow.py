@@ -23,25 +23,11 @@ skips the step here too (ZeRO 1-3 do not skip bf16 steps; the non-finite guard h
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
-from datetime import timedelta
 
 from ..comm import ByteLedger, TorchDistTransport
 from . import internals
 
 OP = "overflow_flag"
-
-# One whole-job group per (default group, timeout): every rank creates it at initialize.
-_GROUPS: dict[tuple, dist.ProcessGroup] = {}
-
-
-def _world_group(timeout_s: float | None) -> dist.ProcessGroup:
-    key = (dist.distributed_c10d._get_default_group(), timeout_s)
-    if key not in _GROUPS:
-        timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
-        _GROUPS[key] = dist.new_group(list(range(dist.get_world_size())), **timeout)
-    return _GROUPS[key]
-
 
 def _agreed(decide, transport: TorchDistTransport):
     """``decide`` (the replica's own answer), then any replica's overflow is everyone's."""
@@ -100,7 +86,7 @@ def agree_on_overflow(engine, num_replicas: int, ledger: ByteLedger, timeout_s: 
     deciders = overflow_deciders(engine.optimizer, bf16=not engine.fp16_enabled())
     if not deciders:
         return False
-    transport = TorchDistTransport(_world_group(timeout_s), ledger=ledger)
+    transport = TorchDistTransport(ledger=ledger, timeout_s=timeout_s)  # the whole job (default group)
     for owner, name, agreeing in deciders:
         setattr(owner, name, agreeing(getattr(owner, name), transport))
     return True

@@ -20,6 +20,8 @@ every copy then sees the same gradients and the same exchange, so copies stay eq
 
 from __future__ import annotations
 
+from datetime import timedelta
+
 import torch.distributed as dist
 
 from ..comm import ReplicaTopology
@@ -60,17 +62,18 @@ def stage_group(module):
     return get(ds.grid(module), ds.GRID_DP_PROC_GROUP)
 
 
-def narrow_data_parallel_to_replica(module, topology: ReplicaTopology) -> None:
+def narrow_data_parallel_to_replica(module, topology: ReplicaTopology, timeout_s: float | None = None) -> None:
     """Make the grid's data-parallel group (DeepSpeed's gradient reduction, ZeRO 1 partitions, its
     loader) the ranks of this stage inside this replica (collective)."""
     grid, topo = ds.grid(module), ds.method(module, ds.MODULE_TOPOLOGY)()
     stages, per = get(grid, ds.GRID_PIPE_SIZE), topology.data_per_replica
     me = dist.get_rank()
+    timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
     groups = []
     for k in range(topology.num_replicas):
         for s in range(stages):
             ranks = [_rank(topo, s, d) for d in range(k * per, (k + 1) * per)]
-            group = dist.new_group(ranks)
+            group = dist.new_group(ranks, **timeout)
             groups.append(ranks)
             if me in ranks:
                 put(grid, ds.GRID_DP_RANKS, ranks)

@@ -37,9 +37,9 @@ import threading
 import torch.distributed as dist
 
 from . import internals
+from .state import STATE
 from .internals import GROUP_METHODS
 
-_active: "_SubWorldBackend | None" = None
 
 # Set while a translated call runs: the real backend's own nested calls, and a byte counter's wrapper
 # installed on the real backend (below), then pass through with the already translated arguments.
@@ -175,13 +175,13 @@ def enter_subworld(ranks: list[int], timeout_s: float | None = None) -> None:
     not take part). Calling it again with the same ranks does nothing; other ranks raise.
     ``timeout_s``: how long the sub-world's groups wait for a stalled peer (torch's default if None).
     """
-    global _active
     internals.ensure_checked()
+    active = STATE.subworld
     ranks = [int(r) for r in ranks]
-    if _active is not None:
-        if ranks == _active._sw_ranks:
+    if active is not None:
+        if ranks == active._sw_ranks:
             return
-        raise RuntimeError(f"this process is already in the sub-world {_active._sw_ranks}; "
+        raise RuntimeError(f"this process is already in the sub-world {active._sw_ranks}; "
                            f"it cannot enter {ranks}")
     if not dist.is_initialized():
         raise RuntimeError("enter_subworld needs torch.distributed initialised first")
@@ -201,10 +201,10 @@ def enter_subworld(ranks: list[int], timeout_s: float | None = None) -> None:
     internals.check_backend(real)
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     group = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
-    _active = _SubWorldBackend(real, ranks, group, timeout)
+    STATE.subworld = _SubWorldBackend(real, ranks, group, timeout)
     # Every deepspeed.comm function reads the backend at each call (internals.LOOKED_UP): this reroutes
     # them all; deepspeed.init_distributed() now finds an initialised backend and does nothing.
-    internals.replace_backend(_active, real)
+    internals.replace_backend(STATE.subworld, real)
     # The byte counter asks where a call came from by file; this module is part of the call path.
     from . import comm_counter
 
@@ -217,9 +217,9 @@ def _wrapper_file() -> str:
 
 def active_subworld() -> list[int] | None:
     """The global ranks of the sub-world this process is in, or None."""
-    return None if _active is None else list(_active._sw_ranks)
+    return None if STATE.subworld is None else list(STATE.subworld._sw_ranks)
 
 
 def to_global(virtual_rank: int) -> int:
     """The global rank of DeepSpeed's (virtual) rank ``virtual_rank`` (itself outside a sub-world)."""
-    return virtual_rank if _active is None else _active._global(virtual_rank)
+    return virtual_rank if STATE.subworld is None else STATE.subworld._global(virtual_rank)
