@@ -11,7 +11,9 @@ it warns once and goes on, and the internals checks still stop it where somethin
 The shared half of those checks is here too: :class:`Internal` (one declared internal: module,
 name, kind, the parameters used), :func:`resolve`/:func:`check_internals` (checked against the
 live objects with ``inspect``) and :class:`FrameworkInternalsError`, which names the internal,
-what changed, and the installed and supported versions.
+what changed, and the installed and supported versions; and :class:`FrameworkInternals`, one
+framework's declared items with the checks (each exists, is still read where it is replaced, a
+copied body is unchanged) and the access (get/put/replace_method) both ``internals.py`` expose.
 
 A leaf module: it imports nothing of ds_lowcomm.
 """
@@ -318,3 +320,152 @@ def body_digest(fn) -> str:
         kept.append(tokenize.tok_name[tok.type] if tok.type in (tokenize.INDENT, tokenize.DEDENT,
                                                                 tokenize.NEWLINE) else tok.string)
     return hashlib.sha256(" ".join(kept).encode()).hexdigest()[:16]
+
+
+# --- One framework's declared internals: the checks and the access, for each internals.py ---------
+
+class FrameworkInternals:
+    """One framework's declared private internals, the checks against the installed framework and
+    the access to them. Each integration's ``internals.py`` declares its items and builds one of
+    these; its module-level ``problems``, ``ensure_checked``, ``live``, ``get``, ``put``,
+    ``replace_method``... are this object's methods.
+
+    ``items``: every declared :class:`Internal`. ``looked_up``: ``(item, module, readers)``, the
+    functions (in ``module``) that must still read ``item``'s name at each use, so that what the
+    integration puts in its place is what the framework uses. ``copied``: item -> the
+    :func:`body_digest` of the framework's body the integration's version was copied or written
+    from. ``code_prefix``: the module prefix of the framework's own classes, whose code must store
+    each ``instance`` item; ``stored_elsewhere``: item path -> ``(module, function)`` for one stored
+    by a function outside its class. In the messages: ``user`` is who puts things in place
+    ("ds_lowcomm"), ``copies`` finishes "has another body than the one ..." (whose version, made
+    how, from where), ``label`` names the framework in the summary of several problems."""
+
+    def __init__(self, distribution: str, items, looked_up, copied, code_prefix: str, *, user: str, copies: str,
+                 label: str, stored_elsewhere=None):
+        self.distribution = distribution
+        self.items, self.looked_up, self.copied = tuple(items), tuple(looked_up), dict(copied)
+        self.code_prefix, self.stored_elsewhere = code_prefix, dict(stored_elsewhere or {})
+        self.user, self.copies, self.label = user, copies, label
+        self.checked = False  # every item checked against the installed framework, once per process
+
+    # --- the checks -----------------------------------------------------------------------------
+    def stored_by_class(self, cls, attr: str) -> bool:
+        """Whether the code of ``cls`` or of its bases from the framework stores an attribute ``attr``."""
+        return stores_attribute(functions_of(cls, self.code_prefix), attr)
+
+    def problems(self) -> list[str]:
+        """Every way the installed framework differs from the declared items, lookups and copied
+        bodies, one message each (empty: as declared; a missing reader is named once)."""
+        dist, out = self.distribution, []
+
+        def note(check, *args):
+            try:
+                check(*args)
+            except FrameworkInternalsError as err:
+                out.append(str(err))
+
+        def declared(item):
+            live = resolve(dist, item)
+            if item.kind != "instance":
+                return
+            if item.path in self.stored_elsewhere:
+                module, function = self.stored_elsewhere[item.path]
+                where = f"{module}.{function}"
+                fn = unwrap(resolve(dist, Internal(module, function, "function")))
+                stored = stores_attribute(code_objects(fn.__code__), item.attr)
+            else:
+                where = f"the code of {item.owner}"
+                stored = self.stored_by_class(live, item.attr)
+            if not stored:
+                raise internals_error(dist, item, f"is no longer set by {where}")
+
+        def read_by(item, module, reader):
+            fn = resolve(dist, Internal(module, reader, "method" if "." in reader else "function"))
+            if not reads_name(fn, item.attr):
+                raise internals_error(dist, item, f"is no longer read by {module}.{reader}, so what {self.user} "
+                                      "puts in its place would not be used")
+
+        def same_body(item, digest):
+            if body_digest(resolve(dist, item)) != digest:
+                raise internals_error(dist, item, f"has another body than the one {self.copies}")
+
+        for item in self.items:
+            note(declared, item)
+        for item, module, readers in self.looked_up:
+            for reader in readers:
+                note(read_by, item, module, reader)
+        for item, digest in self.copied.items():
+            note(same_body, item, digest)
+        return list(dict.fromkeys(out))
+
+    def ensure_checked(self) -> str:
+        """The supported-version check (:func:`check_supported`), then (once per process) every
+        internal against the installed framework: one :class:`FrameworkInternalsError` listing
+        every problem. Returns the installed version."""
+        version = check_supported(self.distribution)
+        if not self.checked:
+            found = self.problems()
+            if len(found) == 1:
+                raise FrameworkInternalsError(found[0])
+            if found:
+                raise FrameworkInternalsError(f"{len(found)} private {self.label} internals changed:\n"
+                                              + "\n".join(found))
+            self.checked = True
+        return version
+
+    # --- access ---------------------------------------------------------------------------------
+    def live(self, item: Internal):
+        """The live class / function / method / attribute ``item`` declares (checked: :func:`resolve`)."""
+        return resolve(self.distribution, item)
+
+    def get(self, obj, item: Internal):
+        """``obj``'s instance attribute ``item``; the named error where it is missing."""
+        return read_instance(self.distribution, item, obj)
+
+    def put(self, obj, item: Internal, value) -> None:
+        """Set ``obj``'s instance attribute ``item``, which must already be there (a renamed one
+        would be created silently and never read by the framework)."""
+        self.get(obj, item)
+        setattr(obj, item.attr, value)
+
+    def method(self, obj, item: Internal, of_class: bool = False):
+        """``obj``'s method ``item`` (bound; ``of_class``: its class's, not one replaced on the
+        instance); the named error where it is missing."""
+        import types
+
+        if item.kind != "method":
+            raise ValueError(f"{item.path} is a {item.kind}, not a method")
+        try:
+            return types.MethodType(getattr(type(obj), item.attr), obj) if of_class else getattr(obj, item.attr)
+        except AttributeError:
+            raise internals_error(self.distribution, item, f"is missing on a {type(obj).__name__}") from None
+
+    @staticmethod
+    def _stands_in(item: Internal, fn, takes_self: bool = False) -> None:
+        try:
+            inspect.signature(fn).bind(*([None] if takes_self else []), **{p: None for p in item.params})
+        except TypeError as err:
+            raise TypeError(f"{fn.__qualname__} cannot stand in for {item.path}({', '.join(item.params)}): "
+                            f"{err}") from None
+
+    def check_override(self, item: Internal, fn, takes_self: bool = False) -> None:
+        """``fn`` (ours, put in place of the method ``item`` declares as ``override``;
+        ``takes_self``: a function on a subclass, else one set on an instance) accepts what the
+        framework passes the method: its declared parameters, as keywords. A mismatch is ours to
+        fix: TypeError."""
+        if item.match != "override":
+            raise ValueError(f"{item.path} is not declared as replaced (match={item.match!r})")
+        self._stands_in(item, fn, takes_self)
+
+    def replace_method(self, obj, item: Internal, fn) -> None:
+        """Put ``fn`` in place of the method ``item`` on this one object (its class and every other
+        instance keep the framework's). ``fn`` must take the declared parameters by name
+        (``override``: exactly the framework's; ``has``: those it reads, the rest passed on)."""
+        if item.match not in ("override", "has"):
+            raise ValueError(f"{item.path} is not declared as replaced (match={item.match!r})")
+        owner = self.live(Internal(item.module, item.owner, "class"))
+        if not isinstance(obj, owner):
+            raise TypeError(f"{item.path}: expected a {owner.__name__}, got a {type(obj).__name__}")
+        self.method(obj, item)
+        self._stands_in(item, fn)
+        setattr(obj, item.attr, fn)

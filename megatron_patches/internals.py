@@ -23,18 +23,18 @@ installed and supported versions. Afterwards :func:`live` gives a declared class
 the communicator's ranks), checked again on the object where it is read (never a silent default),
 :func:`replace_method` puts one of ours in place of a declared method on one object, and
 :func:`rebind` a module-level name.
-``ds_lowcomm/deepspeed/internals.py`` is the same for DeepSpeed.
+``ds_lowcomm/deepspeed/internals.py`` is the same for DeepSpeed; the checks and the access are one
+implementation for both, :class:`ds_lowcomm.versions.FrameworkInternals`, which this module builds
+for Megatron-Core and exposes as its module-level functions.
 
 Nothing here imports megatron at import time.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
-from ds_lowcomm.versions import (FrameworkInternalsError, Internal, body_digest, check_supported, functions_of,
-                                 internals_error, read_instance, reads_name, resolve, stores_attribute)
+from ds_lowcomm.versions import FrameworkInternals, FrameworkInternalsError, Internal
 
 DISTRIBUTION = "megatron-core"
 
@@ -162,77 +162,18 @@ COPIED = {
 }
 
 
-def problems() -> list[str]:
-    """Every way the installed megatron-core differs from :data:`ITEMS`, :data:`LOOKED_UP` and
-    :data:`COPIED` (an empty list: as declared)."""
-    out = []
+# --- The checks and the access (one implementation for both integrations: versions.FrameworkInternals) ----
+_INTERNALS = FrameworkInternals(
+    DISTRIBUTION, ITEMS, LOOKED_UP, COPIED, "megatron.", user="megatron_patches",
+    copies="megatron_patches' version of it was written from", label="Megatron-Core")
 
-    def note(check, *args):
-        try:
-            check(*args)
-        except FrameworkInternalsError as err:
-            out.append(str(err))
-
-    def item_ok(item):
-        owner = resolve(DISTRIBUTION, item)
-        if item.kind == "instance" and not stores_attribute(functions_of(owner, "megatron."), item.attr):
-            raise internals_error(DISTRIBUTION, item, f"is no longer set by the code of {item.owner}")
-
-    def read_by(item, module, reader):
-        fn = resolve(DISTRIBUTION, Internal(module, reader, "method" if "." in reader else "function"))
-        if not reads_name(fn, item.attr):
-            raise internals_error(DISTRIBUTION, item, f"is no longer read by {module}.{reader}, so what "
-                                  "megatron_patches puts in its place would not be used")
-
-    def same_body(item, digest):
-        if body_digest(resolve(DISTRIBUTION, item)) != digest:
-            raise internals_error(DISTRIBUTION, item, "has another body than the one megatron_patches' version "
-                                  "of it was written from")
-
-    for item in ITEMS:
-        note(item_ok, item)
-    for item, module, readers in LOOKED_UP:
-        for reader in readers:
-            note(read_by, item, module, reader)
-    for item, digest in COPIED.items():
-        note(same_body, item, digest)
-    return out
-
-
-_checked: list[bool] = []
-
-
-def ensure_checked() -> str:
-    """The supported-version check, then (once per process) every internal against the installed
-    megatron-core: one :class:`FrameworkInternalsError` listing every problem. Returns the
-    installed version."""
-    version = check_supported(DISTRIBUTION)
-    if _checked:
-        return version
-    found = problems()
-    if len(found) == 1:
-        raise FrameworkInternalsError(found[0])
-    if found:
-        raise FrameworkInternalsError(f"{len(found)} private Megatron-Core internals changed:\n" + "\n".join(found))
-    _checked.append(True)
-    return version
-
-
-def live(item: Internal) -> Any:
-    """The live class / function / method ``item`` declares."""
-    return resolve(DISTRIBUTION, item)
-
-
-def get(obj: Any, item: Internal) -> Any:
-    """``obj``'s instance attribute ``item``, or the named error where it is missing."""
-    return read_instance(DISTRIBUTION, item, obj)
-
-
-def put(obj: Any, item: Internal, value: Any) -> None:
-    """Set ``obj``'s instance attribute ``item``; it must exist (a renamed one would be created
-    anew and never read by Megatron)."""
-    get(obj, item)
-    setattr(obj, item.attr, value)
+problems = _INTERNALS.problems  # every way the installed megatron-core differs from ITEMS, LOOKED_UP and COPIED
+ensure_checked = _INTERNALS.ensure_checked  # the version, then (once per process) every internal; the version
+live = _INTERNALS.live  # (item): the live class / function / method item declares (checked)
+get = _INTERNALS.get  # (obj, item): obj's instance attribute item; the named error where it is missing
+put = _INTERNALS.put  # (obj, item, value): set it; it must already be there
+check_override = _INTERNALS.check_override  # (item, fn, takes_self=False): fn takes what Megatron passes, or TypeError
+replace_method = _INTERNALS.replace_method  # (obj, item, fn): fn in place of the method item on this one object
 
 
 def rebind(item: Internal, value: Any) -> None:
@@ -243,28 +184,6 @@ def rebind(item: Internal, value: Any) -> None:
         raise ValueError(f"{item.path} is not a module-level name")
     live(item)
     setattr(importlib.import_module(item.module), item.name, value)
-
-
-def check_override(item: Internal, fn, takes_self: bool = False) -> None:
-    """``fn`` (ours, put in place of the method ``item`` declares; ``takes_self``: a function on
-    a subclass, else one set on an instance) accepts what Megatron passes the method: its declared
-    parameters, as keywords. A mismatch is ours to fix: TypeError."""
-    if item.match != "override":
-        raise ValueError(f"{item.path} is not declared as replaced (match={item.match!r})")
-    try:
-        inspect.signature(fn).bind(*([None] if takes_self else []), **{p: None for p in item.params})
-    except TypeError as err:
-        raise TypeError(f"{fn.__qualname__} cannot stand in for {item.path}({', '.join(item.params)}): {err}") from None
-
-
-def replace_method(obj: Any, item: Internal, fn) -> None:
-    """Put ``fn`` in place of the method ``item`` declares on this one object (its class and
-    every other instance keep Megatron's)."""
-    owner = live(Internal(item.module, item.owner, "class"))
-    if not isinstance(obj, owner):
-        raise TypeError(f"{item.path}: expected a {owner.__name__}, got a {type(obj).__name__}")
-    check_override(item, fn)
-    setattr(obj, item.attr, fn)
 
 
 def is_expert_parallel(param) -> bool:

@@ -15,6 +15,8 @@ from ds_lowcomm import versions
 from ds_lowcomm.versions import ALLOW_ENV, FrameworkInternalsError, UnsupportedVersionError
 from ds_lowcomm.workers import run_local_workers
 
+from .internals_scan import own_names
+
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -27,7 +29,7 @@ def internals(monkeypatch):
     from ds_lowcomm.deepspeed import internals
 
     monkeypatch.delenv(ALLOW_ENV, raising=False)
-    monkeypatch.setattr(internals, "_checked", [])  # check again, in this test's state
+    monkeypatch.setattr(internals._INTERNALS, "checked", False)  # check again, in this test's state
     return internals
 
 
@@ -134,23 +136,6 @@ def test_the_deepspeed_version_is_checked_first(internals, monkeypatch):
         assert internals.ensure_checked() == "0.20.1"  # and the internals are still checked
 
 
-def _own_names() -> set[str]:
-    """Names ds_lowcomm defines itself (functions, classes, attributes and variables it stores)."""
-    own = set()
-    for path in (ROOT / "ds_lowcomm").rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text())):
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
-                own.add(node.name)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-                own.add(node.attr)
-            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-                own.add(node.id)
-            elif isinstance(node, ast.Subscript) and isinstance(node.ctx, ast.Store):  # d["_sw_real"] = ...
-                if isinstance(node.slice, ast.Constant) and isinstance(node.slice.value, str):
-                    own.add(node.slice.value)
-    return own
-
-
 # Public DeepSpeed the glue imports directly; every other DeepSpeed name goes through internals.py.
 PUBLIC_IMPORTS = {"deepspeed": None, "deepspeed.pipe": {"PipelineModule"}, "deepspeed.accelerator": {"get_accelerator"},
                   "deepspeed.runtime.pipe.engine": {"PipelineEngine"}}
@@ -164,7 +149,7 @@ def test_every_deepspeed_internal_goes_through_internals_py():
     declared item is used."""
     from ds_lowcomm.deepspeed import internals
 
-    own, bad, used = _own_names(), [], set()
+    own, bad, used = own_names((ROOT / "ds_lowcomm").rglob("*.py"), subscript_keys=True), [], set()
     declared = {name for name, value in vars(internals).items() if isinstance(value, (versions.Internal, tuple))}
     for path in sorted(PACKAGE.glob("*.py")):
         if path.name == "internals.py":

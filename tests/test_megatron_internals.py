@@ -14,6 +14,8 @@ import pytest
 from ds_lowcomm import versions
 from ds_lowcomm.versions import ALLOW_ENV, SUPPORTED, FrameworkInternalsError, UnsupportedVersionError
 
+from .internals_scan import own_names
+
 ROOT = Path(__file__).resolve().parents[1]
 PACKAGE = ROOT / "megatron_patches"
 
@@ -85,15 +87,7 @@ def test_every_megatron_internal_goes_through_internals_py():
     default (getattr(x, name, default) / hasattr), so a renamed internal cannot go unnoticed. Every
     declared item is used."""
     trees = _trees()
-    own = set()  # names megatron_patches defines itself
-    for tree in trees.values():
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.FunctionDef, ast.ClassDef, ast.AsyncFunctionDef)):
-                own.add(node.name)
-            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
-                own.add(node.attr)
-            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
-                own.add(node.id)
+    own = own_names(sorted(PACKAGE.glob("*.py")))  # names megatron_patches defines itself
     bad, used = [], set()
     for name, tree in trees.items():
         if name == "internals.py":
@@ -203,7 +197,7 @@ def _worker(rank, world):
     # to skip the copy silently, leaving the model on its old weights).
     with pytest.MonkeyPatch.context() as mp:
         mp.delattr(mi.live(mi.FLOAT16_OPTIMIZER), "_copy_main_params_to_model_params")
-        mp.setattr(mi, "_checked", [])
+        mp.setattr(mi._INTERNALS, "checked", False)
         out["copy_removed"] = error(apply, [bf16_model], bf16_opt, {"method": "diloco", "sync_every": 2})
         out["patched_after_refusal"] = [name for g in mi.get(bf16_model, mi.DDP_BUCKET_GROUPS)
                                         for name in ("start_grad_sync", "finish_grad_sync") if name in vars(g)]

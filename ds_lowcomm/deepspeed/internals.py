@@ -25,7 +25,9 @@ again on the object where it is read: never a silent default), :func:`method` /
 :func:`replace_method` a private method of one object, and :func:`backend` /
 :func:`replace_backend` / :func:`backend_signature` the communication backend, whose group-taking
 methods the sub-world translates as :data:`GROUP_METHODS` says and refuses where it says nothing.
-``megatron_patches/internals.py`` is the same for Megatron-Core.
+``megatron_patches/internals.py`` is the same for Megatron-Core; the checks and the access are one
+implementation for both, :class:`ds_lowcomm.versions.FrameworkInternals`, which this module builds
+for DeepSpeed and exposes as its module-level functions.
 
 Nothing here imports deepspeed at import time.
 """
@@ -33,11 +35,9 @@ Nothing here imports deepspeed at import time.
 from __future__ import annotations
 
 import inspect
-import types
 from typing import Any
 
-from ..versions import (FrameworkInternalsError, Internal, body_digest, check_supported, code_objects, functions_of,
-                        internals_error, read_instance, reads_name, resolve, signature, stores_attribute, unwrap)
+from ..versions import FrameworkInternals, FrameworkInternalsError, Internal, internals_error, resolve, signature
 
 DISTRIBUTION = "deepspeed"
 
@@ -323,125 +323,24 @@ COPIED = {
 }
 
 
-# --- The checks ----------------------------------------------------------------------------------------
-def stored_by_class(cls, attr: str) -> bool:
-    """Whether the code of ``cls`` or of its DeepSpeed bases stores an attribute ``attr``."""
-    return stores_attribute(functions_of(cls, "deepspeed"), attr)
+# --- The checks and the access (one implementation for both integrations: versions.FrameworkInternals) -------
+_INTERNALS = FrameworkInternals(
+    DISTRIBUTION, ITEMS, LOOKED_UP, COPIED, "deepspeed", stored_elsewhere=STORED_ELSEWHERE, user="ds_lowcomm",
+    copies="ds_lowcomm's version of it was copied from (ds_lowcomm/deepspeed/activations.py)", label="deepspeed")
 
-
-def problems() -> list[str]:
-    """Every way the installed DeepSpeed differs from :data:`ITEMS`, :data:`LOOKED_UP` and
-    :data:`COPIED`, one message each (empty: as declared)."""
-    out = []
-
-    def note(check, *args):
-        try:
-            check(*args)
-        except FrameworkInternalsError as err:
-            out.append(str(err))
-
-    def declared(item):
-        live = resolve(DISTRIBUTION, item)
-        if item.kind != "instance":
-            return
-        if item.path in STORED_ELSEWHERE:
-            module, function = STORED_ELSEWHERE[item.path]
-            where = f"{module}.{function}"
-            fn = unwrap(resolve(DISTRIBUTION, Internal(module, function, "function")))
-            stored = stores_attribute(code_objects(fn.__code__), item.attr)
-        else:
-            where = f"the code of {item.owner}"
-            stored = stored_by_class(live, item.attr)
-        if not stored:
-            raise internals_error(DISTRIBUTION, item, f"is no longer set by {where}")
-
-    def looked_up(item, module, reader):
-        fn = resolve(DISTRIBUTION, Internal(module, reader, "method" if "." in reader else "function"))
-        if not reads_name(fn, item.attr):
-            raise internals_error(DISTRIBUTION, item, f"is no longer read by {module}.{reader}, so what ds_lowcomm "
-                                  "puts in its place would not be used")
-
-    def copied(item, digest):
-        if body_digest(resolve(DISTRIBUTION, item)) != digest:
-            raise internals_error(DISTRIBUTION, item, "has another body than the one ds_lowcomm's version of it was "
-                                  "copied from (ds_lowcomm/deepspeed/activations.py)")
-
-    for item in ITEMS:
-        note(declared, item)
-    for item, module, readers in LOOKED_UP:
-        for reader in readers:
-            note(looked_up, item, module, reader)
-    for item, digest in COPIED.items():
-        note(copied, item, digest)
-    return list(dict.fromkeys(out))  # a missing reader is named once
-
-
-_checked: list[bool] = []
-
-
-def ensure_checked() -> str:
-    """The supported-version check, then (once per process) every internal against the installed
-    deepspeed; one :class:`FrameworkInternalsError` listing every problem. Returns the version."""
-    version = check_supported(DISTRIBUTION)
-    if not _checked:
-        found = problems()
-        if len(found) == 1:
-            raise FrameworkInternalsError(found[0])
-        if found:
-            raise FrameworkInternalsError(f"{len(found)} private deepspeed internals changed:\n" + "\n".join(found))
-        _checked.append(True)
-    return version
-
-
-# --- Access ----------------------------------------------------------------------------------------------
-def live(item: Internal) -> Any:
-    """The live class / function / attribute ``item`` declares (checked)."""
-    return resolve(DISTRIBUTION, item)
-
-
-def get(obj: Any, item: Internal) -> Any:
-    """``obj``'s instance attribute ``item``; the named error where it is missing."""
-    return read_instance(DISTRIBUTION, item, obj)
-
-
-def put(obj: Any, item: Internal, value: Any) -> None:
-    """Set ``obj``'s instance attribute ``item``, which must already be there (a renamed one would
-    be created silently and never read by DeepSpeed)."""
-    get(obj, item)
-    setattr(obj, item.attr, value)
-
-
-def method(obj: Any, item: Internal, of_class: bool = False):
-    """``obj``'s method ``item`` (bound; ``of_class``: its class's, not one replaced on the
-    instance); the named error where it is missing."""
-    if item.kind != "method":
-        raise ValueError(f"{item.path} is a {item.kind}, not a method")
-    try:
-        return types.MethodType(getattr(type(obj), item.attr), obj) if of_class else getattr(obj, item.attr)
-    except AttributeError:
-        raise internals_error(DISTRIBUTION, item, f"is missing on a {type(obj).__name__}") from None
+stored_by_class = _INTERNALS.stored_by_class  # (cls, attr): whether DeepSpeed code of cls stores attr
+problems = _INTERNALS.problems  # every way the installed DeepSpeed differs from ITEMS, LOOKED_UP and COPIED
+ensure_checked = _INTERNALS.ensure_checked  # the version, then (once per process) every internal; the version
+live = _INTERNALS.live  # (item): the live class / function / attribute item declares (checked)
+get = _INTERNALS.get  # (obj, item): obj's instance attribute item; the named error where it is missing
+put = _INTERNALS.put  # (obj, item, value): set it; it must already be there
+method = _INTERNALS.method  # (obj, item, of_class=False): obj's method item, bound; the named error where missing
+replace_method = _INTERNALS.replace_method  # (obj, item, fn): fn in place of the method item on this one object
 
 
 def grid(module) -> Any:
-    """A ``PipelineModule``'s grid (``PipelineParallelGrid``: read its fields with :func:`read`)."""
+    """A ``PipelineModule``'s grid (``PipelineParallelGrid``: read its fields with :func:`get`)."""
     return method(module, MODULE_GRID)()
-
-
-def replace_method(obj: Any, item: Internal, fn) -> None:
-    """Put ``fn`` in place of the method ``item`` on this one object (its class and every other
-    instance keep DeepSpeed's). ``fn`` must take the declared parameters by name (``override``:
-    exactly DeepSpeed's; ``has``: those it reads, the rest passed on)."""
-    if item.match not in ("override", "has"):
-        raise ValueError(f"{item.path} is not declared as replaced (match={item.match!r})")
-    owner = live(Internal(item.module, item.owner, "class"))
-    if not isinstance(obj, owner):
-        raise TypeError(f"{item.path}: expected a {owner.__name__}, got a {type(obj).__name__}")
-    method(obj, item)
-    try:
-        inspect.signature(fn).bind(**{p: None for p in item.params})
-    except TypeError as err:
-        raise TypeError(f"{fn.__qualname__} cannot stand in for {item.path}({', '.join(item.params)}): {err}") from None
-    setattr(obj, item.attr, fn)
 
 
 # --- The communication backend ----------------------------------------------------------------------------
