@@ -1,6 +1,7 @@
 """Test hosts on one machine: each worker in its own network namespace, joined through a bridge,
-with its link shaped by tc on each host's egress: the rate by a token bucket (tbf), a one-way
-delay by netem where the kernel has it (``netem_available()``; some kernels ship without it).
+with its link shaped by tc on each host's egress: the rate by a token bucket (tbf, see
+:func:`tbf_args`), a one-way delay by netem where the kernel has it (``netem_available()``; some
+kernels ship without it).
 
 Everything lives in namespaces this module creates (the bridge too, in a hub namespace), so no
 traffic touches the machine's own interfaces; ``__exit__`` removes them all (deleting a namespace
@@ -44,6 +45,36 @@ def rate_bits(rate: str) -> float:
         if rate.endswith(unit):
             return float(rate[: -len(unit)]) * scale
     raise ValueError(f"rate must look like 100mbit or 1gbit; got {rate!r}")
+
+
+# Links up to this rate are paced packet by packet (a peak rate); faster ones are rate-only.
+PEAK_MAX_BITS = 100e6
+
+
+def tbf_args(rate: str) -> list[str]:
+    """tbf's arguments for a link of ``rate``, chosen so that the rate holds for every message size.
+
+    A token bucket lets a message smaller than its burst leave at the veth's speed (gigabits), so
+    the burst alone decides how fast small messages cross: the old 16 KiB burst passed a 14 KB
+    message over a "10 Mbit/s" link in 0.2 ms, where size / rate is 11.3 ms. Up to
+    ``PEAK_MAX_BITS``, a small burst (6000 bytes) and a second bucket, a peak rate of 1.02 x rate
+    with a bucket (``mtu``) of one full frame (1514 bytes) plus 100 us at line rate (at least 1600
+    bytes), send every packet at about the line rate: only the first frame of a burst goes at once,
+    as a real link would send it in 1514 / rate. The 100 us absorb the late wake-ups of tbf's timer
+    on a busy machine; at 100 Mbit/s a bucket of one frame lost 5% of the rate to them.
+
+    Above ``PEAK_MAX_BITS`` (the 1 Gbit/s links) the links are rate-only, burst 0.5 ms at line rate
+    (62.5 KB at 1 Gbit/s): pacing single packets there needs a timer every 12 us, which this
+    machine's tbf does not keep (a 1 MB transfer took 3.3x size / rate with a peak rate; also with
+    a 14 KB peak bucket, 1.3x), so a message under the burst crosses up to 0.5 ms early (a 14 KB one
+    in about 0.02 ms instead of 0.11 ms), and bulk transfers hold the rate (1 MB: median 1.06x).
+    Measured figures: docs/benchmarks.md, "Test hosts"."""
+    bits = rate_bits(rate)
+    if bits <= PEAK_MAX_BITS:
+        mtu = max(1600, 1514 + int(bits / 8 * 100e-6))
+        return ["rate", rate, "burst", str(max(6000, mtu)), "peakrate", f"{int(bits * 1.02)}bit", "mtu", str(mtu),
+                "latency", "200ms"]
+    return ["rate", rate, "burst", str(max(6000, int(bits / 8 * 0.5e-3))), "latency", "200ms"]
 
 
 def netem_available() -> bool:
@@ -140,10 +171,7 @@ class TestNetwork:
                  "limit", "100000")
             parent = ["parent", "1:1"]
         if rate:
-            bits = rate_bits(rate)
-            burst = max(16 * 1024, int(bits / 8 / 100))  # 10 ms at line rate
-            _run(*host, "tc", "qdisc", "add", "dev", dev, *parent, "handle", "2:", "tbf", "rate", rate,
-                 "burst", str(burst), "latency", "200ms")
+            _run(*host, "tc", "qdisc", "add", "dev", dev, *parent, "handle", "2:", "tbf", *tbf_args(rate))
 
     def __exit__(self, *exc) -> None:
         self.remove()

@@ -6,8 +6,14 @@ unshaped and at 100 Mbit/s.
 PowerSGD's bytes are counted where they are sent: every ``torch.distributed.all_reduce`` issued
 during training (the hook's P, Q and uncompressed-tensor all-reduces, and its first
 ``start_powerSGD_iter`` plain all-reduces) goes to a ledger with the same convention as
-ds_lowcomm's (all-reduce of N bytes: sent N, received N). DDP's start-up broadcast is not counted
-(nor is ds_lowcomm's start-up check in the per-step totals).
+ds_lowcomm's (all-reduce of N bytes: sent N, received N). DDP's start-up broadcast (and its
+broadcast of the rebuilt buckets' order after the first step) is not counted (nor is ds_lowcomm's
+start-up check in the per-step totals), nor is the training loop's own all-reduce of the
+evaluation metrics.
+
+Also here: :data:`BASELINES`, the best-practice form of the ``adamw`` entry (PyTorch DDP, bucketed
+all-reduces overlapped with the backward pass, in fp32 or with the gradient reduced in bf16), the
+entries ``adamw_overlap`` and ``adamw_overlap_bf16`` of ``bench time_to_loss``.
 """
 
 from __future__ import annotations
@@ -17,6 +23,7 @@ import csv
 import json
 import os
 import statistics
+import sys
 from functools import partial
 from pathlib import Path
 
@@ -28,6 +35,7 @@ from ..config import METHODS
 from ..optim.outer import contiguous_fragments
 from ..task.spec import TrainSpec
 from ..task.steps import TorchStep
+from ..task.train import mean_over_ranks
 from .runs import LINKS, add_model_args, effective_shape, model_of, method_spec, peer_spec, run_cached
 
 POWERSGD_RANKS = (4, 8)
@@ -36,29 +44,55 @@ COLUMNS = ["name", "final_val_loss", "mb_sent_per_worker", "compression_vs_adamw
 
 
 def count_all_reduces(ledger: ByteLedger) -> None:
-    """Route every torch.distributed.all_reduce of this process through ``ledger``."""
+    """Route every torch.distributed.all_reduce of this process through ``ledger``, but the
+    training loop's all-reduce of its evaluation metrics (:func:`mean_over_ranks`: not the
+    method's traffic, and not in ds_lowcomm's ledgers either)."""
     original = dist.all_reduce
     if getattr(original, "_lowcomm_counted", False):
         return
+    metrics = mean_over_ranks.__code__
 
     def counted(tensor, *args, **kwargs):
-        n = tensor.numel() * tensor.element_size()
-        ledger.record("ddp_all_reduce", n, n)
+        if sys._getframe(1).f_code is not metrics:
+            n = tensor.numel() * tensor.element_size()
+            ledger.record("ddp_all_reduce", n, n)
         return original(tensor, *args, **kwargs)
 
     counted._lowcomm_counted = True
     dist.all_reduce = counted
 
 
-PEER_KINDS = ("ddp_powersgd", "torchft_diloco")
+PEER_KINDS = ("ddp_powersgd", "torchft_diloco", "ddp")
+
+# DDP's bucket cap for the overlapped baselines. DDP's default, 25 MB, holds the whole reference
+# model (0.45M parameters, 1.8 MB in fp32) in one bucket: its all-reduce could only start once the
+# whole backward pass is done, which is no overlap at all. At real scale the default gives tens of
+# buckets (a 124M-parameter model, 500 MB in fp32: about 20), so the cap is scaled down with the
+# model: 0.25 MB gives the reference model 7 buckets (each about one of its larger weight matrices;
+# counted in a 2-process run: 22 all-reduces in 4 steps, as DDP starts with one bucket and rebuilds
+# them in gradient order after the first step). The first buckets' all-reduces run while the
+# backward pass goes on; only the last one's (the embeddings, whose gradients are complete last) is
+# exposed. Smaller buckets would add a message per bucket for little more overlap.
+OVERLAP_BUCKET_CAP_MB = 0.25
+
+# The adamw entry as a DDP user runs it: torch.optim.AdamW (the adamw recipe's lr, betas, weight
+# decay and schedule, through peer_spec) after DDP's bucketed all-reduces, overlapped with the
+# backward pass; fp32, or the gradient reduced in bf16 (DDP's bf16_compress_hook; DeepSpeed and
+# FSDP reduce in bf16 for bf16 training).
+BASELINES = {
+    "adamw_overlap": {"kind": "ddp", "compress": "none", "bucket_cap_mb": OVERLAP_BUCKET_CAP_MB},
+    "adamw_overlap_bf16": {"kind": "ddp", "compress": "bf16", "bucket_cap_mb": OVERLAP_BUCKET_CAP_MB},
+}
+ADAMW_ENTRIES = ("adamw", *BASELINES)  # the adamw entries: the speed-ups are against the fastest
 
 
 def peer_step(peer: dict):
     """The training loop's step factory for a peer: a :class:`TorchStep` whose optimizer is
-    ``peer``'s (``{"kind": "ddp_powersgd", "rank": r, "start_iter": i}`` or
+    ``peer``'s (``{"kind": "ddp_powersgd", "rank": r, "start_iter": i}``,
     ``{"kind": "torchft_diloco", "sync_every": h, "outer_lr": a, "outer_momentum": m}``, with
-    ``"fragments": p, "sync_delay": d`` for torchft's Streaming DiLoCo)."""
-    setups = {"ddp_powersgd": peer_setup, "torchft_diloco": torchft_setup}
+    ``"fragments": p, "sync_delay": d`` for torchft's Streaming DiLoCo, or
+    ``{"kind": "ddp", "compress": "none" | "bf16", "bucket_cap_mb": c}``: plain DDP)."""
+    setups = {"ddp_powersgd": peer_setup, "torchft_diloco": torchft_setup, "ddp": ddp_setup}
     if peer.get("kind") not in setups:
         raise ValueError(f"peer.kind must be one of {', '.join(PEER_KINDS)}; got {peer.get('kind')!r}")
     return partial(TorchStep.build, setup=partial(setups[peer["kind"]], peer=peer))
@@ -79,6 +113,37 @@ def peer_setup(model: torch.nn.Module, spec: TrainSpec, peer: dict):
     state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=peer["rank"],
                                    start_powerSGD_iter=peer.get("start_iter", 2))
     ddp.register_comm_hook(state, powersgd.powerSGD_hook)
+    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
+    opt.register_step_post_hook(lambda *_: ledger.end_step())  # one ledger step per optimizer step
+    return ddp, opt, ledger
+
+
+def ddp_setup(model: torch.nn.Module, spec: TrainSpec, peer: dict):
+    """The step's (module to run, optimizer, ledger): DDP, its gradient all-reduced in buckets of
+    ``peer["bucket_cap_mb"]`` as each bucket's gradients are complete (overlapped with the rest of
+    the backward pass), then AdamW. ``compress``: "none" (fp32, DDP's own all-reduce hook, the
+    same arithmetic as DDP without a hook: the bucket divided by the world size, then summed) or
+    "bf16" (``bf16_compress_hook``: the bucket cast to bf16, divided, summed in bf16, cast back)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+    from torch.nn.parallel import DistributedDataParallel
+
+    def bf16_over_any_backend(state, bucket):  # (no annotations: DDP checks them, and here they are strings)
+        # torch's bf16_compress_hook itself; DDP refuses that hook by its name unless CUDA with NCCL
+        # >= 2.10 (NCCL's bf16 reduction) is there, but gloo sums bf16 too (the benchmarks' CPU runs)
+        return default_hooks.bf16_compress_hook(state, bucket)
+
+    hooks = {"none": default_hooks.allreduce_hook, "bf16": bf16_over_any_backend}
+    compress = peer.get("compress", "none")
+    if compress not in hooks:
+        raise ValueError(f"peer.compress must be one of {', '.join(hooks)}; got {compress!r}")
+    ledger = ByteLedger()
+    # Several buckets over gloo are safe here, unlike PowerSGD's (see peer_setup): DDP calls the
+    # hook of each bucket in bucket order from the backward pass itself, and each hook issues its
+    # one all-reduce there (gloo numbers collectives as they are issued); nothing is issued from a
+    # completion callback. Checked in 2-process runs, loopback and shaped links.
+    ddp = DistributedDataParallel(model, bucket_cap_mb=peer.get("bucket_cap_mb", OVERLAP_BUCKET_CAP_MB))
+    count_all_reduces(ledger)  # the hooks' all-reduces (DDP's built-in one, without a hook, is C++: uncounted)
+    ddp.register_comm_hook(None, hooks[compress])
     opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
     opt.register_step_post_hook(lambda *_: ledger.end_step())  # one ledger step per optimizer step
     return ddp, opt, ledger
