@@ -67,7 +67,8 @@ def tbf_args(rate: str) -> list[str]:
     (62.5 KB at 1 Gbit/s): pacing single packets there needs a timer every 12 us, which this
     machine's tbf does not keep (a 1 MB transfer took 3.3x size / rate with a peak rate; also with
     a 14 KB peak bucket, 1.3x), so a message under the burst crosses up to 0.5 ms early (a 14 KB one
-    in about 0.02 ms instead of 0.11 ms), and bulk transfers hold the rate (1 MB: median 1.06x).
+    in about 0.02 ms instead of 0.11 ms), and bulk transfers hold the rate (1 MB: medians 1.02x and
+    1.06x in two sets of runs on a busy machine).
     Measured figures: docs/benchmarks.md, "Test hosts"."""
     bits = rate_bits(rate)
     if bits <= PEAK_MAX_BITS:
