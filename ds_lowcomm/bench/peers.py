@@ -90,7 +90,9 @@ def peer_step(peer: dict):
     """The training loop's step factory for a peer: a :class:`TorchStep` whose optimizer is
     ``peer``'s (``{"kind": "ddp_powersgd", "rank": r, "start_iter": i}``,
     ``{"kind": "torchft_diloco", "sync_every": h, "outer_lr": a, "outer_momentum": m}``, with
-    ``"fragments": p, "sync_delay": d`` for torchft's Streaming DiLoCo, or
+    ``"fragments": p, "sync_delay": d`` and ``"fragment_update_alpha": a`` (torchft's mix of the
+    local fragment into the synced one; default 0, the synced one alone) for torchft's Streaming
+    DiLoCo, or
     ``{"kind": "ddp", "compress": "none" | "bf16", "bucket_cap_mb": c}``: plain DDP)."""
     setups = {"ddp_powersgd": peer_setup, "torchft_diloco": torchft_setup, "ddp": ddp_setup}
     if peer.get("kind") not in setups:
@@ -218,7 +220,8 @@ def torchft_setup(model: torch.nn.Module, spec: TrainSpec, peer: dict):
 
     manager.allreduce = counted
     diloco = DiLoCo(manager, fragments, inner, outer, sync_every=peer.get("sync_every", 20), pin_memory=False,
-                    fragment_sync_delay=peer.get("sync_delay", 0))
+                    fragment_sync_delay=peer.get("sync_delay", 0),
+                    fragment_update_alpha=peer.get("fragment_update_alpha", 0.0))
     diloco.__enter__()  # registers its hooks on the inner optimizer; left in place for the run
     _KEEP_ALIVE.extend([store, manager, diloco])
     inner.register_step_post_hook(lambda *_: ledger.end_step())

@@ -17,6 +17,8 @@ adamw's on every row (its blocking all-reduce is the one whose seconds a ledger 
 overlapped entries hide part of theirs behind the backward pass), so ``speedup_over_1_plus_ratio``
 divides a speed-up over the fastest adamw entry by plain adamw's ``1 + ratio``. Writes
 ``time_to_loss.csv/.json/.png``; runs are cached (shared with ``network`` and ``peers``).
+With ``--from-sweep``, each entry runs at its best configuration in a ``bench sweep`` CSV
+(:func:`ds_lowcomm.bench.sweep.best`), adamw's target run too; without it, at its recipe.
 
 The ratio moves with the link here: bytes and compute both grow with the model, so a larger model
 barely moves it, while a slower link (or fewer tokens per step) does. docs/benchmarks.md places
@@ -47,6 +49,16 @@ COLUMNS = ["setting", "hosts", "link", "comm_compute_ratio", "entry", "steps_to_
 DEFAULT_LINKS = "unshaped,25mbit,10mbit"
 DEFAULT_ENTRIES = ("adamw,adamw_overlap,adamw_overlap_bf16,demo,diloco,dct_diloco,sparseloco,mtdao,diloco_streaming,"
                    "powersgd_r8,torchft_diloco,torchft_streaming_diloco")
+ENTRIES = (*METHODS, *VARIANTS, *PEERS)  # every entry this benchmark (and bench sweep) can run
+
+
+def entry_spec(entry: str, steps: int, eval_every: int, model: dict) -> tuple:
+    """An entry's (spec, peer settings): a method's or variant's recipe (peer None), or a peer on
+    adamw's recipe with its settings (a copy of :data:`PEERS`'s); ``bench sweep`` builds its runs
+    with this too."""
+    if entry in PEERS:
+        return peer_spec(entry, steps, eval_every, **model), dict(PEERS[entry])
+    return method_spec(entry, steps, eval_every, **model), None
 
 
 def steps_to_target(history: list[dict], target: float) -> int | None:
@@ -122,6 +134,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--steps", type=int, default=300, help="adamw's steps on the unshaped link: its loss is the target")
     ap.add_argument("--eval-every", type=int, default=15)
     ap.add_argument("--budget-factor", type=float, default=3.0)
+    ap.add_argument("--from-sweep", default=None, metavar="SWEEP_CSV",
+                    help="run each entry (and adamw's target run) at its best configuration in this bench sweep "
+                         "CSV (sweep.best: seed 0, this run's budget); entries without rows there run their recipe")
     ap.add_argument("--keep-other-hosts", action="store_true",
                     help="keep the rows and runs of other host counts already in --out (add 4 hosts to a 2-host run)")
     add_repeat_args(ap)
@@ -130,13 +145,29 @@ def main(argv: list[str] | None = None) -> list[dict]:
     hosts_list = [int(h) for h in args.hosts.split(",")]
     links = [x.strip() for x in args.links.split(",")]
     entries = [x.strip() for x in args.entries.split(",")]
-    bad = [x for x in links if x not in LINKS] + [e for e in entries if e not in (*METHODS, *VARIANTS, *PEERS)]
+    bad = [x for x in links if x not in LINKS] + [e for e in entries if e not in ENTRIES]
     if bad or "adamw" not in entries:
         raise SystemExit(f"unknown link(s)/entries: {', '.join(bad) or '-'} (adamw is required); links: "
-                         f"{', '.join(LINKS)}; entries: {', '.join((*METHODS, *VARIANTS, *PEERS))}")
+                         f"{', '.join(LINKS)}; entries: {', '.join(ENTRIES)}")
     repeats_of = repeats_per_run(args, links, entries)
     check_can_create()
     model = model_of(args)
+    budget = int(args.steps * args.budget_factor)
+    tuned = {}
+    if args.from_sweep:
+        from .sweep import best, with_settings
+
+        tuned = {e: r["settings"] for e, r in best(args.from_sweep, budget=budget).items()}
+        print(f"from {args.from_sweep}: {', '.join(f'{e} {json.dumps(tuned[e])}' for e in entries if e in tuned)}; "
+              f"recipe: {', '.join(e for e in entries if e not in tuned) or '-'}", flush=True)
+
+    def spec_of(entry: str, steps: int) -> tuple:
+        spec, peer = entry_spec(entry, steps, args.eval_every, model)
+        return with_settings(spec, peer, tuned[entry]) if entry in tuned else (spec, peer)
+
+    for entry in entries:  # every spec checked before any run
+        spec_of(entry, budget)
+
     cache, out = Path(args.cache), Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
 
@@ -144,14 +175,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.keep_other_hosts:
         runs, rows = earlier_results(out, hosts_list)
     for hosts in hosts_list:
-        target = run_cached(cache, hosts, "unshaped", method_spec("adamw", args.steps, args.eval_every, **model))[
-            "final_val_loss"]
+        target = run_cached(cache, hosts, "unshaped", spec_of("adamw", args.steps)[0])["final_val_loss"]
         for link in links:
             for entry in entries:  # adamw first: the ratio comes from it
-                budget = int(args.steps * args.budget_factor)
-                spec = (peer_spec if entry in PEERS else method_spec)(entry, budget, args.eval_every, **model)
+                spec, peer = spec_of(entry, budget)
                 spec = dataclasses.replace(spec, stop_at_val_loss=target)
-                runs[hosts, link, entry] = [run_cached(cache, hosts, link, spec, r, PEERS.get(entry))
+                runs[hosts, link, entry] = [run_cached(cache, hosts, link, spec, r, peer)
                                             for r in range(repeats_of[link, entry])]
                 first = runs[hosts, link, entry][0]
                 print(f"{hosts} hosts {link:<13} {entry:<12} val {first['final_val_loss']:.4f} "
