@@ -252,11 +252,11 @@ def test_torchft_streaming_diloco_peer_trains_as_ds_lowcomm_streaming(tmp_path, 
     losses at every evaluation. With a delay the two differ only in phase (torchft sends a fragment
     ``sync_delay`` steps before its slot, ds_lowcomm at its slot), so both run without one here.
     Each sync sends one fragment, about a quarter of the model."""
-    from ds_lowcomm.bench import network, runs, time_to_loss
+    from ds_lowcomm.bench import runs, time_to_loss
 
     monkeypatch.setitem(runs.VARIANTS, "diloco_streaming", ("diloco", {"fragments": 4, "sync_delay": 0}))
-    monkeypatch.setitem(network.PEERS, "torchft_streaming_diloco",
-                        {**network.PEERS["torchft_streaming_diloco"], "sync_delay": 0})
+    monkeypatch.setitem(time_to_loss.PEERS, "torchft_streaming_diloco",
+                        {**time_to_loss.PEERS["torchft_streaming_diloco"], "sync_delay": 0})
     steps = ["--steps", "20", "--eval-every", "10", "--n-layer", "1", "--n-embd", "32", "--seq-len", "32"]
     time_to_loss.main(["--hosts", "2", "--links", "unshaped", "--entries",
                        "adamw,diloco_streaming,torchft_streaming_diloco", "--budget-factor", "2",
