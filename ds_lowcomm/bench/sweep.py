@@ -43,55 +43,11 @@ from ..task.train import train_worker
 from ..workers import run_local_workers
 from .runs import add_model_args, model_of
 from .time_to_loss import ENTRIES, entry_spec, steps_to_target
+from .tuning import (PEER_SETTINGS, SPEC_KEYS, allowed_keys, best, check_keys, configs_per_entry,  # noqa: F401
+                     read_rows, with_settings)
 
 COLUMNS = ["method", "workers", "budget", "settings", "steps_to_target", "final_val_loss", "target_loss",
            "bytes_sent_per_worker", "seed"]
-# The spec's fields a grid may set (the optimizer and its schedule; the budget, evaluations and
-# seeds have their own flags)
-SPEC_KEYS = ("lr", "betas", "weight_decay", "warmup")
-# A peer's settings a grid may set (``peer.<key>``), by peer kind (see ds_lowcomm.bench.peers)
-PEER_SETTINGS = {
-    "ddp_powersgd": ("rank", "start_iter"),
-    "torchft_diloco": ("sync_every", "fragments", "sync_delay", "fragment_update_alpha", "outer_lr", "outer_momentum"),
-    "ddp": ("compress", "bucket_cap_mb"),
-}
-
-
-def allowed_keys(peer: dict | None) -> list[str]:
-    """The grid keys of an entry: :data:`SPEC_KEYS`, then ``lowcomm.<key>`` (a method) or the
-    ``peer.<key>`` of its kind (a peer)."""
-    if peer is None:
-        return [*SPEC_KEYS, "lowcomm.<key>"]
-    return [*SPEC_KEYS, *(f"peer.{k}" for k in PEER_SETTINGS.get(peer["kind"], ()))]
-
-
-def check_keys(entry: str, peer: dict | None, keys) -> None:
-    """Refuse (SystemExit) a grid key ``entry`` does not take, naming it and the allowed ones."""
-    allowed = allowed_keys(peer)
-    for key in keys:
-        ok = key in SPEC_KEYS or (key.startswith("lowcomm.") and peer is None and len(key) > len("lowcomm.")) \
-            or (peer is not None and key in allowed)
-        if not ok:
-            raise SystemExit(f"--grid: key {key!r} is not a setting of {entry}; allowed: {', '.join(allowed)}")
-
-
-def with_settings(spec, peer: dict | None, settings: dict):
-    """(spec, peer) with ``settings`` applied: :data:`SPEC_KEYS` fields of the spec,
-    ``lowcomm.<key>`` in its lowcomm section, ``peer.<key>`` in (a copy of) the peer's settings.
-    The spec is checked as it is built (a bad lowcomm key or value raises ConfigError)."""
-    if not settings:
-        return spec, peer
-    lowcomm, fields, peer = dict(spec.lowcomm), {}, (dict(peer) if peer is not None else None)
-    for key, value in settings.items():
-        if key.startswith("lowcomm."):
-            lowcomm[key.split(".", 1)[1]] = value
-        elif key.startswith("peer."):
-            peer[key.split(".", 1)[1]] = value
-        else:
-            fields[key] = value
-    return dataclasses.replace(spec, lowcomm=lowcomm, **fields), peer
-
-
 def parse_grid(text: str) -> list[dict]:
     """The configurations of ``--grid`` (a JSON object of non-empty lists), in product order."""
     try:
@@ -207,54 +163,6 @@ def append_rows(path: Path, rows: list[dict]) -> None:
         if header is None:
             w.writeheader()
         w.writerows(rows)
-
-
-def read_rows(path: str | Path) -> list[dict]:
-    """sweep.csv's rows, typed: settings a dict, steps_to_target an int or None, seed an int (0
-    where the file has no seed column or the row none: the spec's default seed those runs used)."""
-    out = []
-    with open(path, newline="") as f:
-        for r in csv.DictReader(f):
-            out.append({**r, "workers": int(r["workers"]), "budget": int(r["budget"]),
-                        "settings": json.loads(r["settings"]),
-                        "steps_to_target": int(r["steps_to_target"]) if r["steps_to_target"] else None,
-                        "final_val_loss": float(r["final_val_loss"]), "target_loss": float(r["target_loss"]),
-                        "bytes_sent_per_worker": float(r["bytes_sent_per_worker"]),
-                        "seed": int(r.get("seed") or 0)})
-    return out
-
-
-def _config(row: dict) -> tuple:
-    return row["budget"], json.dumps(row["settings"], sort_keys=True)
-
-
-def configs_per_entry(path: str | Path) -> dict[str, int]:
-    """{entry: how many configurations (distinct settings at a budget) sweep.csv holds for it},
-    whatever their seeds: the tuning budget each entry had, to compare across entries."""
-    configs: dict[str, set] = {}
-    for row in read_rows(path):
-        configs.setdefault(row["method"], set()).add(_config(row))
-    return {entry: len(c) for entry, c in configs.items()}
-
-
-def best(path: str | Path, seed: int = 0, budget: int | None = None) -> dict[str, dict]:
-    """{entry: its best row}: among the entry's rows on the tuning ``seed`` at ``budget`` (default:
-    the budget of its last such row), and at the target and worker count of the last of those
-    (rows at another target are not comparable), the fewest steps to the target; ties, and
-    entries that never reach it, by the lower final held-out loss. The row's ``settings`` are what
-    :func:`with_settings` applies over the entry's recipe."""
-    by_entry: dict[str, list[dict]] = {}
-    for row in read_rows(path):
-        if row["seed"] == seed and (budget is None or row["budget"] == budget):
-            by_entry.setdefault(row["method"], []).append(row)
-    out = {}
-    for entry, rows in by_entry.items():
-        last = rows[-1]
-        same = [r for r in rows if (r["budget"], r["target_loss"], r["workers"]) ==
-                (last["budget"], last["target_loss"], last["workers"])]
-        out[entry] = min(same, key=lambda r: (r["steps_to_target"] is None, r["steps_to_target"] or 0,
-                                              r["final_val_loss"]))
-    return out
 
 
 if __name__ == "__main__":

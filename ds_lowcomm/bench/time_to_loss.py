@@ -18,7 +18,7 @@ overlapped entries hide part of theirs behind the backward pass), so ``speedup_o
 divides a speed-up over the fastest adamw entry by plain adamw's ``1 + ratio``. Writes
 ``time_to_loss.csv/.json/.png``; runs are cached (shared with ``network`` and ``peers``).
 With ``--from-sweep``, each entry runs at its best configuration in a ``bench sweep`` CSV
-(:func:`ds_lowcomm.bench.sweep.best`), adamw's target run too; without it, at its recipe.
+(:func:`ds_lowcomm.bench.tuning.best`), adamw's target run too; without it, at its recipe.
 
 The ratio moves with the link here: bytes and compute both grow with the model, so a larger model
 barely moves it, while a slower link (or fewer tokens per step) does. docs/benchmarks.md places
@@ -155,7 +155,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     budget = int(args.steps * args.budget_factor)
     tuned = {}
     if args.from_sweep:
-        from .sweep import best, with_settings
+        from .tuning import best, with_settings
 
         tuned = {e: r["settings"] for e, r in best(args.from_sweep, budget=budget).items()}
         print(f"from {args.from_sweep}: {', '.join(f'{e} {json.dumps(tuned[e])}' for e in entries if e in tuned)}; "
