@@ -22,6 +22,7 @@ not cover, or one whose shape differs between ranks.
 
 from __future__ import annotations
 
+import atexit
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -269,8 +270,6 @@ class SyncBoard:
         self.timeout_s, self.hint = timeout_s, hint
         self.entered = 0  # exchanges this rank entered
         self.steps = 0  # job-wide steps this rank left the exchanges for
-        import atexit
-
         atexit.register(self._exit)
 
     def _post(self, where: str) -> None:
@@ -314,8 +313,8 @@ class SyncBoard:
                         f"syncs after {entered} ({where.removeprefix('final ')}) and will not join it: the replicas "
                         f"ran different numbers of syncs. {self.hint}")
             if waiting and deadline is not None and time.monotonic() > deadline:
-                states = "; ".join(f"{self._name(p)}: sync {self._where(p)[0]} ({self._where(p)[2]})"
-                                   for p in sorted(waiting))
+                states = "; ".join(f"{self._name(p)}: sync {entered} ({where})"
+                                   for p in sorted(waiting) for entered, _, where in [self._where(p)])
                 raise CollectiveError(f"{op}: this {self._name(self.rank)} waited {self.timeout_s} s at its sync {k} "
                                       f"for {states}: a peer stalled or died, or the replicas run different "
                                       f"numbers of syncs. {self.hint}")

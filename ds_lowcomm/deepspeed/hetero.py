@@ -62,6 +62,10 @@ class ReplicaSpec:
     def data_parallel(self) -> int:
         return self.ranks // self.pipeline_stages
 
+    def steps_per_sync(self, sync_every: int) -> int:
+        """Engine steps this replica runs per sync: its inner_steps, else lowcomm.sync_every."""
+        return self.inner_steps or sync_every
+
     def describe(self) -> dict[str, Any]:
         out = {"ranks": self.ranks, "pipeline_stages": self.pipeline_stages, "inner_steps": self.inner_steps}
         if self.activations is not None:
@@ -171,7 +175,7 @@ def enter_replica(specs: tuple[ReplicaSpec, ...], timeout_s: float | None, sync_
     at = 0
     for index, spec in enumerate(specs):
         if at <= rank < at + spec.ranks:
-            place = ReplicaPlace(index, tuple(range(at, at + spec.ranks)), spec, specs, spec.inner_steps or sync_every)
+            place = ReplicaPlace(index, tuple(range(at, at + spec.ranks)), spec, specs, spec.steps_per_sync(sync_every))
             break
         at += spec.ranks
     # (a later engine may run another method: its steps per sync are its own)
@@ -219,7 +223,7 @@ def replica_weights(place: ReplicaPlace, lowcomm) -> list[float]:
     same on every rank), not a replica's own."""
     outer = lowcomm.method in OUTER_METHODS
     default = lowcomm.effective().get("sync_every", 1)
-    return [float((spec.inner_steps or default) if outer else 1) * spec.data_parallel for spec in place.specs]
+    return [float(spec.steps_per_sync(default) if outer else 1) * spec.data_parallel for spec in place.specs]
 
 
 def inner_steps(place: ReplicaPlace, lowcomm):
@@ -265,7 +269,7 @@ def method_routes(model, optimizer, zero, zero_stage: int, place: ReplicaPlace, 
         if len(holdings) != len(tensors):
             raise RuntimeError("ZeRO partitions and the optimizer's tensors do not line up")
     default = lowcomm.effective().get("sync_every", 1)
-    per_replica = ", ".join(f"replica {i}: {spec.inner_steps or default}" for i, spec in enumerate(place.specs))
+    per_replica = ", ".join(f"replica {i}: {spec.steps_per_sync(default)}" for i, spec in enumerate(place.specs))
     hint = (f"With lowcomm.replicas every replica runs the same number of syncs, so each runs syncs x "
             f"place.steps_per_sync engine steps (steps per sync: {per_replica}).")
     return Routes.build(holdings, [t.numel() for t in tensors], place.replicas, replica_weights(place, lowcomm),
