@@ -148,10 +148,17 @@ def test_time_to_loss_keeps_the_other_host_counts_of_an_earlier_run(tmp_path):
 
     from ds_lowcomm.bench.time_to_loss import earlier_results
 
+    from ds_lowcomm.bench.time_to_loss import Result
+
     row2, row4 = {"hosts": 2, "link": "10mbit", "entry": "adamw"}, {"hosts": 4, "link": "10mbit", "entry": "adamw"}
+
+    def saved(a):
+        return {"runs": {"1": [{"a": a}]}, "timing": None, "steps": {"1": 100}, "seconds": {"1": 9.0}, "estimate": {}}
+
     (tmp_path / "time_to_loss.json").write_text(json.dumps(
-        {"args": {}, "rows": [row2, row4], "runs": {"2@10mbit@adamw": [{"a": 2}], "4@10mbit@adamw": [{"a": 4}]}}))
-    assert earlier_results(tmp_path, [4]) == ({(2, "10mbit", "adamw"): [{"a": 2}]}, [row2])
+        {"args": {}, "rows": [row2, row4], "results": {"2@10mbit@adamw": saved(2), "4@10mbit@adamw": saved(4)}}))
+    assert earlier_results(tmp_path, [4]) == ({(2, "10mbit", "adamw"): Result({1: [{"a": 2}]}, None, {1: 100},
+                                                                               {1: 9.0}, {})}, [row2])
     assert earlier_results(tmp_path, [2, 4]) == ({}, [])
     assert earlier_results(tmp_path / "none", [4]) == ({}, [])
 
@@ -233,8 +240,8 @@ def test_torchft_diloco_peer_trains_as_ds_lowcomm_diloco(tmp_path):
     steps = ["--steps", "20", "--eval-every", "10", "--n-layer", "1", "--n-embd", "32", "--seq-len", "32"]
     time_to_loss.main(["--hosts", "2", "--links", "unshaped", "--entries", "adamw,diloco,torchft_diloco",
                        "--budget-factor", "2", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path), *steps])
-    runs = json.loads((tmp_path / "time_to_loss.json").read_text())["runs"]
-    ours, peer = runs["2@unshaped@diloco"][0], runs["2@unshaped@torchft_diloco"][0]
+    runs = json.loads((tmp_path / "time_to_loss.json").read_text())["results"]
+    ours, peer = runs["2@unshaped@diloco"]["runs"]["0"][0], runs["2@unshaped@torchft_diloco"]["runs"]["0"][0]
     assert [h["val_loss"] for h in peer["history"]] == pytest.approx([h["val_loss"] for h in ours["history"]],
                                                                      rel=1e-6)
     assert peer["replicas_identical"]
@@ -261,8 +268,9 @@ def test_torchft_streaming_diloco_peer_trains_as_ds_lowcomm_streaming(tmp_path, 
     time_to_loss.main(["--hosts", "2", "--links", "unshaped", "--entries",
                        "adamw,diloco_streaming,torchft_streaming_diloco", "--budget-factor", "2",
                        "--cache", str(tmp_path / "cache"), "--out", str(tmp_path), *steps])
-    runs_ = json.loads((tmp_path / "time_to_loss.json").read_text())["runs"]
-    ours, peer = runs_["2@unshaped@diloco_streaming"][0], runs_["2@unshaped@torchft_streaming_diloco"][0]
+    runs_ = json.loads((tmp_path / "time_to_loss.json").read_text())["results"]
+    ours = runs_["2@unshaped@diloco_streaming"]["runs"]["0"][0]
+    peer = runs_["2@unshaped@torchft_streaming_diloco"]["runs"]["0"][0]
     assert [h["val_loss"] for h in peer["history"]] == pytest.approx([h["val_loss"] for h in ours["history"]],
                                                                      rel=1e-6)
     assert not peer["replicas_identical"] and not ours["replicas_identical"]  # fragments 0-2 trained on locally

@@ -98,7 +98,7 @@ def _run_of(seconds_per_step, reached_at, comm_share=0.5):
 def test_time_to_loss_compares_against_the_fastest_adamw_entry():
     """On each link the speed-ups are against whichever adamw entry reaches the target first; the
     ratio stays plain adamw's, and the no-communication limit is against the same baseline."""
-    from ds_lowcomm.bench.time_to_loss import COLUMNS, fastest_adamw, rows_for
+    from ds_lowcomm.bench.time_to_loss import COLUMNS, fastest_adamw, result_of, rows_for
 
     entries = ["adamw", "adamw_overlap", "adamw_overlap_bf16", "demo"]
     runs = {
@@ -113,9 +113,10 @@ def test_time_to_loss_compares_against_the_fastest_adamw_entry():
         (2, "fast", "adamw_overlap_bf16"): _run_of(0.25, 20),
         (2, "fast", "demo"): _run_of(0.2, 25),
     }
-    assert fastest_adamw(2, "slow", entries, runs, 1.0) == "adamw_overlap_bf16"
-    assert fastest_adamw(2, "fast", entries, runs, 1.0) == "adamw"
-    slow = {r["entry"]: r for r in rows_for(2, "slow", entries, runs, 1.0)}
+    results = {link: {e: result_of({0: runs[2, link, e]}, None, None, 1.0) for e in entries} for link in ("slow", "fast")}
+    assert fastest_adamw(entries, results["slow"]) == "adamw_overlap_bf16"
+    assert fastest_adamw(entries, results["fast"]) == "adamw"
+    slow = {r["entry"]: r for r in rows_for(2, "slow", entries, results["slow"], 1.0)}
     assert {r["adamw_baseline"] for r in slow.values()} == {"adamw_overlap_bf16"}
     assert slow["adamw_overlap_bf16"]["speedup_vs_adamw"] == pytest.approx(1.0)
     assert slow["adamw"]["speedup_vs_adamw"] == pytest.approx(0.5)
@@ -124,7 +125,7 @@ def test_time_to_loss_compares_against_the_fastest_adamw_entry():
     assert slow["demo"]["speedup_over_1_plus_ratio"] == pytest.approx(4.0 / 4)
     # (1 + 3) x 20 / 25 against plain adamw, times 10 s / 20 s: against the bf16 baseline
     assert slow["demo"]["no_comm_limit"] == pytest.approx(4 * 20 / 25 * 0.5)
-    fast = {r["entry"]: r for r in rows_for(2, "fast", entries, runs, 1.0)}
+    fast = {r["entry"]: r for r in rows_for(2, "fast", entries, results["fast"], 1.0)}
     assert {r["adamw_baseline"] for r in fast.values()} == {"adamw"}
     assert fast["adamw"]["speedup_vs_adamw"] == pytest.approx(1.0)
     assert fast["adamw_overlap"]["speedup_vs_adamw"] is None
@@ -132,5 +133,5 @@ def test_time_to_loss_compares_against_the_fastest_adamw_entry():
     assert fast["demo"]["no_comm_limit"] == pytest.approx(1.25 * 20 / 25)
     assert set(COLUMNS) == set(slow["demo"])
     # without the overlapped entries, plain adamw is the baseline, as before
-    assert {r["adamw_baseline"] for r in rows_for(2, "slow", ["adamw", "demo"], runs, 1.0)} == {"adamw"}
-    assert fastest_adamw(2, "slow", ["adamw", "demo"], runs, 1.0) == "adamw"
+    assert {r["adamw_baseline"] for r in rows_for(2, "slow", ["adamw", "demo"], results["slow"], 1.0)} == {"adamw"}
+    assert fastest_adamw(["adamw", "demo"], results["slow"]) == "adamw"

@@ -175,7 +175,8 @@ def test_time_to_loss_from_sweep_runs_each_entry_at_its_best_configuration(monke
         ("powersgd_r8", {"peer.rank": 2, "peer.start_iter": 10, "lr": 0.002}, 30, 2.0, 90),
         ("powersgd_r8", {"peer.rank": 16}, 15, 2.0, 900),  # another budget than this run's
     ])
-    argv = ["--hosts", "2", "--links", "unshaped", "--entries", "adamw,demo,powersgd_r8,diloco", "--steps", "30",
+    argv = ["--hosts", "2", "--links", "unshaped", "--entries", "adamw,demo,powersgd_r8,diloco,adamw_overlap_bf16",
+            "--steps", "30",
             "--budget-factor", "3", "--eval-every", "5", "--out", str(tmp_path / "out"), *TINY]
     time_to_loss.main([*argv, "--from-sweep", str(path)])
     target, *runs = calls
@@ -186,10 +187,15 @@ def test_time_to_loss_from_sweep_runs_each_entry_at_its_best_configuration(monke
     assert by["powersgd_r8"][0].lr == 0.002 and by["powersgd_r8"][1] == {"kind": "ddp_powersgd", "rank": 2,
                                                                           "start_iter": 10}
     assert _unstopped(*by["diloco"]) == entry_spec("diloco", 90, 5, MODEL)  # no rows: its recipe
+    # adamw's DDP form without rows of its own: adamw's settings (the same optimizer), its own peer
+    assert by["adamw_overlap_bf16"][0].lr == 0.003 and by["adamw_overlap_bf16"][1]["compress"] == "bf16"
+    calls.clear()
+    time_to_loss.main([*argv, "--from-sweep", str(path), "--tune-by", "final_loss", "--tune-budget", "90"])
+    assert calls[0][2].lr == 0.002  # the lowest final loss among adamw's rows at budget 90
     calls.clear()
     time_to_loss.main(argv)
     assert [_unstopped(spec, peer) for _, _, spec, peer in calls[1:]] == [
-        entry_spec(e, 90, 5, MODEL) for e in ("adamw", "demo", "powersgd_r8", "diloco")]
+        entry_spec(e, 90, 5, MODEL) for e in ("adamw", "demo", "powersgd_r8", "diloco", "adamw_overlap_bf16")]
     assert calls[0][2] == entry_spec("adamw", 30, 5, MODEL)[0]
 
 
@@ -213,3 +219,125 @@ def test_sweep_of_a_peer_and_a_method_tiny(tmp_path):
     read = sweep.read_rows(tmp_path / "sweep.csv")
     assert [(r["method"], r["seed"]) for r in read] == [(r["method"], r["seed"]) for r in peer_rows + demo_rows]
     assert sweep.configs_per_entry(tmp_path / "sweep.csv") == {"powersgd_r8": 2, "demo": 1}
+
+
+def test_best_by_final_loss_ranks_every_entry_as_adamw_was_tuned(tmp_path):
+    """The fair protocol's rule: the lowest final held-out loss at the tuning budget, whatever the
+    steps to the target (adamw's target is its own tuned final loss)."""
+    path = _synthetic(tmp_path / "sweep.csv", [
+        ("adamw", {"lr": 0.002}, 175, 1.9401, 300), ("adamw", {"lr": 0.003}, 190, 1.9333, 300),
+        ("adamw", {"lr": 0.004}, None, 2.05, 300), ("adamw", {"lr": 0.001}, 150, 1.5, 300, 2.114, 1),
+        ("demo", {"lr": 0.002}, None, 2.09, 300), ("demo", {"lr": 0.003}, None, 2.01, 300),
+        ("demo", {"lr": 0.001}, 100, 1.5, 900),  # another budget
+    ])
+    chosen = sweep.best(path, budget=300, rank_by="final_loss")
+    assert {e: r["settings"] for e, r in chosen.items()} == {"adamw": {"lr": 0.003}, "demo": {"lr": 0.003}}
+    assert sweep.best(path, budget=300)["adamw"]["settings"] == {"lr": 0.002}  # by steps: the fewest
+    with pytest.raises(ValueError, match="rank_by must be one of steps, final_loss; got 'loss'"):
+        sweep.best(path, rank_by="loss")
+
+
+def _eval_rows(steps, seconds_at, loss_at, every=5):
+    return [{"step": s, "val_loss": loss_at(s), "train_s": seconds_at(s), "bytes_sent": 10.0 * s}
+            for s in range(every, steps + 1, every)]
+
+
+def test_seconds_at_a_step_from_a_timing_run_and_the_step_at_the_target():
+    """A timing run of 40 steps: 2 s a step for the first 10 (start-up), then 1 s. Inside it, its
+    seconds interpolated; past it, its last seconds plus the second half's rate (1 s a step).
+    The step at the target is interpolated between evaluations as the seconds are."""
+    seconds = lambda s: 2.0 * s if s <= 10 else 20.0 + (s - 10)  # noqa: E731
+    timing = {"history": _eval_rows(40, seconds, lambda s: 3.0)}
+    assert time_to_loss.seconds_at_step(timing, 10) == 20.0
+    assert time_to_loss.seconds_at_step(timing, 12.5) == pytest.approx(22.5)
+    assert time_to_loss.seconds_at_step(timing, 2.5) == pytest.approx(5.0)
+    assert time_to_loss.seconds_at_step(timing, 100) == pytest.approx(50.0 + 60)
+    history = _eval_rows(30, seconds, lambda s: 3.0 - 0.1 * s)  # 2.0 at step 10; 1.5 at 15
+    assert time_to_loss.step_at_target(history, 1.6) == pytest.approx(14.0)
+    assert time_to_loss.step_at_target(history, 2.5) == pytest.approx(5.0)  # the first evaluation
+    assert time_to_loss.step_at_target(history, -1.0) is None
+    # a run's own seconds at its interpolated step are time_to_loss's
+    from ds_lowcomm.bench.runs import time_to_loss as seconds_to_loss
+    assert time_to_loss.seconds_at_step({"history": history}, 14.0) == pytest.approx(seconds_to_loss(history, 1.6))
+
+
+def _fake_runs(calls, slow_per_step):
+    """run_cached's stand-in: a seed's loss falls 0.1 an evaluation from 3.0 - 0.01 x seed (so seeds
+    reach the target at different steps); seconds per step 1 unshaped, ``slow_per_step[entry]``
+    on the slow links. Every call recorded."""
+    def fake(cache, hosts, link, spec, repeat=0, peer=None):
+        calls.append((link, spec.label, spec.seed, spec.stop_at_step, spec.stop_at_val_loss, peer))
+        per_step = 1.0 if link == "unshaped" else slow_per_step[spec.label]
+        loss = lambda s: 3.0 - 0.01 * spec.seed - 0.02 * s  # noqa: E731
+        last = spec.stop_at_step or spec.steps
+        if spec.stop_at_val_loss is not None:
+            last = min(last, next(s for s in range(5, spec.steps + 1, 5) if loss(s) <= spec.stop_at_val_loss))
+        h = _eval_rows(last, lambda s: per_step * s, loss)
+        return {"final_val_loss": h[-1]["val_loss"], "history": h, "train_s": h[-1]["train_s"],
+                "comm_s": 0.25 * h[-1]["train_s"], "codec_s": 0.0, "bytes_sent_per_worker": h[-1]["bytes_sent"]}
+    return fake
+
+
+def test_time_to_loss_steps_from_seeds_seconds_from_timing_runs_checked_on_one_link(monkeypatch, tmp_path):
+    """--seeds 1,2,3 --timing-steps 20 --check-links slow: every seed trains to the target on the
+    unshaped link and on the check link; the other slow link has one 20-step timing run per entry
+    (40 for PowerSGD starting at step 20), its seconds at each seed's step from the unshaped runs;
+    rows carry medians and ranges over the seeds, and on the check link the estimate beside."""
+    calls = []
+    monkeypatch.setattr(time_to_loss, "check_can_create", lambda: None)
+    monkeypatch.setattr(time_to_loss, "run_cached", _fake_runs(calls, {"adamw": 4.0, "demo": 2.0, "powersgd_r8": 3.0}))
+    monkeypatch.setattr(time_to_loss, "plot", lambda *a: None)
+    monkeypatch.setitem(time_to_loss.PEERS, "powersgd_r8", {"kind": "ddp_powersgd", "rank": 8, "start_iter": 20})
+    argv = ["--hosts", "2", "--links", "unshaped,10mbit,3mbit", "--entries", "adamw,demo,powersgd_r8",
+            "--steps", "100", "--budget-factor", "2", "--eval-every", "5", "--out", str(tmp_path), *TINY]
+    rows = time_to_loss.main([*argv, "--seeds", "1,2,3", "--timing-steps", "20", "--check-links", "10mbit"])
+    target = 3.0 - 0.02 * 100  # adamw's target run: seed 0, 100 steps
+    assert calls[0] == ("unshaped", "adamw", 0, None, None, None)
+    timing = [c for c in calls if c[3] is not None]
+    assert sorted((c[0], c[1], c[2], c[3]) for c in timing) == [
+        ("10mbit", "adamw", 1, 20), ("10mbit", "demo", 1, 20), ("10mbit", "powersgd_r8", 1, 40),
+        ("3mbit", "adamw", 1, 20), ("3mbit", "demo", 1, 20), ("3mbit", "powersgd_r8", 1, 40)]
+    full = {(c[0], c[1], c[2]) for c in calls[1:] if c[3] is None}
+    assert all(c[4] == target for c in calls[1:] if c[3] is None)
+    assert full == {(link, e, s) for link in ("unshaped", "10mbit") for e in ("adamw", "demo", "powersgd_r8")
+                    for s in (1, 2, 3)}  # none on 3mbit
+    by = {(r["link"], r["entry"]): r for r in rows}
+    # seed s reaches 1.0 at (2.0 - 0.01 s) / 0.02 = 99.5, 99, 98.5 steps: evaluations 100, 100, 100
+    for key, r in by.items():
+        assert r["seeds"] == 3 and r["steps_to_target"] == 100 and r["steps_range"] == "100-100"
+    assert by["unshaped", "demo"]["time_to_target_s"] == pytest.approx(99.0)  # the median seed, 1 s a step
+    assert by["3mbit", "demo"]["time_to_target_s"] == pytest.approx(2 * 99.0)
+    assert by["3mbit", "adamw"]["time_to_target_s"] == pytest.approx(4 * 99.0)
+    assert by["3mbit", "demo"]["time_range_s"] == "197.0-199.0"
+    assert by["3mbit", "demo"]["speedup_vs_adamw"] == pytest.approx(2.0)
+    assert by["3mbit", "demo"]["time_from"] == "timing run of 20 steps"
+    assert by["10mbit", "demo"]["time_from"] == "runs to the target"
+    assert by["10mbit", "demo"]["estimate_s"] == pytest.approx(by["10mbit", "demo"]["time_to_target_s"])
+    assert by["10mbit", "demo"]["estimate_within_range"] is True
+    assert by["3mbit", "demo"]["estimate_s"] is None and by["unshaped", "demo"]["estimate_s"] is None
+    assert by["3mbit", "adamw"]["comm_compute_ratio"] == pytest.approx(1 / 3)  # from its timing run
+    assert set(time_to_loss.COLUMNS) == set(rows[0])
+    saved = json.loads((tmp_path / "time_to_loss.json").read_text())
+    assert saved["results"]["2@3mbit@demo"]["seconds"] == {"1": pytest.approx(199.0), "2": pytest.approx(198.0),
+                                                          "3": pytest.approx(197.0)}
+    assert time_to_loss.earlier_results(tmp_path, [4])[0][2, "3mbit", "demo"].seconds[2] == pytest.approx(198.0)
+    for extra, message in [(["--check-links", "10mbit"], "--check-links needs --timing-steps"),
+                           (["--timing-steps", "20", "--check-links", "25mbit"], "--check-links must name shaped links"),
+                           (["--timing-steps", "20", "--check-links", "unshaped"], "--check-links must name shaped"),
+                           (["--timing-steps", "1"], "--timing-steps must be >= 2")]:
+        with pytest.raises(SystemExit, match=message):
+            time_to_loss.main([*argv, *extra])
+
+
+def test_a_timing_run_is_the_first_steps_of_the_full_schedule(tmp_path):
+    """stop_at_step: the run ends after that step (evaluated there), its steps those of the full
+    schedule's run (the same losses), not those of a shorter schedule."""
+    from ds_lowcomm.workers import run_local_workers
+
+    spec, _ = entry_spec("adamw", 8, 2, MODEL)
+    full = run_local_workers(sweep.train_one, 2, spec, None)[0]["history"]
+    first = run_local_workers(sweep.train_one, 2, dataclasses.replace(spec, stop_at_step=5), None)[0]["history"]
+    assert [h["step"] for h in first] == [2, 4, 5]
+    assert [h["val_loss"] for h in first[:2]] == [h["val_loss"] for h in full[:2]]
+    shorter = run_local_workers(sweep.train_one, 2, dataclasses.replace(spec, steps=5), None)[0]["history"]
+    assert shorter[1]["val_loss"] != full[1]["val_loss"]  # another schedule: the stop is not a shorter run

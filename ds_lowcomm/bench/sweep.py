@@ -43,7 +43,7 @@ from ..task.train import train_worker
 from ..workers import run_local_workers
 from .runs import add_model_args, model_of
 from .time_to_loss import ENTRIES, entry_spec, steps_to_target
-from .tuning import (PEER_SETTINGS, SPEC_KEYS, allowed_keys, best, check_keys, configs_per_entry,  # noqa: F401
+from .tuning import (PEER_SETTINGS, SPEC_KEYS, allowed_keys, best, check_keys, configs_per_entry, parse_seeds,  # noqa: F401
                      read_rows, with_settings)
 
 COLUMNS = ["method", "workers", "budget", "settings", "steps_to_target", "final_val_loss", "target_loss",
@@ -57,16 +57,6 @@ def parse_grid(text: str) -> list[dict]:
     if not isinstance(grid, dict) or not all(isinstance(v, list) and v for v in grid.values()):
         raise SystemExit('--grid: a JSON object whose values are non-empty lists, e.g. {"lr": [0.001]}')
     return [dict(zip(grid, values)) for values in itertools.product(*grid.values())]
-
-
-def parse_seeds(text: str) -> list[int]:
-    try:
-        seeds = [int(s) for s in text.split(",") if s.strip()]
-    except ValueError:
-        seeds = []
-    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
-        raise SystemExit(f"--seeds: a comma list of distinct integers >= 0, e.g. 0,1,2; got {text!r}")
-    return seeds
 
 
 def train_one(rank: int, world: int, spec, peer: dict | None) -> dict:

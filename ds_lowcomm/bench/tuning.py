@@ -58,6 +58,16 @@ def with_settings(spec, peer: dict | None, settings: dict):
     return dataclasses.replace(spec, lowcomm=lowcomm, **fields), peer
 
 
+def parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        seeds = []
+    if not seeds or any(s < 0 for s in seeds) or len(set(seeds)) != len(seeds):
+        raise SystemExit(f"--seeds: a comma list of distinct integers >= 0, e.g. 0,1,2; got {text!r}")
+    return seeds
+
+
 def read_rows(path: str | Path) -> list[dict]:
     """sweep.csv's rows, typed: settings a dict, steps_to_target an int or None, seed an int (0
     where the file has no seed column or the row none: the spec's default seed those runs used)."""
@@ -86,12 +96,20 @@ def configs_per_entry(path: str | Path) -> dict[str, int]:
     return {entry: len(c) for entry, c in configs.items()}
 
 
-def best(path: str | Path, seed: int = 0, budget: int | None = None) -> dict[str, dict]:
+# How :func:`best` ranks an entry's configurations
+TUNE_BY = ("steps", "final_loss")
+
+
+def best(path: str | Path, seed: int = 0, budget: int | None = None, rank_by: str = "steps") -> dict[str, dict]:
     """{entry: its best row}: among the entry's rows on the tuning ``seed`` at ``budget`` (default:
     the budget of its last such row), and at the target and worker count of the last of those
-    (rows at another target are not comparable), the fewest steps to the target; ties, and
-    entries that never reach it, by the lower final held-out loss. The row's ``settings`` are what
-    :func:`with_settings` applies over the entry's recipe."""
+    (rows at another target are not comparable), by ``rank_by``: ``steps``, the fewest steps to
+    the target, ties and entries that never reach it by the lower final held-out loss;
+    ``final_loss``, the lowest final held-out loss (the fair protocol's rule: adamw's target is
+    its tuned final loss, and every entry is ranked as adamw was). The row's ``settings`` are
+    what :func:`with_settings` applies over the entry's recipe."""
+    if rank_by not in TUNE_BY:
+        raise ValueError(f"rank_by must be one of {', '.join(TUNE_BY)}; got {rank_by!r}")
     by_entry: dict[str, list[dict]] = {}
     for row in read_rows(path):
         if row["seed"] == seed and (budget is None or row["budget"] == budget):
@@ -101,6 +119,9 @@ def best(path: str | Path, seed: int = 0, budget: int | None = None) -> dict[str
         last = rows[-1]
         same = [r for r in rows if (r["budget"], r["target_loss"], r["workers"]) ==
                 (last["budget"], last["target_loss"], last["workers"])]
-        out[entry] = min(same, key=lambda r: (r["steps_to_target"] is None, r["steps_to_target"] or 0,
-                                              r["final_val_loss"]))
+        if rank_by == "final_loss":
+            out[entry] = min(same, key=lambda r: r["final_val_loss"])
+        else:
+            out[entry] = min(same, key=lambda r: (r["steps_to_target"] is None, r["steps_to_target"] or 0,
+                                                  r["final_val_loss"]))
     return out

@@ -70,6 +70,7 @@ class TrainSpec:
     resume_from: str | None = None  # a save_dir to resume from
     resume_tag: str = "latest"  # which of its checkpoints: a tag (step40), or the latest complete one
     stop_at_val_loss: float | None = None  # stop at the first evaluation that reaches it
+    stop_at_step: int | None = None  # stop after this step, the schedule still spread over ``steps``
     # Where it runs.
     device: str = "cpu"  # cpu, cuda (this rank's GPU: LOCAL_RANK modulo the GPUs present) or cuda:N
     dtype: str = "fp32"  # of the parameters
@@ -111,6 +112,7 @@ class TrainSpec:
         at_least("eval_every", self.eval_every, 1, optional=True)
         at_least("save_at", self.save_at, 1, optional=True)
         at_least("save_every", self.save_every, 1, optional=True)
+        at_least("stop_at_step", self.stop_at_step, 1, optional=True)
         for f in dataclasses.fields(GPTConfig):
             at_least(f"model.{f.name}", getattr(self.model, f.name), 1)
         if self.model.n_embd % self.model.n_head:

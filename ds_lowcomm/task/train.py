@@ -78,7 +78,7 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec, task_type=Referenc
         train_s += step_times[-1]
         recent = (recent + [[loss.item() for loss in losses]])[-eval_every:]  # the losses of the last steps
         done = i + 1
-        if done % eval_every == 0 or done == steps:
+        if done % eval_every == 0 or done == steps or done == spec.stop_at_step:
             window = [loss for losses in recent for loss in losses]
             metrics = evaluate()
             train_loss, *averaged = mean_over_ranks(sum(window) / len(window), *metrics.values())
@@ -95,6 +95,8 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec, task_type=Referenc
         target = spec.stop_at_val_loss
         if target is not None and history and history[-1]["step"] == done and history[-1]["val_loss"] <= target:
             break  # the held-out loss is averaged over ranks: every rank stops at the same step
+        if done == spec.stop_at_step:
+            break  # a timing run: the first steps of the full schedule
 
     return {
         "label": label,
