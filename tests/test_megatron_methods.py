@@ -288,15 +288,24 @@ def test_unsupported_megatron_features_are_refused_clearly():
     assert "lowcomm.overlap must be false" in errors["demo_overlap"]
 
 
-def _pretrain(tmp_path, name, *args):
+def _pretrain(tmp_path, name, *args, fails=False):
+    """launch/pretrain_gpt.py on 2 ranks: its metrics; with ``fails``, its output (it must fail)."""
     metrics = tmp_path / f"{name}.json"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(ROOT / "launch" / "pretrain_gpt.py"), "--train-iters", "6", "--seq-length", "32",
            "--hidden-size", "32", "--metrics-out", str(metrics), *args]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
     run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    if fails:
+        assert run.returncode != 0 and not metrics.exists(), run.stdout[-3000:]
+        return run.stdout + run.stderr
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     return json.loads(metrics.read_text())
+
+
+class _PickledCall:
+    def __reduce__(self):  # loading this with pickle would call os.getpid
+        return os.getpid, ()
 
 
 @pytest.mark.parametrize("method", [["--lowcomm-method", "demo", "--lowcomm-topk", "8", "--lowcomm-chunk", "16"],
@@ -313,3 +322,18 @@ def test_pretrain_gpt_resumes_exactly(tmp_path, method):
     assert resumed["train_loss"] == full["train_loss"][3:]
     assert resumed["bytes_sent_per_step"] == full["bytes_sent_per_step"]
     assert resumed["val_loss"] == full["val_loss"]
+    if method[1] != "sparseloco":
+        return
+    # Loading it without the method's flags: a clear error on every rank, before any iteration
+    out = _pretrain(tmp_path, "no_flags", "--load", str(save), fails=True)
+    assert out.count("holds ds_lowcomm's sparseloco state; this run has no --lowcomm-* flags") >= 2, out[-3000:]
+    assert "iteration 4/" not in out and "KeyError" not in out
+    # One rank's file replaced by a pickled call (its digest recomputed): every rank refuses it
+    from ds_lowcomm.checkpoint_io import load_file, save_file
+    from megatron_patches.checkpoint import rank_file
+
+    path = rank_file(save, 3, rank=1)
+    save_file({**load_file(path), "rng": _PickledCall()}, path)
+    out = _pretrain(tmp_path, "tampered", "--load", str(save), *method, fails=True)
+    assert out.count("rank 1: " + str(path) + " holds objects other than tensors") >= 2, out[-3000:]
+    assert "iteration 4/" not in out and "a peer stalled" not in out
