@@ -78,6 +78,11 @@ def main(argv=None) -> dict | None:
     if activations is not None and args.pipeline_model_parallel_size < 2:
         raise ConfigError("--lowcomm-activations-*: codecs between pipeline stages need "
                           "--pipeline-model-parallel-size > 1")
+    tp, pp, world = args.tensor_model_parallel_size, args.pipeline_model_parallel_size, int(os.environ.get("WORLD_SIZE", 1))
+    if tp < 1 or pp < 1 or world % (tp * pp):
+        raise ConfigError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must be >= 1 "
+                          f"and divide the world size ({world} ranks started): the data-parallel size is "
+                          "world / (TP x PP)")
     if args.save_interval is not None and (args.save is None or args.save_interval < 1):
         raise ConfigError("--save-interval takes a positive number of iterations and needs --save DIR")
     if not torch.cuda.is_available():

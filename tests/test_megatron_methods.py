@@ -303,6 +303,19 @@ def _pretrain(tmp_path, name, *args, fails=False):
     return json.loads(metrics.read_text())
 
 
+@pytest.mark.parametrize("tp, pp", [(2, 3), (0, 1)])
+def test_pretrain_gpt_refuses_a_layout_the_world_size_cannot_hold(tp, pp):
+    """TP x PP must divide the ranks started (4 here): a clear error naming both flags, before
+    Megatron is imported (it gave its own traceback from initialize_model_parallel)."""
+    cmd = [sys.executable, str(ROOT / "launch" / "pretrain_gpt.py"), "--tensor-model-parallel-size", str(tp),
+           "--pipeline-model-parallel-size", str(pp)]
+    run = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "WORLD_SIZE": "4" if tp else "2"}, capture_output=True,
+                         text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert (f"configuration error: --tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must be "
+            f">= 1 and divide the world size ({4 if tp else 2} ranks started)") in run.stderr
+
+
 class _PickledCall:
     def __reduce__(self):  # loading this with pickle would call os.getpid
         return os.getpid, ()
