@@ -279,10 +279,11 @@ def _fake_runs(calls, slow_per_step):
 
 
 def test_time_to_loss_steps_from_seeds_seconds_from_timing_runs_checked_on_one_link(monkeypatch, tmp_path):
-    """--seeds 1,2,3 --timing-steps 20 --check-links slow: every seed trains to the target on the
-    unshaped link and on the check link; the other slow link has one 20-step timing run per entry
-    (40 for PowerSGD starting at step 20), its seconds at each seed's step from the unshaped runs;
-    rows carry medians and ranges over the seeds, and on the check link the estimate beside."""
+    """--seeds 1,2,3 --timing-steps 20 --check-links 10mbit: every seed trains to the target on the
+    unshaped link (its steps) and on the check link; every link has one 20-step timing run per
+    entry (40 for PowerSGD starting at step 20), its seconds at each seed's step from the unshaped
+    runs; rows carry medians and ranges over the seeds, and on the check link the estimate beside.
+    --steps-only runs the unshaped seeds alone."""
     calls = []
     monkeypatch.setattr(time_to_loss, "check_can_create", lambda: None)
     monkeypatch.setattr(time_to_loss, "run_cached", _fake_runs(calls, {"adamw": 4.0, "demo": 2.0, "powersgd_r8": 3.0}))
@@ -295,8 +296,8 @@ def test_time_to_loss_steps_from_seeds_seconds_from_timing_runs_checked_on_one_l
     assert calls[0] == ("unshaped", "adamw", 0, None, None, None)
     timing = [c for c in calls if c[3] is not None]
     assert sorted((c[0], c[1], c[2], c[3]) for c in timing) == [
-        ("10mbit", "adamw", 1, 20), ("10mbit", "demo", 1, 20), ("10mbit", "powersgd_r8", 1, 40),
-        ("3mbit", "adamw", 1, 20), ("3mbit", "demo", 1, 20), ("3mbit", "powersgd_r8", 1, 40)]
+        (link, e, 1, 40 if e == "powersgd_r8" else 20) for link in ("10mbit", "3mbit", "unshaped")
+        for e in ("adamw", "demo", "powersgd_r8")]
     full = {(c[0], c[1], c[2]) for c in calls[1:] if c[3] is None}
     assert all(c[4] == target for c in calls[1:] if c[3] is None)
     assert full == {(link, e, s) for link in ("unshaped", "10mbit") for e in ("adamw", "demo", "powersgd_r8")
@@ -311,17 +312,24 @@ def test_time_to_loss_steps_from_seeds_seconds_from_timing_runs_checked_on_one_l
     assert by["3mbit", "demo"]["time_range_s"] == "197.0-199.0"
     assert by["3mbit", "demo"]["speedup_vs_adamw"] == pytest.approx(2.0)
     assert by["3mbit", "demo"]["time_from"] == "timing run of 20 steps"
+    assert by["unshaped", "demo"]["time_from"] == "timing run of 20 steps"
     assert by["10mbit", "demo"]["time_from"] == "runs to the target"
     assert by["10mbit", "demo"]["estimate_s"] == pytest.approx(by["10mbit", "demo"]["time_to_target_s"])
     assert by["10mbit", "demo"]["estimate_within_range"] is True
     assert by["3mbit", "demo"]["estimate_s"] is None and by["unshaped", "demo"]["estimate_s"] is None
     assert by["3mbit", "adamw"]["comm_compute_ratio"] == pytest.approx(1 / 3)  # from its timing run
+    assert by["3mbit", "demo"]["bytes_sent_per_worker"] == 1000.0  # to step 100, from the unshaped run
     assert set(time_to_loss.COLUMNS) == set(rows[0])
     saved = json.loads((tmp_path / "time_to_loss.json").read_text())
     assert saved["results"]["2@3mbit@demo"]["seconds"] == {"1": pytest.approx(199.0), "2": pytest.approx(198.0),
                                                           "3": pytest.approx(197.0)}
     assert time_to_loss.earlier_results(tmp_path, [4])[0][2, "3mbit", "demo"].seconds[2] == pytest.approx(198.0)
+    calls.clear()
+    assert time_to_loss.main([*argv, "--seeds", "4", "--timing-steps", "20", "--steps-only"]) == []
+    assert [(c[0], c[1], c[2], c[3]) for c in calls] == [("unshaped", "adamw", 0, None), ("unshaped", "adamw", 4, None),
+                                                        ("unshaped", "demo", 4, None), ("unshaped", "powersgd_r8", 4, None)]
     for extra, message in [(["--check-links", "10mbit"], "--check-links needs --timing-steps"),
+                           (["--steps-only"], "--steps-only needs --timing-steps"),
                            (["--timing-steps", "20", "--check-links", "25mbit"], "--check-links must name shaped links"),
                            (["--timing-steps", "20", "--check-links", "unshaped"], "--check-links must name shaped"),
                            (["--timing-steps", "1"], "--timing-steps must be >= 2")]:

@@ -30,8 +30,10 @@ link (and ``--check-links``) runs every seed to the target; on the other links e
 once for its first N steps of the same schedule (``TrainSpec.stop_at_step``; more steps where
 PowerSGD's start or an outer sync period needs them) and its seconds to the target are that run's
 seconds at each seed's step (:func:`seconds_at_step`: past the run, at its second half's rate).
-On a check link both are done and the rows carry the estimate beside the measured seconds
-(``estimate_s``, ``estimate_within_range``: within the seeds' range).
+The unshaped link too takes its seconds from a timing run then, so ``--steps-only`` can run the
+seeds beside other work (steps do not depend on the machine's load; seconds do). On a check link
+both are done and the rows carry the estimate beside the measured seconds (``estimate_s``,
+``estimate_within_range``: within the seeds' range).
 
 The ratio moves with the link here: bytes and compute both grow with the model, so a larger model
 barely moves it, while a slower link (or fewer tokens per step) does. docs/benchmarks.md places
@@ -133,12 +135,14 @@ class Result:
     ``--timing-steps`` steps on this link) or None; ``steps``/``seconds``: {seed: steps to the
     target (an evaluation's step), seconds to it (the repeats' median, or the timing run's seconds
     at the seed's interpolated step on the unshaped link)}; ``estimate``: {seed: the timing run's
-    seconds} where both exist (the check that the two ways agree)."""
+    seconds} where both exist (the check that the two ways agree); ``reference``: the first
+    seed's run to the target (on this link, else the unshaped one): its bytes and final loss."""
     runs: dict
     timing: dict | None
     steps: dict
     seconds: dict
     estimate: dict
+    reference: dict | None = None
 
     @property
     def ratio_run(self) -> dict:
@@ -163,7 +167,8 @@ def result_of(runs: dict, timing: dict | None, unshaped: dict | None, target: fl
                 estimate[seed] = t
             else:
                 steps[seed], seconds[seed] = steps_to_target(run["history"], target), t
-    return Result(runs, timing, steps, seconds, estimate)
+    reference = next(iter(runs.values()))[0] if runs else next(iter((unshaped or {}).values()), None)
+    return Result(runs, timing, steps, seconds, estimate, reference)
 
 
 def median_or_none(values) -> float | None:
@@ -209,7 +214,7 @@ def rows_for(hosts: int, link: str, entries: list[str], results: dict[str, Resul
         t, steps = median_or_none(res.seconds.values()), median_or_none(res.steps.values())
         limit = base_scale * (1 + ratio) * adamw_steps / steps if steps and adamw_steps and base_scale else None
         speedup = base_time / t if t and base_time else None
-        first = next(iter(res.runs.values()))[0] if res.runs else None
+        first = res.reference
         estimate = median_or_none(res.estimate.values()) if res.estimate else None
         rows.append({
             "setting": f"{hosts}h-{link}", "hosts": hosts, "link": link, "comm_compute_ratio": ratio, "entry": entry,
@@ -254,9 +259,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
                     help="comma list: every entry trains to the target from each (medians and ranges reported); "
                          "the target is adamw's on seed 0, the tuning seed")
     ap.add_argument("--timing-steps", type=int, default=None, metavar="N",
-                    help="on links other than unshaped and --check-links, seconds per step from one run of N "
-                         "steps (more where an entry's start-up or sync period needs it) and steps from the "
-                         "unshaped runs of each seed; without it every link runs every seed to the target")
+                    help="steps from the unshaped runs of each seed; seconds per step on each link (unshaped "
+                         "included) from one run of N steps (more where an entry's start-up or sync period "
+                         "needs it); without it every link runs every seed to the target")
+    ap.add_argument("--steps-only", action="store_true",
+                    help="with --timing-steps: only the unshaped runs of every seed (steps do not depend on "
+                         "the machine's load, so they may run beside other work), then stop")
     ap.add_argument("--check-links", default="",
                     help="comma list of links of --links where every seed also runs to the target with "
                          "--timing-steps, to check that the two ways agree (columns estimate_s, "
@@ -289,6 +297,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         raise SystemExit("--check-links needs --timing-steps (it checks the timing runs against full runs)")
     if args.timing_steps is not None and args.timing_steps < 2:
         raise SystemExit(f"--timing-steps must be >= 2; got {args.timing_steps}")
+    if args.steps_only and not args.timing_steps:
+        raise SystemExit("--steps-only needs --timing-steps (without it every link runs every seed)")
     seeds = parse_seeds(args.seeds)
     repeats_of = repeats_per_run(args, links, entries)
     check_can_create()
@@ -332,12 +342,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
         unshaped = {}
         if args.timing_steps:  # the steps of every seed, from the unshaped link
-            unshaped = {e: {s: reps[0] for s, reps in to_target(e, "unshaped").items()} for e in entries}
+            for e in entries:
+                unshaped[e] = {s: reps[0] for s, reps in to_target(e, "unshaped").items()}
+                print(f"{hosts} hosts {e:<12} steps to the target by seed: "
+                      f"{ {s: steps_to_target(r['history'], target) for s, r in unshaped[e].items()} }", flush=True)
+            if args.steps_only:
+                continue
         for link in links:
-            full = not args.timing_steps or link == "unshaped" or link in check_links
+            full = not args.timing_steps or link in check_links
             for entry in entries:  # adamw first: the ratio comes from it
                 runs = to_target(entry, link) if full else {}
-                timed = timing(entry, link) if args.timing_steps and link != "unshaped" else None
+                timed = timing(entry, link) if args.timing_steps else None
                 results[hosts, link, entry] = result_of(runs, timed, unshaped.get(entry), target)
                 res = results[hosts, link, entry]
                 print(f"{hosts} hosts {link:<13} {entry:<12} steps {res.steps} seconds "
@@ -368,7 +383,8 @@ def earlier_results(out: Path, skip_hosts: list[int]) -> tuple[dict, list[dict]]
         if int(hosts) not in skip_hosts:
             results[int(hosts), link, entry] = Result(
                 {int(s): reps for s, reps in value["runs"].items()}, value["timing"],
-                *({int(s): v for s, v in value[f].items()} for f in ("steps", "seconds", "estimate")))
+                *({int(s): v for s, v in value[f].items()} for f in ("steps", "seconds", "estimate")),
+                value.get("reference"))
     return results, rows
 
 
