@@ -296,3 +296,20 @@ def test_sweep_benchmark_tiny(tmp_path):
     assert len(_rows(tmp_path / "sweep.csv")) == 2
     with pytest.raises(SystemExit, match="--grid"):
         sweep.main(["--method", "demo", "--grid", '{"lr": []}', "--out", str(tmp_path)])
+
+
+def test_megatron_benchmark_refuses_iterations_shorter_than_a_sync_interval(monkeypatch, tmp_path):
+    """--iters 10 with diloco's 20-step interval would send nothing and report 0 bytes: refused
+    before any run, naming the entries and their intervals (an override among the extra arguments
+    counts)."""
+    from ds_lowcomm.bench import megatron
+
+    monkeypatch.setattr(megatron, "run_entry", lambda *a: (_ for _ in ()).throw(AssertionError("a run started")))
+    with pytest.raises(SystemExit, match=r"--iters 10 is shorter than the sync interval of diloco \(20 iterations\), "
+                                         r"mtdao \(32 iterations\): it would never sync; use --iters >= 32"):
+        megatron.main(["--iters", "10", "--entries", "stock", "demo", "diloco", "mtdao", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match=r"sync interval of diloco \(40 iterations\)"):
+        megatron.main(["--iters", "30", "--entries", "diloco", "--out", str(tmp_path), "--", "--lowcomm-sync-every",
+                       "40"])
+    assert megatron.steps_per_sync("diloco", ["--lowcomm-sync-every", "5"]) == 5
+    assert [megatron.steps_per_sync(e, []) for e in ("stock", "adamw", "demo", "sparseloco")] == [1, 1, 1, 20]

@@ -28,6 +28,16 @@ ENTRIES = {"stock": [], **{m: ["--lowcomm-config", str(ROOT / "configs" / f"{m}.
 COLUMNS = ["tp", "entry", "iters", "bytes_per_step_per_worker", "x_fewer_than_stock", "val_loss", "wall_s"]
 
 
+def steps_per_sync(name: str, extra: list[str]) -> int:
+    """Iterations between an entry's syncs: ``--lowcomm-sync-every`` among the extra arguments,
+    else its config's ``sync_every``, else 1 (stock, adamw and demo exchange every step)."""
+    if "--lowcomm-sync-every" in extra[:-1]:
+        return int(extra[extra.index("--lowcomm-sync-every") + 1])
+    if not ENTRIES[name]:
+        return 1
+    return int(json.loads(Path(ENTRIES[name][1]).read_text())["lowcomm"].get("sync_every", 1))
+
+
 def run_entry(name: str, tp: int, iters: int, extra: list[str]) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         metrics = Path(tmp) / "m.json"
@@ -50,6 +60,11 @@ def main(argv: list[str] | None = None) -> list[dict]:
     p.add_argument("--out", default="runs/bench/megatron")
     p.add_argument("extra", nargs="*", help="more pretrain_gpt.py arguments (after --)")
     args = p.parse_args(argv)
+    short = {name: h for name in args.entries if (h := steps_per_sync(name, args.extra)) > args.iters}
+    if short:  # such a run sends nothing, and its row would say 0 bytes
+        raise SystemExit(f"--iters {args.iters} is shorter than the sync interval of "
+                         f"{', '.join(f'{n} ({h} iterations)' for n, h in short.items())}: it would never sync; "
+                         f"use --iters >= {max(short.values())} or leave {', '.join(short)} out of --entries")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
