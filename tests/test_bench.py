@@ -57,6 +57,31 @@ def test_test_hosts_are_created_shaped_and_removed():
     assert net.existing() == []
 
 
+@needs_root
+def test_a_second_test_network_waits_for_the_first_to_be_removed(capfd):
+    """Two test networks at once (a benchmark and a test, say): the second waits on the machine's
+    lock, saying so, and is made only after the first is gone; before, it removed the first's
+    namespaces as leftovers and cut a running benchmark's links."""
+    import threading
+
+    events = []
+    first = netns.TestNetwork(1, prefix="dslct")
+    with first:
+        def second():
+            with netns.TestNetwork(1, prefix="dslcu") as net:
+                events.append(("second made", sorted(net.existing())))
+
+        t = threading.Thread(target=second)
+        t.start()
+        t.join(timeout=3.0)
+        assert t.is_alive() and events == []  # still waiting
+        assert sorted(first.existing()) == ["dslct-h0", "dslct-hub"]  # untouched
+        events.append(("first removed", None))
+    t.join(timeout=60)
+    assert events == [("first removed", None), ("second made", ["dslcu-h0", "dslcu-hub"])]
+    assert f"TestNetwork: waiting for the test network of pid {os.getpid()}" in capfd.readouterr().err
+
+
 # One TCP connection from host 1 (sender) to host 0 (receiver): the receiver asks for n bytes with an
 # 8-byte request after an idle gap and times from writing the request to the last byte's arrival.
 _RECEIVER = """import socket, sys, time

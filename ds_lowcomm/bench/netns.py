@@ -6,16 +6,26 @@ kernels ship without it).
 Everything lives in namespaces this module creates (the bridge too, in a hub namespace), so no
 traffic touches the machine's own interfaces; ``__exit__`` removes them all (deleting a namespace
 deletes the veth ends inside it). Needs root (``ip netns``, ``tc``).
+
+One test network at a time on a machine: a second one (another benchmark, a test) waits on a
+file lock (:data:`LOCK_PATH`) until the first is removed, rather than clear the first's
+namespaces as an interrupted run's leftovers (which cut a running benchmark's links), and
+rather than share its cores, which would change the seconds it measures.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import shutil
 import subprocess
+import sys
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 SUBNET = "10.213.77"  # private /24 used only inside the namespaces
+LOCK_PATH = Path(tempfile.gettempdir()) / "ds_lowcomm-testnetwork.lock"  # held while a test network exists
 
 
 class NetworkSetupError(RuntimeError):
@@ -117,6 +127,7 @@ class TestNetwork:
             raise ValueError(f"hosts must be in [1, 200]; got {hosts}")
         self.hosts, self.shape, self.prefix = hosts, shape, prefix
         self.hub = f"{prefix}-hub"
+        self._lock = None
 
     def namespace(self, i: int) -> str:
         return f"{self.prefix}-h{i}"
@@ -137,9 +148,32 @@ class TestNetwork:
         out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
         return [line.split()[0] for line in out.splitlines() if line.startswith(f"{self.prefix}-")]
 
+    def _acquire(self) -> None:
+        """The machine's test-network lock: at once, or after waiting (said on stderr) for the
+        process that holds it."""
+        self._lock = open(LOCK_PATH, "a+")
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            self._lock.seek(0)
+            holder = self._lock.read().strip() or "another process"
+            print(f"TestNetwork: waiting for the test network of {holder} to be removed ({LOCK_PATH})",
+                  file=sys.stderr, flush=True)
+            fcntl.flock(self._lock, fcntl.LOCK_EX)
+        self._lock.seek(0)
+        self._lock.truncate()
+        self._lock.write(f"pid {os.getpid()}\n")
+        self._lock.flush()
+
+    def _release(self) -> None:
+        if self._lock is not None:
+            self._lock.close()  # closing the file releases the lock
+            self._lock = None
+
     def __enter__(self) -> "TestNetwork":
         check_can_create()
-        self.remove()  # leftovers of an interrupted run
+        self._acquire()
+        self.remove()  # leftovers of an interrupted run (no live test network holds the lock)
         try:
             _run("ip", "netns", "add", self.hub)
             hub = ("ip", "netns", "exec", self.hub)
@@ -158,6 +192,7 @@ class TestNetwork:
                 self._shape(host, dev)
         except BaseException:
             self.remove()
+            self._release()
             raise
         return self
 
@@ -175,7 +210,10 @@ class TestNetwork:
             _run(*host, "tc", "qdisc", "add", "dev", dev, *parent, "handle", "2:", "tbf", *tbf_args(rate))
 
     def __exit__(self, *exc) -> None:
-        self.remove()
+        try:
+            self.remove()
+        finally:
+            self._release()
 
     def remove(self) -> None:
         for ns in self.existing():
