@@ -349,3 +349,10 @@ def test_a_timing_run_is_the_first_steps_of_the_full_schedule(tmp_path):
     assert [h["val_loss"] for h in first[:2]] == [h["val_loss"] for h in full[:2]]
     shorter = run_local_workers(sweep.train_one, 2, dataclasses.replace(spec, steps=5), None)[0]["history"]
     assert shorter[1]["val_loss"] != full[1]["val_loss"]  # another schedule: the stop is not a shorter run
+
+
+def test_demo_recipe_is_demo_at_its_recipe_under_another_name():
+    """With --from-sweep, "demo" takes the sweep's best configuration; "demo_recipe" (no rows of
+    its own) keeps the recipe beside it."""
+    spec, peer = entry_spec("demo_recipe", 90, 5, MODEL)
+    assert peer is None and spec == dataclasses.replace(entry_spec("demo", 90, 5, MODEL)[0], label="demo_recipe")

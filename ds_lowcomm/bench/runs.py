@@ -79,7 +79,9 @@ def model_of(args) -> dict:
 
 # Entries that are a method's recipe with more settings: Streaming DiLoCo as configs/diloco_streaming.json
 # sets it (4 fragments, each landing 4 inner steps after it is sent).
-VARIANTS = {"diloco_streaming": ("diloco", {"fragments": 4, "sync_delay": 4})}
+# demo_recipe: demo at its recipe under another name, for a run where "demo" takes a sweep's
+# configuration (time_to_loss --from-sweep) and the recipe is shown beside it.
+VARIANTS = {"diloco_streaming": ("diloco", {"fragments": 4, "sync_delay": 4}), "demo_recipe": ("demo", {})}
 
 
 def method_spec(method: str, steps: int, eval_every: int, **model) -> TrainSpec:
