@@ -124,18 +124,25 @@ def run_cached(cache: Path, hosts: int, link: str, spec: TrainSpec, repeat: int 
     return result
 
 
-def time_to_loss(history: list[dict], target: float) -> float | None:
-    """Training seconds (evaluations left out) until held-out loss first reaches ``target``,
-    interpolated linearly between evaluations; None if it never does."""
-    prev_t, prev_loss = 0.0, float("inf")
+def at_target(history: list[dict], target: float, key: str) -> float | None:
+    """``key`` of the evaluations (``train_s``, ``step``) where held-out loss first reaches
+    ``target``, interpolated linearly in loss between evaluations from 0 before the first; None
+    if it never does."""
+    prev, prev_loss = 0.0, float("inf")
     for h in history:
         if h["val_loss"] <= target:
             if prev_loss == float("inf"):
-                return h["train_s"]
+                return h[key]
             frac = (prev_loss - target) / (prev_loss - h["val_loss"])
-            return prev_t + frac * (h["train_s"] - prev_t)
-        prev_t, prev_loss = h["train_s"], h["val_loss"]
+            return prev + frac * (h[key] - prev)
+        prev, prev_loss = h[key], h["val_loss"]
     return None
+
+
+def time_to_loss(history: list[dict], target: float) -> float | None:
+    """Training seconds (evaluations left out) until held-out loss first reaches ``target``,
+    interpolated linearly between evaluations; None if it never does."""
+    return at_target(history, target, "train_s")
 
 
 def loss_at_time(history: list[dict], budget: float) -> float:

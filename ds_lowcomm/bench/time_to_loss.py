@@ -53,7 +53,7 @@ from ..config import METHODS
 from .netns import check_can_create
 from .network import PEERS as _PEERS
 from .peers import ADAMW_ENTRIES, BASELINES
-from .runs import (LINKS, VARIANTS, add_model_args, add_repeat_args, method_spec, model_of, peer_spec,
+from .runs import (LINKS, VARIANTS, add_model_args, add_repeat_args, at_target, method_spec, model_of, peer_spec,
                    repeats_per_run, run_cached, time_to_loss)
 from .tuning import TUNE_BY, best, parse_seeds, with_settings
 
@@ -84,16 +84,10 @@ def steps_to_target(history: list[dict], target: float) -> int | None:
 
 
 def step_at_target(history: list[dict], target: float) -> float | None:
-    """The (fractional) step where held-out loss first reaches ``target``, interpolated linearly
-    between evaluations as :func:`~ds_lowcomm.bench.runs.time_to_loss` interpolates seconds."""
-    prev_step, prev_loss = 0, float("inf")
-    for h in history:
-        if h["val_loss"] <= target:
-            if prev_loss == float("inf"):
-                return float(h["step"])
-            return prev_step + (prev_loss - target) / (prev_loss - h["val_loss"]) * (h["step"] - prev_step)
-        prev_step, prev_loss = h["step"], h["val_loss"]
-    return None
+    """The (fractional) step where held-out loss first reaches ``target``, interpolated as
+    :func:`~ds_lowcomm.bench.runs.time_to_loss` interpolates seconds."""
+    step = at_target(history, target, "step")
+    return None if step is None else float(step)
 
 
 def seconds_at_step(timing: dict, step: float) -> float:
@@ -143,11 +137,6 @@ class Result:
     seconds: dict
     estimate: dict
     reference: dict | None = None
-
-    @property
-    def ratio_run(self) -> dict:
-        """The run the comm/compute ratio is read from: the timing run, else the first seed's."""
-        return self.timing or next(iter(self.runs.values()))[0]
 
 
 def result_of(runs: dict, timing: dict | None, unshaped: dict | None, target: float) -> Result:
@@ -199,7 +188,7 @@ def rows_for(hosts: int, link: str, entries: list[str], results: dict[str, Resul
     entry there; the ratio (and with it ``1 + ratio`` and the no-communication limit's steps)
     from plain adamw."""
     adamw = results["adamw"]
-    ratio = comm_compute_ratio(adamw.ratio_run) if adamw.timing else statistics.median(
+    ratio = comm_compute_ratio(adamw.timing) if adamw.timing else statistics.median(
         comm_compute_ratio(r) for reps in adamw.runs.values() for r in reps)
     adamw_time = median_or_none(adamw.seconds.values())
     adamw_steps = median_or_none(adamw.steps.values())
