@@ -92,6 +92,12 @@ def save_file(obj: Any, path: str | os.PathLike, **torch_save_kwargs) -> None:
     write_text(f"{path}{DIGEST_SUFFIX}", digest + "\n")
 
 
+def write_digest(path: str | os.PathLike) -> None:
+    """The digest sidecar for a complete file another library wrote (Megatron's distributed
+    checkpoints), checked like :func:`save_file`'s by :func:`check_digest`."""
+    write_text(f"{path}{DIGEST_SUFFIX}", file_digest(path) + "\n")
+
+
 def file_digest(path: str | os.PathLike) -> str:
     sha = hashlib.sha256()
     with open(path, "rb") as f:

@@ -10,9 +10,17 @@ Megatron's tensor/pipeline parallelism, Megatron's schedules, DDP and optimizer,
         --lowcomm-method sparseloco --lowcomm-sync-every 10
     torchrun --nproc_per_node 2 launch/pretrain_gpt.py --overlap-grad-reduce --lowcomm-method demo
 
-Checkpoints: ``--save DIR --save-interval N`` writes one file per rank (model, Megatron's
-optimizer, the method's state) and then ``DIR/latest_checkpointed_iteration.txt``;
-``--load DIR`` resumes from it, exactly (megatron_patches/checkpoint.py).
+Checkpoints: ``--save DIR --save-interval N`` writes Megatron-LM's default ``--ckpt-format
+torch_dist`` (Megatron-Core's dist_checkpointing; the method's state per rank goes in through the
+optimizer's ``sharded_state_dict``) or ``--ckpt-format torch`` (one file per rank: model,
+Megatron's optimizer, the method's state), each with the RNG states, and then
+``DIR/latest_checkpointed_iteration.txt``; ``--load DIR`` resumes from it, exactly, with the
+same format (megatron_patches/checkpoint.py).
+
+Dropout is off unless asked for (``--hidden-dropout 0.1 --attention-dropout 0.1`` are
+Megatron-LM's defaults); resume is exact with it on (the RNG tracker's streams are saved).
+``--check-for-nan-in-loss-and-grad`` / ``--check-for-large-grads`` are Megatron's gradient
+checks, honoured by every method.
 
 ``--lowcomm-activations-forward int8`` (and ``-backward``, ...) codes what crosses the pipeline
 stages (megatron_patches/activations.py).
@@ -56,6 +64,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=3e-3)
     p.add_argument("--weight-decay", type=float, default=0.01, help="Megatron's default")
     p.add_argument("--bf16", action="store_true", help="bf16 parameters with fp32 main params/grads (Megatron's)")
+    p.add_argument("--fp16", action="store_true",
+                   help="fp16 parameters with fp32 main params and Megatron's dynamic loss scale (not with demo, mtdao)")
+    p.add_argument("--initial-loss-scale", type=float, default=2.0 ** 32, help="fp16's dynamic loss scale starts here")
+    p.add_argument("--hidden-dropout", type=float, default=0.0, help="Megatron-LM's default is 0.1")
+    p.add_argument("--attention-dropout", type=float, default=0.0, help="Megatron-LM's default is 0.1")
+    p.add_argument("--check-for-nan-in-loss-and-grad", action="store_true",
+                   help="Megatron's check of every bucket's local gradients (and the loss) for NaN / Inf")
+    p.add_argument("--check-for-large-grads", action="store_true", help="Megatron's unexpectedly-large-gradient check")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="start each bucket's sync during backward")
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--clip-grad", type=float, default=0.0, help="Megatron's grad clipping (needs CUDA; 0 on CPU)")
@@ -67,6 +83,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save", default=None, help="checkpoint directory")
     p.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
     p.add_argument("--load", default=None, help="resume from the latest checkpoint in this directory")
+    p.add_argument("--ckpt-format", default="torch_dist", choices=("torch_dist", "torch"),
+                   help="torch_dist: Megatron's distributed checkpoint (Megatron-LM's default); torch: one file per rank")
     add_lowcomm_args(p)
     return p.parse_args(argv)
 
@@ -83,10 +101,14 @@ def main(argv=None) -> dict | None:
         raise ConfigError(f"--tensor-model-parallel-size {tp} x --pipeline-model-parallel-size {pp} must be >= 1 "
                           f"and divide the world size ({world} ranks started): the data-parallel size is "
                           "world / (TP x PP)")
+    if args.bf16 and args.fp16:
+        raise ConfigError("--bf16 and --fp16: choose one")
     if args.save_interval is not None and (args.save is None or args.save_interval < 1):
         raise ConfigError("--save-interval takes a positive number of iterations and needs --save DIR")
     if not torch.cuda.is_available():
-        import megatron_patches.cpu_shim  # noqa: F401  before megatron
+        from megatron_patches import cpu_shim
+
+        cpu_shim.install()  # before megatron
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -119,36 +141,45 @@ def main(argv=None) -> dict | None:
     num_micro = gbs // (args.micro_batch_size * dp_size)
 
     torch.manual_seed(args.seed)  # every replica and every TP rank alike (CPU initialisation)
-    dtype = torch.bfloat16 if args.bf16 else torch.float32
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    half = args.bf16 or args.fp16
     config = TransformerConfig(
         num_layers=args.num_layers, hidden_size=args.hidden_size, num_attention_heads=args.num_attention_heads,
         tensor_model_parallel_size=args.tensor_model_parallel_size,
         pipeline_model_parallel_size=args.pipeline_model_parallel_size, pipeline_dtype=dtype,
-        use_cpu_initialization=True, params_dtype=dtype, bf16=args.bf16, hidden_dropout=0.0, attention_dropout=0.0)
+        use_cpu_initialization=True, params_dtype=dtype, bf16=args.bf16, fp16=args.fp16,
+        hidden_dropout=args.hidden_dropout, attention_dropout=args.attention_dropout)
     model = GPTModel(config=config, transformer_layer_spec=get_gpt_layer_local_spec(), vocab_size=VOCAB,
                      max_sequence_length=args.seq_length, pre_process=ps.is_pipeline_first_stage(),
                      post_process=ps.is_pipeline_last_stage())
     if gpu:
         model.cuda()
-    if args.bf16:  # as Megatron-LM's get_model: bf16 inside, fp32 inputs and outputs
+    if half:  # as Megatron-LM's get_model: bf16/fp16 inside, fp32 inputs and outputs
         model = Float16Module(config, model)
-    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=args.bf16, overlap_grad_reduce=args.overlap_grad_reduce,
-                                               use_distributed_optimizer=args.use_distributed_optimizer)
+    ddp_config = DistributedDataParallelConfig(grad_reduce_in_fp32=half, overlap_grad_reduce=args.overlap_grad_reduce,
+                                               use_distributed_optimizer=args.use_distributed_optimizer,
+                                               check_for_nan_in_grad=args.check_for_nan_in_loss_and_grad,
+                                               check_for_large_grads=args.check_for_large_grads)
     model = DistributedDataParallel(config, ddp_config, model)
     config.finalize_model_grads_func = finalize_model_grads
     if args.overlap_grad_reduce:  # as Megatron-LM's training loop: the schedules drive the bucket syncs
         config.no_sync_func = model.no_sync
         config.grad_sync_func = model.start_grad_sync
     optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
-                                                       clip_grad=args.clip_grad, bf16=args.bf16,
+                                                       clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+                                                       initial_loss_scale=args.initial_loss_scale,
                                                        use_distributed_optimizer=args.use_distributed_optimizer),
                                        [model])
+    if args.fp16:  # as Megatron-LM's setup: the schedules scale the loss by the dynamic loss scale
+        config.grad_scale_func = optimizer.scale_loss
     if lowcomm is not None:
         optimizer = apply([model], optimizer, lowcomm)
     activation_ledger = install_activation_compression(activations) if activations is not None else None
     first = 0
+    save, load = ((checkpoint.save_dist, checkpoint.load_dist) if args.ckpt_format == "torch_dist"
+                  else (checkpoint.save, checkpoint.load))
     if args.load:
-        first = checkpoint.load(args.load, [model], optimizer)
+        first = load(args.load, [model], optimizer)
 
     corpus = ByteCorpus(args.data)
     device = torch.device("cuda") if gpu else torch.device("cpu")
@@ -160,6 +191,8 @@ def main(argv=None) -> dict | None:
 
         def loss_func(per_token):
             loss = per_token.float().mean()
+            if args.check_for_nan_in_loss_and_grad and not torch.isfinite(loss):
+                raise RuntimeError(f"Rank {dist.get_rank()}: found NaN or Inf in the local loss ({float(loss)})")
             return loss, {"lm loss": loss.detach().clone()}  # Megatron divides loss in place
         return out, loss_func
 
@@ -173,7 +206,7 @@ def main(argv=None) -> dict | None:
         return sum(float(d["lm loss"]) for d in out) / len(out)
 
     reporter = ps.is_pipeline_last_stage() and ps.get_tensor_model_parallel_rank() == 0 and dp_rank == 0
-    losses, start = [], time.time()
+    losses, start, skipped = [], time.time(), 0
     for it in range(first, args.train_iters):
         # Every rank of one replica sees the same micro batches; each replica its own shard.
         batches = [corpus.train_batch(dp_rank, dp_size, it * num_micro + m, args.micro_batch_size, args.seq_length,
@@ -181,13 +214,14 @@ def main(argv=None) -> dict | None:
         model.zero_grad_buffer()
         optimizer.zero_grad()
         loss = run(batches, forward_only=False)
-        optimizer.step()
+        update_successful, _, _ = optimizer.step()
+        skipped += not update_successful  # fp16: an overflow skips the step (and lowers the loss scale)
         if loss is not None:
             losses.append(loss)
             if reporter and (it + 1) % args.log_interval == 0:
-                print(f"iteration {it + 1}/{args.train_iters} lm loss {loss:.4f}", flush=True)
+                print(f"iteration {it + 1}/{args.train_iters} lm loss {loss:.4f} skipped iterations {skipped}", flush=True)
         if args.save and args.save_interval and (it + 1) % args.save_interval == 0:
-            checkpoint.save(args.save, it + 1, [model], optimizer)
+            save(args.save, it + 1, [model], optimizer)
     val = None
     if args.eval_iters:
         model.eval()
@@ -196,7 +230,7 @@ def main(argv=None) -> dict | None:
         model.train()
     metrics = None
     if reporter:
-        metrics = {"train_loss": losses, "val_loss": val, "seconds": time.time() - start,
+        metrics = {"train_loss": losses, "val_loss": val, "seconds": time.time() - start, "skipped_iterations": skipped,
                    "tp": args.tensor_model_parallel_size, "pp": args.pipeline_model_parallel_size, "dp": dp_size,
                    "lowcomm": lowcomm.effective() if lowcomm is not None else None}
         if lowcomm is not None:

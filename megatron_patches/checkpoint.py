@@ -1,9 +1,19 @@
-"""Checkpoints for a Megatron-Core model trained with ds_lowcomm: one file per rank holding the
-model chunks, Megatron's optimizer and the method's state (what the object ``apply`` returned
-gives in ``state_dict()``: momenta, outer-loop anchors, ledger), so a resume is exact.
+"""Checkpoints for a Megatron-Core model trained with ds_lowcomm, in either of Megatron-LM's
+formats (``--ckpt-format``), so a resume is exact:
 
-Layout (Megatron-LM's names): ``DIR/iter_0000020/rank_003.pt`` and
-``DIR/latest_checkpointed_iteration.txt``. Every file is written under a temporary name, flushed
+- ``torch``: one file per rank holding the model chunks, Megatron's optimizer and the method's
+  state (what the object ``apply`` returned gives in ``state_dict()``: momenta, outer-loop
+  anchors, ledger) and the RNG states (the CPU generator's and Megatron's RNG tracker's streams,
+  which dropout draws from). :func:`save` / :func:`load`.
+- ``torch_dist`` (Megatron-LM's default): Megatron-Core's ``dist_checkpointing`` with the
+  model's and the optimizer's ``sharded_state_dict`` as Megatron-LM's ``save_checkpoint`` builds
+  it (the method's state per rank: megatron_patches/sharded_state.py), the RNG states per rank,
+  and a sha256 sidecar for every file. :func:`save_dist` / :func:`load_dist`. Its loader is
+  PyTorch's distributed checkpoint, which unpickles the ``.metadata`` file: the digests are
+  checked first, on every rank, but a digest is no signature: load only checkpoints you trust.
+
+Layout (Megatron-LM's names): ``DIR/iter_0000020/rank_003.pt`` (``torch``) or
+``DIR/iter_0000020/__3_0.distcp`` ... (``torch_dist``) and ``DIR/latest_checkpointed_iteration.txt``. Every file is written under a temporary name, flushed
 to disk and renamed, with its sha256 beside it (ds_lowcomm/checkpoint_io.py); the tracker names an
 iteration only after every rank's file is in place, so a crash mid-save leaves the previous
 checkpoint as the latest. Files load after their digest is checked, with
@@ -22,19 +32,34 @@ from typing import Sequence
 import torch
 import torch.distributed as dist
 
-from ds_lowcomm.checkpoint_io import (CheckpointError, agree_on_problems, check_digests, load_file, params_digest,
-                                      save_file, write_text)
+from ds_lowcomm.checkpoint_io import (CheckpointError, agree_on_problems, check_digests, load_file,
+                                      params_digest, save_file, write_digest, write_text)
 
+from . import internals as mi
+from . import sharded_state
 from .wrapper import MegatronLowcomm
 
 TRACKER = "latest_checkpointed_iteration.txt"
 
 
-def _layout() -> dict[str, int]:
-    from megatron.core import parallel_state as ps
+FORMATS = ("torch_dist", "torch")  # Megatron-LM's --ckpt-format values this module writes
+_layout = sharded_state.layout
 
-    return {"tp": ps.get_tensor_model_parallel_world_size(), "pp": ps.get_pipeline_model_parallel_world_size(),
-            "dp": ps.get_data_parallel_world_size(), "world": dist.get_world_size()}
+
+def rng_states() -> dict:
+    """This rank's RNG: the CPU generator's state and Megatron's RNG tracker's streams (on a GPU,
+    the CUDA generator's too)."""
+    states = {"cpu": torch.get_rng_state(), "tracker": dict(mi.live(mi.RNG_TRACKER)().get_states())}
+    if torch.cuda.is_available():
+        states["cuda"] = torch.cuda.get_rng_state()
+    return states
+
+
+def set_rng_states(states: dict) -> None:
+    torch.set_rng_state(states["cpu"])
+    if "cuda" in states:
+        torch.cuda.set_rng_state(states["cuda"])
+    mi.live(mi.RNG_TRACKER)().set_states(dict(states["tracker"]))
 
 
 def rank_file(directory: str | os.PathLike, iteration: int, rank: int | None = None) -> Path:
@@ -48,7 +73,7 @@ def save(directory: str | os.PathLike, iteration: int, model_chunks: Sequence[to
     path.parent.mkdir(parents=True, exist_ok=True)
     state = {"iteration": iteration, "layout": _layout(), "lowcomm_method": _method_of(optimizer),
              "model": [c.state_dict() for c in model_chunks],
-             "optimizer": optimizer.state_dict(), "rng": torch.get_rng_state()}
+             "optimizer": optimizer.state_dict(), "rng": rng_states()}
     save_file(state, path)
     dist.barrier()  # every rank's file is complete before the tracker names it
     if dist.get_rank() == 0:
@@ -108,8 +133,109 @@ def load(directory: str | os.PathLike, model_chunks: Sequence[torch.nn.Module], 
     # Megatron's mixed-precision optimizer restores its fp32 main params from its own state
     # (so no reload_model_params, which would round them through the bf16 model params).
     optimizer.load_state_dict(state["optimizer"])
-    torch.set_rng_state(state["rng"])
+    rng = state["rng"]
+    set_rng_states(rng if isinstance(rng, dict) else {"cpu": rng, "tracker": {}})  # files from before the tracker's
     return int(state["iteration"])
 
 
-__all__ = ["save", "load", "latest_iteration", "params_digest", "rank_file", "TRACKER"]
+def iteration_dir(directory: str | os.PathLike, iteration: int) -> Path:
+    return Path(directory) / f"iter_{iteration:07d}"
+
+
+def _rng_sharded(template: dict | None = None) -> dict:
+    """This rank's RNG states as ShardedTensors under keys naming the rank."""
+    sharded_tensor, rank = mi.live(mi.SHARDED_TENSOR), dist.get_rank()
+    states = template or rng_states()
+    flat = {"cpu": states["cpu"], **{f"tracker.{k}": v for k, v in states["tracker"].items()}}
+    if "cuda" in states:
+        flat["cuda"] = states["cuda"]
+    return {name: sharded_tensor.from_rank_offsets(f"rng.rank_{rank:05d}.{name}", t.clone(), replica_id=0)
+            for name, t in flat.items()}
+
+
+def _unwrapped(chunk: torch.nn.Module) -> torch.nn.Module:
+    """The model inside Megatron's DDP and Float16Module wrappers (as Megatron-LM's unwrap_model)."""
+    wrappers = (mi.live(mi.DDP), mi.live(mi.FLOAT16_MODULE))
+    while isinstance(chunk, wrappers):
+        chunk = chunk.module
+    return chunk
+
+
+def _model_keys(model_chunks: Sequence[torch.nn.Module]) -> list[str]:
+    """Megatron-LM's names: ``model`` (one chunk) or ``model0``, ``model1``, ..."""
+    return ["model"] if len(model_chunks) == 1 else [f"model{i}" for i in range(len(model_chunks))]
+
+
+def _model_sharded(model_chunks: Sequence[torch.nn.Module]) -> dict:
+    return {key: _unwrapped(chunk).sharded_state_dict() for key, chunk in zip(_model_keys(model_chunks), model_chunks)}
+
+
+def save_dist(directory: str | os.PathLike, iteration: int, model_chunks: Sequence[torch.nn.Module], optimizer) -> None:
+    """A ``torch_dist`` checkpoint, as Megatron-LM's ``save_checkpoint`` writes it (model and
+    optimizer through their ``sharded_state_dict``, content metadata), plus the RNG states per
+    rank and a digest beside every file; the tracker moves last. Collective."""
+    path = iteration_dir(directory, iteration)
+    if dist.get_rank() == 0:
+        path.mkdir(parents=True, exist_ok=True)
+    dist.barrier()
+    metadata: dict = {"layout": _layout()}  # the content metadata (ds_lowcomm's method state adds its part)
+    state = _model_sharded(model_chunks)
+    state["optimizer"] = optimizer.sharded_state_dict(state, metadata=metadata)
+    state["rng_state"] = _rng_sharded()
+    state["iteration"] = iteration
+    mi.live(mi.DIST_SAVE)(state, str(path), content_metadata=metadata)
+    dist.barrier()  # every file is written
+    for f in _dist_files(path, dist.get_rank()):
+        write_digest(f)
+    dist.barrier()
+    if dist.get_rank() == 0:
+        write_text(Path(directory) / TRACKER, f"{iteration}\n")
+    dist.barrier()
+
+
+_SHARED_FILES = (".metadata", "common.pt", "metadata.json")  # what dist_checkpointing's rank 0 writes; all read
+
+
+def _dist_files(path: Path, rank: int) -> list[Path]:
+    """The files of a torch_dist checkpoint one rank vouches for: those it wrote (``__RANK_*``)
+    and, on rank 0, the shared ones."""
+    mine = sorted(path.glob(f"__{rank}_*.distcp"))
+    return mine + [path / name for name in _SHARED_FILES] if rank == 0 else mine
+
+
+def load_dist(directory: str | os.PathLike, model_chunks: Sequence[torch.nn.Module], optimizer) -> int:
+    """Load the latest ``torch_dist`` checkpoint; returns the iteration to resume at. Every
+    rank checks the digests of the shared files and of its own, and the method and layout the
+    checkpoint holds; one collective decision, before anything is unpickled or loaded."""
+    iteration = latest_iteration(directory)
+    path = iteration_dir(directory, iteration)
+    if not path.is_dir() or not any(path.glob("*.distcp")):
+        problems = [f"{path}: no torch_dist checkpoint there (saved with --ckpt-format torch? then load with it)"]
+    else:  # the files every rank reads, and its own
+        shared = [path / name for name in _SHARED_FILES]
+        problems = check_digests(shared + [f for f in _dist_files(path, dist.get_rank()) if f not in shared])
+    metadata = None
+    if not problems:
+        metadata = mi.live(mi.DIST_CONTENT_METADATA)(str(path)) or {}
+        why = sharded_state.problem_with(metadata.get(sharded_state.METADATA_KEY), _method_of(optimizer))
+        if why is None and metadata.get("layout", _layout()) != _layout():
+            why = f"written with layout {metadata['layout']}; this run has {_layout()}"
+        if why:
+            problems.append(f"{path}: {why}")
+    agree_on_problems(problems)
+    request = _model_sharded(model_chunks)
+    request["optimizer"] = optimizer.sharded_state_dict(request, is_loading=True, metadata=metadata)
+    request["rng_state"] = _rng_sharded()
+    loaded = mi.live(mi.DIST_LOAD)(request, str(path))
+    for key, chunk in zip(_model_keys(model_chunks), model_chunks):
+        _unwrapped(chunk).load_state_dict(loaded[key])
+    optimizer.load_state_dict(loaded["optimizer"])
+    rng = loaded["rng_state"]
+    set_rng_states({"cpu": rng["cpu"], "tracker": {k.removeprefix("tracker."): v for k, v in rng.items()
+                                                   if k.startswith("tracker.")},
+                    **({"cuda": rng["cuda"]} if "cuda" in rng else {})})
+    return int(loaded.get("iteration", iteration))
+
+
+__all__ = ["FORMATS", "TRACKER", "latest_iteration", "load", "load_dist", "params_digest", "rank_file", "rng_states",
+           "save", "save_dist", "set_rng_states"]

@@ -1,32 +1,48 @@
-"""Let Megatron-Core (0.16.1) run on a machine without a GPU.
+"""Let Megatron-Core (0.16.x) run on a machine without a GPU: opt-in, scoped, and undone.
 
-Import this module before anything of ``megatron`` (``import megatron_patches.cpu_shim`` or
-:func:`install`); it does nothing where ``torch.cuda.is_available()``. Megatron-Core asks CUDA
-for things unconditionally even when the model is built with ``use_cpu_initialization=True``:
+Nothing happens at import. :func:`install` (before anything of ``megatron`` is imported, where
+``torch.cuda.is_available()`` is False; with a GPU it does nothing and returns False) changes the
+few things Megatron-Core asks of CUDA unconditionally even for a model built with
+``use_cpu_initialization=True``; :func:`uninstall` puts every one of them back as it found them;
+``with cpu_shim.installed():`` does both. What is changed while installed:
 
-- ``torch.cuda.current_device()`` as a device argument -> ``"cpu"``;
-- ``torch.cuda.synchronize()`` -> no-op;
-- the CUDA RNG helpers its RNG tracker uses (``get_rng_state``, ``manual_seed``, ...) -> the CPU
-  generator's state is read; seeding and setting the CUDA state does nothing (Megatron's own
-  ``_set_cuda_rng_state`` queues its callback until CUDA initialises, i.e. never). The tracker's
-  forks therefore draw from the CPU generator: dropout stays random, not per-TP-rank reproducible;
-- ``device="cuda"`` (e.g. in ``pipeline_parallel/schedules.py``) -> CPU, by a
-  ``TorchFunctionMode`` that stays entered for the process;
+- ``torch.cuda.current_device()`` -> ``"cpu"``; ``torch.cuda.synchronize()`` -> no-op;
+- the CUDA RNG, emulated by the CPU generator: ``torch.cuda.get_rng_state`` /
+  ``set_rng_state`` / ``manual_seed`` (and ``torch.cuda.random``'s) read, set and seed the CPU
+  generator, and Megatron's ``tensor_parallel.random._set_cuda_rng_state`` (which queues its
+  work until CUDA initialises, i.e. never) sets it at once. Megatron's RNG tracker therefore
+  works as on a GPU: a fork (dropout inside tensor-parallel regions) draws from the tracker's own
+  stream, per tensor-parallel rank, and ``get_states()`` / ``set_states()`` save and restore it
+  exactly. The tracker's warning that the CPU state changed inside a fork is silenced (here they
+  are one generator);
+- ``device="cuda"`` keyword arguments (e.g. in ``pipeline_parallel/schedules.py``) and
+  ``Tensor.to("cuda")`` -> CPU, by a ``TorchFunctionMode`` entered by install and left by uninstall;
 - ``Tensor.cuda()`` -> the tensor itself;
 - ``Tensor.type()`` (no argument: the type's name) -> the CUDA name (``torch.cuda.BFloat16Tensor``)
   for a CPU tensor: Megatron's mixed-precision optimizer and gradient clipping test parameters by
   these names and refuse anything else. ``Tensor.type(dtype)`` (a conversion) is unchanged.
 
 Nothing else is changed: the model, the collectives (gloo) and the schedules are Megatron's own.
+The package never installs it by itself: ``launch/pretrain_gpt.py``, ``launch/megatron_lm_pretrain.py``
+and the tests call :func:`install` where there is no GPU. The torch function mode stack is per
+thread: install in the thread that trains.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
+from typing import Any, Iterator
+
 import torch
 from torch.overrides import TorchFunctionMode
 
-_installed = False
+_RNG_LOGGER = "megatron.core.tensor_parallel.random"
+_FORK_WARNING = "CPU RNG state changed within GPU RNG context"
+
+_saved: list[tuple[Any, str, Any]] | None = None  # (owner, name, original) of everything replaced
 _mode: TorchFunctionMode | None = None
+_filter: logging.Filter | None = None
 
 
 def _cpu(device):
@@ -62,27 +78,96 @@ def _type_named_as_cuda(self, dtype=None, non_blocking=False, **kwargs):
     return _tensor_type(self, dtype, non_blocking, **kwargs)
 
 
+def _set_rng_state_now(new_state, device=-1, graph_safe=False):
+    """Megatron's ``_set_cuda_rng_state`` on the emulated device: the CPU generator, at once."""
+    torch.set_rng_state(new_state)
+
+
+class _QuietForkWarning(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return _FORK_WARNING not in record.getMessage()
+
+
+_ABSENT = object()  # a class attribute that was inherited, not in the class's own dict
+
+
+def _replace(owner: Any, name: str, value: Any) -> None:
+    assert _saved is not None
+    original = owner.__dict__.get(name, _ABSENT) if isinstance(owner, type) else getattr(owner, name)
+    _saved.append((owner, name, original))
+    setattr(owner, name, value)
+
+
+def is_installed() -> bool:
+    return _saved is not None
+
+
 def install() -> bool:
-    """Apply the patches once (a no-op with a GPU). Returns whether they are in place."""
-    global _installed, _mode
-    if _installed:
+    """Apply the changes (once; a no-op with a GPU). Returns whether they are in place."""
+    global _saved, _mode, _filter
+    if _saved is not None:
         return True
     if torch.cuda.is_available():
         return False
+    _saved = []
     cuda = torch.cuda
-    cuda.current_device = lambda: "cpu"
-    cuda.synchronize = lambda *a, **k: None
+    _replace(cuda, "current_device", lambda: "cpu")
+    _replace(cuda, "synchronize", lambda *a, **k: None)
     for mod in (cuda, cuda.random):
-        mod.get_rng_state = lambda device="cuda": torch.get_rng_state()
-        mod.set_rng_state = lambda new_state, device="cuda": None
-        mod.manual_seed = lambda seed: None
-        mod.manual_seed_all = lambda seed: None
-    torch.Tensor.cuda = lambda self, *a, **k: self
-    torch.Tensor.type = _type_named_as_cuda
+        _replace(mod, "get_rng_state", lambda device="cuda": torch.get_rng_state())
+        _replace(mod, "set_rng_state", lambda new_state, device="cuda": torch.set_rng_state(new_state))
+        _replace(mod, "manual_seed", lambda seed: torch.default_generator.manual_seed(int(seed)) and None)
+        _replace(mod, "manual_seed_all", lambda seed: torch.default_generator.manual_seed(int(seed)) and None)
+    _replace(torch.Tensor, "cuda", lambda self, *a, **k: self)
+    _replace(torch.Tensor, "type", _type_named_as_cuda)
     _mode = _CudaToCpu()
-    _mode.__enter__()  # for the whole process
-    _installed = True
+    _mode.__enter__()
+    _filter = _QuietForkWarning()
+    logging.getLogger(_RNG_LOGGER).addFilter(_filter)
+    # Megatron's own RNG setter (declared and checked in megatron_patches.internals).
+    from . import internals as mi
+
+    try:
+        mi.ensure_checked()  # a megatron-core outside the supported range, or changed internals, stop here
+        original = mi.live(mi.SET_CUDA_RNG_STATE)
+    except BaseException:
+        uninstall()
+        raise
+    _saved.append((None, "megatron _set_cuda_rng_state", original))
+    mi.rebind(mi.SET_CUDA_RNG_STATE, _set_rng_state_now)
     return True
 
 
-install()
+def uninstall() -> None:
+    """Put back everything :func:`install` changed, in reverse order (a no-op if not installed)."""
+    global _saved, _mode, _filter
+    if _saved is None:
+        return
+    from . import internals as mi
+
+    for owner, name, original in reversed(_saved):
+        if owner is None:
+            mi.rebind(mi.SET_CUDA_RNG_STATE, original)
+        elif original is _ABSENT:
+            delattr(owner, name)
+        else:
+            setattr(owner, name, original)
+    if _mode is not None:
+        _mode.__exit__(None, None, None)
+    if _filter is not None:
+        logging.getLogger(_RNG_LOGGER).removeFilter(_filter)
+    _saved, _mode, _filter = None, None, None
+
+
+@contextlib.contextmanager
+def installed() -> Iterator[bool]:
+    """``with installed() as active:`` the shim inside the block (where there is no GPU)."""
+    active = install()
+    try:
+        yield active
+    finally:
+        if active:
+            uninstall()
+
+
+__all__ = ["install", "installed", "is_installed", "uninstall"]

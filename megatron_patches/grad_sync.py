@@ -8,7 +8,10 @@ without overlap it starts and finishes the reduction there). :func:`install_grad
 each bucket group instance a :class:`BucketGroupSync` whose two methods stand in for those (the
 class and every other group are untouched), so ds_lowcomm's exchange runs exactly where
 Megatron's all-reduce ran: with overlap, started during the backward pass and waited for before
-the step. What follows in ``finalize_model_grads`` (tensor-parallel layernorm grads, the
+the step. Megatron's own gradient checks (``check_for_nan_in_grad``, ``check_for_large_grads``:
+Megatron-LM's ``--check-for-nan-in-loss-and-grad``, ``--check-for-large-grads``) run where its
+sync would have run them, before anything is exchanged, with the outer-loop methods too (where
+the sync is a no-op). What follows in ``finalize_model_grads`` (tensor-parallel layernorm grads, the
 pipeline's tied embedding grads) stays Megatron's.
 
 An exchange (``start(params, grads) -> Pending``) leaves in each ``param.main_grad`` what the
@@ -47,18 +50,43 @@ def bucket_groups(model_chunks: Sequence[torch.nn.Module]) -> list:
     return groups
 
 
-def _no_sync(*args, **kwargs) -> None:
-    return None
+def check_grads(group) -> None:
+    """Megatron's checks of a bucket group's local gradients (NaN / Inf: a RuntimeError, as
+    Megatron raises them; unexpectedly large: its rerun state machine), where its config asks."""
+    config = mi.get(group, mi.GROUP_DDP_CONFIG)
+    nan, large = config.check_for_nan_in_grad, config.check_for_large_grads
+    if nan or large:
+        mi.method(group, mi.CHECK_GRADS, of_class=True)(check_for_nan_or_inf=nan, check_for_large=large)
 
 
 def switch_off_grad_sync(model_chunks: Sequence[torch.nn.Module]) -> int:
     """Make Megatron DDP's data-parallel gradient reduction a no-op on these chunks (each
-    replica keeps its own gradients). Returns how many bucket groups were switched off."""
+    replica keeps its own gradients; Megatron's gradient checks still run). Returns how many
+    bucket groups were switched off."""
     groups = bucket_groups(model_chunks)
     for group in groups:
-        mi.replace_method(group, mi.START_GRAD_SYNC, _no_sync)
-        mi.replace_method(group, mi.FINISH_GRAD_SYNC, _no_sync)
+        checks = ChecksOnly(group)
+        mi.replace_method(group, mi.START_GRAD_SYNC, checks.start_grad_sync)
+        mi.replace_method(group, mi.FINISH_GRAD_SYNC, checks.finish_grad_sync)
     return len(groups)
+
+
+class ChecksOnly:
+    """A bucket group's sync with nothing exchanged: Megatron's gradient checks alone, once per
+    step (at the start with overlap, else at the finish, as Megatron's sync runs)."""
+
+    def __init__(self, group):
+        self.group = group
+        self.started = False
+
+    def start_grad_sync(self, force_all_reduce: bool = False) -> None:
+        check_grads(self.group)
+        self.started = True
+
+    def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
+        if not self.started:
+            check_grads(self.group)
+        self.started = False
 
 
 class BucketGroupSync:
@@ -77,6 +105,7 @@ class BucketGroupSync:
             if mi.get(self.group, mi.GROUP_IS_FIRST_BATCH):  # as Megatron: finish_grad_sync started it already
                 return
             raise RuntimeError("a gradient exchange is already in flight for this bucket group")
+        check_grads(self.group)
         self.pending = self.exchange.start(self.params, [mi.get(p, mi.MAIN_GRAD) for p in self.params])
 
     def finish_grad_sync(self, force_all_reduce: bool = False) -> None:
@@ -130,5 +159,5 @@ class DeMoExchange:
         return Pending(finish, None)
 
 
-__all__ = ["BucketGroupSync", "DeMoExchange", "DenseMean", "bucket_groups", "install_grad_sync",
+__all__ = ["BucketGroupSync", "ChecksOnly", "check_grads", "DeMoExchange", "DenseMean", "bucket_groups", "install_grad_sync",
            "switch_off_grad_sync"]

@@ -107,7 +107,7 @@ class PerStepOptimizer(MegatronLowcomm):
             lowcomm["demo"] = self.demo.state_dict()
         return {"optimizer": self.optimizer.state_dict(), "lowcomm": lowcomm}
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def _load_own(self, state_dict: dict) -> None:
         saved, mine = state_dict["lowcomm"]["settings"], self.config.effective()
         if saved != mine:
             raise ValueError("checkpoint was saved with other lowcomm settings: "

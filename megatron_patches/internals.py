@@ -50,6 +50,7 @@ _DISTRIB_OPTIMIZER = "megatron.core.optimizer.distrib_optimizer"
 _P2P = "megatron.core.pipeline_parallel.p2p_communication"
 _SCHEDULES = "megatron.core.pipeline_parallel.schedules"
 _MP_CONFIG = "megatron.core.model_parallel_config"
+_RANDOM = "megatron.core.tensor_parallel.random"
 
 # --- DDP's gradient buckets (grad_sync.py) ------------------------------------------------------
 DDP = Internal(_DDP, "DistributedDataParallel", "class", use="wraps the model chunks whose grad sync it replaces")
@@ -75,6 +76,15 @@ GROUP_IS_FIRST_BATCH = Internal(_BUFFER, "_ParamAndGradBucketGroup.is_first_batc
                                 use="reads it as Megatron's start_grad_sync does")
 GROUP_PARAM_GATHER_DISPATCHED = Internal(_BUFFER, "_ParamAndGradBucketGroup.param_gather_dispatched", "instance",
                                          use="resets it as Megatron's finish_grad_sync does")
+GROUP_DDP_CONFIG = Internal(_BUFFER, "_ParamAndGradBucketGroup.ddp_config", "instance",
+                            use="reads check_for_nan_in_grad / check_for_large_grads")
+CHECK_GRADS = Internal(_BUFFER, "_ParamAndGradBucketGroup.check_grads", "method",
+                       params=("check_for_nan_or_inf", "check_for_large"),
+                       use="runs Megatron's NaN / Inf / large-gradient checks where its grad sync would have")
+CHECK_FOR_NAN_IN_GRAD = Internal(_DDP_CONFIG, "DistributedDataParallelConfig.check_for_nan_in_grad", "field",
+                                 use="Megatron's --check-for-nan-in-loss-and-grad, honoured")
+CHECK_FOR_LARGE_GRADS = Internal(_DDP_CONFIG, "DistributedDataParallelConfig.check_for_large_grads", "field",
+                                 use="Megatron's --check-for-large-grads, honoured")
 BUCKET_PARAMS_LIST = Internal(_BUFFER, "_ParamAndGradBucket.params_list", "instance",
                               use="exchanges a bucket group's gradients in its parameter order")
 # Set by the buffer on every parameter it holds (read from the parameter).
@@ -83,6 +93,7 @@ MAIN_GRAD = Internal(_BUFFER, "_ParamAndGradBuffer.main_grad", "instance",
 
 # --- Modules' settings (install.py) -------------------------------------------------------------
 MEGATRON_MODULE = Internal(_MODULE, "MegatronModule", "class", use="reads a Megatron module's config")
+FLOAT16_MODULE = Internal(_MODULE, "Float16Module", "class", use="unwraps model chunks for checkpoints (Megatron-LM's names)")
 MODULE_CONFIG = Internal(_MODULE, "MegatronModule.config", "instance", use="reads a Megatron module's config")
 PER_TOKEN_LOSS = Internal(_TRANSFORMER_CONFIG, "TransformerConfig.calculate_per_token_loss", "field",
                           use="refuses per-token loss (summed gradients)")
@@ -133,6 +144,24 @@ BATCH_P2P_COMM = Internal(_MP_CONFIG, "ModelParallelConfig.batch_p2p_comm", "fie
 BATCH_P2P_SYNC = Internal(_MP_CONFIG, "ModelParallelConfig.batch_p2p_sync", "field",
                           use="synchronises after batched p2p as Megatron does")
 
+# --- Distributed checkpoints (sharded_state.py, checkpoint.py) ---------------------------------------
+_DIST_CKPT = "megatron.core.dist_checkpointing"
+SHARDED_TENSOR = Internal(_DIST_CKPT + ".mapping", "ShardedTensor", "class",
+                          use="puts each rank's method state into Megatron's distributed checkpoints")
+DIST_SAVE = Internal(_DIST_CKPT + ".serialization", "save", "function",
+                     params=("sharded_state_dict", "checkpoint_dir", "content_metadata"),
+                     use="saves launch/pretrain_gpt.py's torch_dist checkpoints as Megatron-LM does")
+DIST_LOAD = Internal(_DIST_CKPT + ".serialization", "load", "function", params=("sharded_state_dict", "checkpoint_dir"),
+                     use="loads launch/pretrain_gpt.py's torch_dist checkpoints as Megatron-LM does")
+DIST_CONTENT_METADATA = Internal(_DIST_CKPT + ".serialization", "load_content_metadata", "function",
+                                 params=("checkpoint_dir",), use="reads the method's shapes before loading")
+RNG_TRACKER = Internal("megatron.core.tensor_parallel.random", "get_cuda_rng_tracker", "function", params=(),
+                       use="saves and restores the RNG tracker's streams (dropout resumes exactly)")
+
+# --- The RNG tracker on the CPU (cpu_shim.py) ------------------------------------------------------
+SET_CUDA_RNG_STATE = Internal(_RANDOM, "_set_cuda_rng_state", "function", params=("new_state", "device", "graph_safe"),
+                              match="override", use="sets the emulated device RNG (the CPU's) at once under cpu_shim")
+
 ITEMS: tuple[Internal, ...] = tuple(v for v in list(globals().values()) if isinstance(v, Internal))
 
 # What megatron_patches replaces takes effect only where Megatron looks it up by name at each use:
@@ -144,6 +173,7 @@ LOOKED_UP = (
     (FINISH_GRAD_SYNC, _DDP, ("DistributedDataParallel.finish_grad_sync",)),
     (OPTIMIZER_INNER, _OPTIMIZER, ("MixedPrecisionOptimizer.step_with_ready_grads",
                                    "FP32Optimizer.step_with_ready_grads")),
+    (SET_CUDA_RNG_STATE, _RANDOM, ("CudaRNGStatesTracker.add", "CudaRNGStatesTracker.fork")),
     (SCHEDULES_P2P, _SCHEDULES, ("forward_backward_pipelining_without_interleaving",
                                  "forward_backward_pipelining_with_interleaving")),
     (P2P_COMMUNICATE, _P2P, tuple(f"P2PCommunicator.{name}" for name in (
@@ -174,6 +204,7 @@ get = _INTERNALS.get  # (obj, item): obj's instance attribute item; the named er
 put = _INTERNALS.put  # (obj, item, value): set it; it must already be there
 check_override = _INTERNALS.check_override  # (item, fn, takes_self=False): fn takes what Megatron passes, or TypeError
 replace_method = _INTERNALS.replace_method  # (obj, item, fn): fn in place of the method item on this one object
+method = _INTERNALS.method  # (obj, item, of_class=False): obj's method item, bound (of_class: its class's)
 
 
 def rebind(item: Internal, value: Any) -> None:

@@ -86,7 +86,7 @@ class OuterLoopOptimizer(MegatronLowcomm):
         """The outer loop's state, Megatron's optimizer's under ``lowcomm.inner``."""
         return self.outer.state_dict()
 
-    def load_state_dict(self, state_dict):
+    def _load_own(self, state_dict):
         self.outer.load_state_dict(state_dict)
 
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from . import internals as mi
+from . import sharded_state
 
 
 def chained(optimizer) -> list:
@@ -76,16 +77,46 @@ class MegatronLowcomm:
     def state_dict(self) -> dict:
         raise NotImplementedError
 
-    def load_state_dict(self, state_dict: dict) -> None:
+    def _load_own(self, state_dict: dict) -> None:
+        """Load what :meth:`state_dict` gave."""
         raise NotImplementedError
 
-    def sharded_state_dict(self, *args, **kwargs):
-        # Megatron's distributed checkpoint would hold Megatron's optimizer state without the
-        # method's: refuse rather than save a checkpoint that cannot resume the run.
-        raise NotImplementedError(
-            "ds_lowcomm's method state is not in Megatron's distributed (sharded) checkpoints yet; "
-            "use launch/pretrain_gpt.py's checkpoints (megatron_patches/checkpoint.py: one file per rank) "
-            "or Megatron-LM's --ckpt-format torch (see docs/megatron_lm.md for what it keeps)")
+    def stepped_params(self) -> list[torch.Tensor]:
+        """The tensors Megatron's optimizer steps (fp32 main copies under mixed precision)."""
+        return [p for opt in chained(self.optimizer) for g in torch_optimizer(opt).param_groups for p in g["params"]]
+
+    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, metadata: dict | None = None,
+                           **kwargs) -> dict:
+        """For Megatron's distributed checkpoints (``torch_dist``): every rank's whole state
+        and stepped parameters, per rank (megatron_patches/sharded_state.py). ``metadata``: the
+        content metadata dict, which carries the state's shapes and plain values (required)."""
+        if is_loading:
+            request, self._sharded_mine = sharded_state.for_loading(self.method, metadata)
+            return request
+        return sharded_state.for_saving({"state": self.state_dict(), "params": self.stepped_params()}, self.method,
+                                        metadata)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        """What :meth:`state_dict` gave, or what ``dist_checkpointing.load`` returned for
+        :meth:`sharded_state_dict` (then the replica's own parameters too)."""
+        if not sharded_state.is_sharded(state_dict):
+            self._load_own(state_dict)
+            return
+        mine = self.__dict__.pop("_sharded_mine", None)
+        if mine is None:
+            raise sharded_state.ShardedStateError("load_state_dict got a distributed checkpoint's state without "
+                                                  "sharded_state_dict(..., is_loading=True) having asked for it")
+        state = sharded_state.rebuild(state_dict, mine)
+        self._load_own(state["state"])
+        params = self.stepped_params()
+        if len(params) != len(state["params"]):
+            raise sharded_state.ShardedStateError(f"the checkpoint holds {len(state['params'])} parameters for this "
+                                                  f"rank; its optimizer steps {len(params)}")
+        with torch.no_grad():
+            for p, saved in zip(params, state["params"]):
+                p.copy_(saved)
+        for opt in chained(self.optimizer):
+            copy_main_params_to_model_params(opt)
 
     def __getattr__(self, name):  # everything else is Megatron's optimizer's
         return getattr(self.__dict__["optimizer"], name)

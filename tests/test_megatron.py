@@ -22,7 +22,8 @@ from tests.megatron_train import train  # noqa: E402
 
 
 def _worker(rank, world):
-    import megatron_patches.cpu_shim  # noqa: F401  before megatron
+    from megatron_patches import cpu_shim
+    cpu_shim.install()  # before megatron (a no-op with a GPU)
     from megatron.core import parallel_state as ps
 
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

@@ -21,7 +21,8 @@ STEPS, MICRO = 3, 2  # 2 micro batches: 1F1B's warm-up, steady state and cool-do
 
 
 def _worker(rank, world):
-    import megatron_patches.cpu_shim  # noqa: F401  before megatron
+    from megatron_patches import cpu_shim
+    cpu_shim.install()  # before megatron (a no-op with a GPU)
     from megatron.core import parallel_state as ps
     from megatron.core.pipeline_parallel import get_forward_backward_func, schedules
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed

@@ -5,6 +5,7 @@ package's own code, the version check and its escape, and the supported ranges a
 pyproject.toml's pins."""
 
 import ast
+import os
 import tomllib
 import warnings
 from pathlib import Path
@@ -134,7 +135,8 @@ def _start_grad_sync_without_buckets(self, *unused):
 
 
 def _worker(rank, world):
-    import megatron_patches.cpu_shim  # noqa: F401  before megatron
+    from megatron_patches import cpu_shim
+    cpu_shim.install()  # before megatron (a no-op with a GPU)
     import torch
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
@@ -280,3 +282,66 @@ def test_an_unsupported_optimizer_type_is_refused(results):
     message = results["unknown_optimizer"]
     assert message.startswith("ConfigError: object is not supported by ds_lowcomm yet"), message
     assert "Float16OptimizerWithFloat16Params, FP32Optimizer" in message
+
+
+_SHIM_PROBE = r"""
+import json, logging, sys, torch
+import ds_lowcomm, megatron_patches, megatron_patches.install, megatron_patches.checkpoint  # the normal path
+out = {"imported_by_package": "megatron_patches.cpu_shim" in sys.modules}
+from megatron_patches import cpu_shim
+out["active_after_import"] = cpu_shim.is_installed() or torch.cuda.current_device.__module__ == cpu_shim.__name__
+names = [(torch.cuda, n) for n in ("current_device", "synchronize", "get_rng_state", "set_rng_state", "manual_seed",
+                                   "manual_seed_all")]
+names += [(torch.cuda.random, n) for n in ("get_rng_state", "set_rng_state", "manual_seed", "manual_seed_all")]
+names += [(torch.Tensor, "cuda"), (torch.Tensor, "type")]
+before = [getattr(o, n) for o, n in names]
+tensor_dict = set(torch.Tensor.__dict__)
+from megatron.core.tensor_parallel import random as mrandom
+set_state = mrandom._set_cuda_rng_state
+filters = list(logging.getLogger("megatron.core.tensor_parallel.random").filters)
+with cpu_shim.installed() as active:
+    out["active"] = active
+    out["device"] = str(torch.zeros(1, device="cuda").device)
+    out["type"] = torch.zeros(1).type()
+    # Megatron's RNG tracker: a fork draws from its own stream, and its states restore exactly
+    mrandom.model_parallel_cuda_manual_seed(1234)
+    tracker = mrandom.get_cuda_rng_tracker()
+    saved = {k: v.clone() for k, v in tracker.get_states().items()}
+    outside = torch.get_rng_state()
+    with tracker.fork():
+        first = torch.rand(4)
+    out["cpu_state_kept"] = bool(torch.equal(outside, torch.get_rng_state()))
+    with tracker.fork():
+        second = torch.rand(4)
+    tracker.set_states(saved)
+    with tracker.fork():
+        again = torch.rand(4)
+    out["stream_advances"] = not torch.equal(first, second)
+    out["restored_exactly"] = bool(torch.equal(first, again))
+out["restored"] = all(getattr(o, n) is b for (o, n), b in zip(names, before))
+out["tensor_dict_same"] = set(torch.Tensor.__dict__) == tensor_dict
+out["mode_stack"] = torch._C._len_torch_function_stack()
+out["megatron_setter_back"] = mrandom._set_cuda_rng_state is set_state
+out["filters_back"] = list(logging.getLogger("megatron.core.tensor_parallel.random").filters) == filters
+out["device_after"] = str(torch.zeros(1, device="cpu").device)
+print(json.dumps(out))
+"""
+
+
+def test_cpu_shim_is_opt_in_scoped_and_leaves_torch_as_it_found_it():
+    """Nothing of the package's normal path imports the shim, importing it changes nothing;
+    installed, Megatron's RNG tracker works as on a GPU (forks draw from their own stream, the
+    CPU generator outside is untouched, saved states restore the same draws); uninstalled, every
+    replaced torch and Megatron attribute is the original object again and no mode is left."""
+    import json
+    import subprocess
+    import sys
+
+    run = subprocess.run([sys.executable, "-c", _SHIM_PROBE], capture_output=True, text=True, timeout=300,
+                         cwd=Path(__file__).resolve().parents[1], env={**os.environ, "CUDA_VISIBLE_DEVICES": ""})
+    assert run.returncode == 0, run.stderr[-3000:]
+    out = json.loads(run.stdout.strip().splitlines()[-1])
+    assert out == {"imported_by_package": False, "active_after_import": False, "active": True, "device": "cpu",
+                   "type": "torch.cuda.FloatTensor", "cpu_state_kept": True, "stream_advances": True,
+                   "restored_exactly": True, "restored": True, "tensor_dict_same": True, "mode_stack": 0,
+                   "megatron_setter_back": True, "filters_back": True, "device_after": "cpu"}

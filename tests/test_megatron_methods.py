@@ -35,7 +35,8 @@ DILOCO_BF16 = {"method": "diloco", "sync_every": 2}
 
 
 def _init(tp, pp):
-    import megatron_patches.cpu_shim  # noqa: F401  before megatron
+    from megatron_patches import cpu_shim
+    cpu_shim.install()  # before megatron (a no-op with a GPU)
     from megatron.core import parallel_state as ps
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -276,6 +277,16 @@ def _refusal_worker(rank, world):
             errors[name] = str(err)
         except Exception as err:  # noqa: BLE001  (reported: the test wants a ConfigError)
             errors[name] = f"{type(err).__name__}: {err}"
+    # Megatron's NaN check on the local gradients (--check-for-nan-in-loss-and-grad), stock and
+    # with ds_lowcomm in place of its grad sync (with and without overlap) or with it switched off.
+    for name, lowcomm, overlap in (("nan_stock", None, False), ("nan_demo", DEMO, False),
+                                   ("nan_demo_overlap", DEMO, True), ("nan_diloco", {"method": "diloco"}, False),
+                                   ("nan_diloco_overlap", {"method": "diloco"}, True)):
+        try:
+            train(lowcomm, 1, overlap=overlap, nan_in_grads=True)
+            errors[name] = "trained"
+        except Exception as err:  # noqa: BLE001
+            errors[name] = f"{type(err).__name__}: {err}"
     return errors
 
 
@@ -286,12 +297,15 @@ def test_unsupported_megatron_features_are_refused_clearly():
     assert "lowcomm.transport" in errors["mpi"]
     assert "virtual pipeline" in errors["two_chunks"]
     assert "lowcomm.overlap must be false" in errors["demo_overlap"]
+    nan = "found NaN in local grad norm for bucket #0 in backward pass before data-parallel communication"
+    for name in ("nan_stock", "nan_demo", "nan_demo_overlap", "nan_diloco", "nan_diloco_overlap"):
+        assert errors[name].startswith("RuntimeError: Rank ") and nan in errors[name], (name, errors[name])
 
 
-def _pretrain(tmp_path, name, *args, fails=False):
-    """launch/pretrain_gpt.py on 2 ranks: its metrics; with ``fails``, its output (it must fail)."""
+def _pretrain(tmp_path, name, *args, fails=False, nproc=2):
+    """launch/pretrain_gpt.py on ``nproc`` ranks: its metrics; with ``fails``, its output (it must fail)."""
     metrics = tmp_path / f"{name}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
            str(ROOT / "launch" / "pretrain_gpt.py"), "--train-iters", "6", "--seq-length", "32",
            "--hidden-size", "32", "--metrics-out", str(metrics), *args]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
@@ -321,32 +335,69 @@ class _PickledCall:
         return os.getpid, ()
 
 
-@pytest.mark.parametrize("method", [["--lowcomm-method", "demo", "--lowcomm-topk", "8", "--lowcomm-chunk", "16"],
-                                    ["--lowcomm-method", "sparseloco", "--lowcomm-sync-every", "4"]],
-                         ids=["demo", "sparseloco"])
-def test_pretrain_gpt_resumes_exactly(tmp_path, method):
-    """Checkpoint at iteration 3 (inside sparseloco's 4-step interval), resume, finish at 6: the
-    same parameters, losses and bytes as the run that went straight through."""
+DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+RESUME_CASES = {
+    "diloco-torch_dist": ["--lowcomm-method", "diloco", "--lowcomm-sync-every", "4"],
+    "demo-torch_dist": ["--lowcomm-method", "demo", "--lowcomm-topk", "8", "--lowcomm-chunk", "16"],
+    "sparseloco-torch_dist": ["--lowcomm-method", "sparseloco", "--lowcomm-sync-every", "4"],
+    "sparseloco-torch": ["--lowcomm-method", "sparseloco", "--lowcomm-sync-every", "4", "--ckpt-format", "torch"],
+    "stock-torch_dist": [],
+    "diloco-tp2xdp2-torch_dist": ["--lowcomm-method", "diloco", "--lowcomm-sync-every", "4",
+                                  "--tensor-model-parallel-size", "2"],
+}
+
+
+def _resume(tmp_path, args, nproc=2):
+    """Save at iteration 10 of 20 (dropout on), resume from 10: both runs' metrics."""
     save = tmp_path / "ckpt"
-    full = _pretrain(tmp_path, "full", "--save", str(save), "--save-interval", "3", *method)
-    (save / "latest_checkpointed_iteration.txt").write_text("3\n")  # as if the run had stopped after 3
-    resumed = _pretrain(tmp_path, "resumed", "--load", str(save), *method)
+    full = _pretrain(tmp_path, "full", "--train-iters", "20", "--save", str(save), "--save-interval", "10",
+                     *DROPOUT, *args, nproc=nproc)
+    (save / "latest_checkpointed_iteration.txt").write_text("10\n")  # as if the run had stopped after 10
+    resumed = _pretrain(tmp_path, "resumed", "--train-iters", "20", "--load", str(save), *DROPOUT, *args, nproc=nproc)
+    return save, full, resumed
+
+
+@pytest.mark.parametrize("case", list(RESUME_CASES))
+def test_pretrain_gpt_resumes_exactly(tmp_path, case):
+    """Megatron-LM's checkpoint formats (torch_dist: Megatron-Core's dist_checkpointing, the
+    method's state per rank through the optimizer's sharded_state_dict; torch: a file per rank),
+    saved at iteration 10 (inside the outer methods' 4-step interval: the replicas differ), with
+    dropout on: resumed to 20, the same parameters, losses and bytes as the run straight through.
+    TP 2 x DP 2 on 4 ranks trains and resumes too."""
+    args = RESUME_CASES[case]
+    nproc = 4 if "tp2" in case else 2
+    save, full, resumed = _resume(tmp_path, args, nproc)
     assert resumed["params_digest"] == full["params_digest"]
-    assert resumed["train_loss"] == full["train_loss"][3:]
-    assert resumed["bytes_sent_per_step"] == full["bytes_sent_per_step"]
+    assert resumed["train_loss"] == full["train_loss"][10:]
     assert resumed["val_loss"] == full["val_loss"]
-    if method[1] != "sparseloco":
+    assert full["train_loss"][-1] < full["train_loss"][0] - 0.5
+    if args:
+        assert resumed["bytes_sent_per_step"] == full["bytes_sent_per_step"]
+    if case == "stock-torch_dist":  # a stock checkpoint with a method's flags: refused by name
+        out = _pretrain(tmp_path, "flags", "--load", str(save), "--lowcomm-method", "diloco", fails=True)
+        assert out.count("holds no ds_lowcomm state") >= 2 and "iteration 11/" not in out, out[-3000:]
+    if not case.startswith("sparseloco"):
         return
     # Loading it without the method's flags: a clear error on every rank, before any iteration
-    out = _pretrain(tmp_path, "no_flags", "--load", str(save), fails=True)
+    out = _pretrain(tmp_path, "no_flags", "--load", str(save), *args[4:], fails=True)
     assert out.count("holds ds_lowcomm's sparseloco state; this run has no --lowcomm-* flags") >= 2, out[-3000:]
-    assert "iteration 4/" not in out and "KeyError" not in out
+    assert "iteration 11/" not in out and "KeyError" not in out
+    if case.endswith("torch_dist"):
+        # One byte of rank 1's own file changed: every rank refuses the checkpoint before iteration 11
+        path = next(save.glob("iter_0000010/__1_*.distcp"))
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+        out = _pretrain(tmp_path, "tampered", "--train-iters", "20", "--load", str(save), *args, fails=True)
+        assert out.count(f"rank 1: {path}: sha256 differs") >= 2, out[-3000:]
+        assert "iteration 11/" not in out and "a peer stalled" not in out
+        return
     # One rank's file replaced by a pickled call (its digest recomputed): every rank refuses it
     from ds_lowcomm.checkpoint_io import load_file, save_file
     from megatron_patches.checkpoint import rank_file
 
-    path = rank_file(save, 3, rank=1)
+    path = rank_file(save, 10, rank=1)
     save_file({**load_file(path), "rng": _PickledCall()}, path)
-    out = _pretrain(tmp_path, "tampered", "--load", str(save), *method, fails=True)
+    out = _pretrain(tmp_path, "tampered", "--train-iters", "20", "--load", str(save), *args, fails=True)
     assert out.count("rank 1: " + str(path) + " holds objects other than tensors") >= 2, out[-3000:]
-    assert "iteration 4/" not in out and "a peer stalled" not in out
+    assert "iteration 11/" not in out and "a peer stalled" not in out
