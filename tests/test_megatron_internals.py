@@ -304,8 +304,8 @@ with cpu_shim.installed() as active:
     out["device"] = str(torch.zeros(1, device="cuda").device)
     out["type"] = torch.zeros(1).type()
     # Megatron's RNG tracker: a fork draws from its own stream, and its states restore exactly
-    mrandom.model_parallel_cuda_manual_seed(1234)
     tracker = mrandom.get_cuda_rng_tracker()
+    tracker.add("model-parallel-rng", 1234)  # as model_parallel_cuda_manual_seed does for TP rank 0
     saved = {k: v.clone() for k, v in tracker.get_states().items()}
     outside = torch.get_rng_state()
     with tracker.fork():

@@ -401,3 +401,14 @@ def test_pretrain_gpt_resumes_exactly(tmp_path, case):
     out = _pretrain(tmp_path, "tampered", "--train-iters", "20", "--load", str(save), *args, fails=True)
     assert out.count("rank 1: " + str(path) + " holds objects other than tensors") >= 2, out[-3000:]
     assert "iteration 11/" not in out and "a peer stalled" not in out
+
+
+def test_pretrain_gpt_fp16(tmp_path):
+    """--fp16: Megatron's fp16 parameters, fp32 main copies and dynamic loss scale, with an outer
+    method (an overflow skips that replica's local step, counted); demo is refused by name."""
+    out = _pretrain(tmp_path, "fp16", "--fp16", "--train-iters", "24", "--initial-loss-scale", "65536",
+                    "--lowcomm-method", "diloco", "--lowcomm-sync-every", "4")
+    assert out["train_loss"][-1] < out["train_loss"][0] - 0.5, out["train_loss"]
+    assert 0 <= out["skipped_iterations"] < 12 and len(out["bytes_sent_per_step"]) == 24
+    err = _pretrain(tmp_path, "fp16_demo", "--fp16", "--lowcomm-method", "demo", fails=True)
+    assert "lowcomm.method 'demo' with fp16 is not supported" in err and "iteration 1/" not in err
