@@ -9,8 +9,11 @@ formats (``--ckpt-format``), so a resume is exact:
   model's and the optimizer's ``sharded_state_dict`` as Megatron-LM's ``save_checkpoint`` builds
   it (the method's state per rank: megatron_patches/sharded_state.py), the RNG states per rank,
   and a sha256 sidecar for every file. :func:`save_dist` / :func:`load_dist`. Its loader is
-  PyTorch's distributed checkpoint, which unpickles the ``.metadata`` file: the digests are
-  checked first, on every rank, but a digest is no signature: load only checkpoints you trust.
+  PyTorch's distributed checkpoint, which unpickles the ``.metadata`` file: before it does, every
+  rank checks the digests and reads ``.metadata`` with an unpickler that admits only PyTorch's
+  checkpoint metadata classes, torch sizes and dtypes (:func:`dcp_metadata_problem`). Only
+  tensors are asked for (``common.pt`` is torch's ``weights_only`` load), so nothing else a
+  checkpoint might hold is unpickled.
 
 Layout (Megatron-LM's names): ``DIR/iter_0000020/rank_003.pt`` (``torch``) or
 ``DIR/iter_0000020/__3_0.distcp`` ... (``torch_dist``) and ``DIR/latest_checkpointed_iteration.txt``. Every file is written under a temporary name, flushed
@@ -26,6 +29,7 @@ loads a tensor: one bad file stops every rank, before the first iteration.
 from __future__ import annotations
 
 import os
+import pickle
 from pathlib import Path
 from typing import Sequence
 
@@ -203,6 +207,42 @@ def _dist_files(path: Path, rank: int) -> list[Path]:
     return mine + [path / name for name in _SHARED_FILES] if rank == 0 else mine
 
 
+_DCP_MODULES = ("torch.distributed.checkpoint.metadata", "torch.distributed.checkpoint.planner",
+                "torch.distributed.checkpoint.filesystem")
+_DCP_FUNCTIONS = {("torch.serialization", "_get_layout")}  # maps a layout's name to torch's layout object
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """Admits PyTorch's checkpoint metadata classes (dataclasses and enums), ``torch.Size`` and
+    torch dtypes, nothing else: no function or class outside them can be called while loading."""
+
+    def find_class(self, module: str, name: str):
+        import importlib
+
+        if module in _DCP_MODULES:
+            obj = vars(importlib.import_module(module)).get(name)
+            if isinstance(obj, type):
+                return obj
+        elif (module, name) in _DCP_FUNCTIONS:
+            return vars(importlib.import_module(module))[name]
+        elif module == "torch":
+            obj = vars(torch).get(name)
+            if obj is torch.Size or isinstance(obj, torch.dtype):
+                return obj
+        raise pickle.UnpicklingError(f"{module}.{name} is not checkpoint metadata")
+
+
+def dcp_metadata_problem(path: Path) -> str | None:
+    """Why a distributed checkpoint's ``.metadata`` file holds more than metadata, or None."""
+    try:
+        with open(path, "rb") as f:
+            _MetadataUnpickler(f).load()
+    except Exception as err:  # noqa: BLE001  (any failure to read it as metadata is the answer)
+        return (f"{path} holds objects other than checkpoint metadata and is not loaded (no code runs from a "
+                f"checkpoint): {err}")
+    return None
+
+
 def load_dist(directory: str | os.PathLike, model_chunks: Sequence[torch.nn.Module], optimizer) -> int:
     """Load the latest ``torch_dist`` checkpoint; returns the iteration to resume at. Every
     rank checks the digests of the shared files and of its own, and the method and layout the
@@ -214,6 +254,8 @@ def load_dist(directory: str | os.PathLike, model_chunks: Sequence[torch.nn.Modu
     else:  # the files every rank reads, and its own
         shared = [path / name for name in _SHARED_FILES]
         problems = check_digests(shared + [f for f in _dist_files(path, dist.get_rank()) if f not in shared])
+        if not problems:
+            problems = [why for why in [dcp_metadata_problem(path / ".metadata")] if why]
     metadata = None
     if not problems:
         metadata = mi.live(mi.DIST_CONTENT_METADATA)(str(path)) or {}
@@ -237,5 +279,5 @@ def load_dist(directory: str | os.PathLike, model_chunks: Sequence[torch.nn.Modu
     return int(loaded.get("iteration", iteration))
 
 
-__all__ = ["FORMATS", "TRACKER", "latest_iteration", "load", "load_dist", "params_digest", "rank_file", "rng_states",
+__all__ = ["FORMATS", "TRACKER", "dcp_metadata_problem", "latest_iteration", "load", "load_dist", "params_digest", "rank_file", "rng_states",
            "save", "save_dist", "set_rng_states"]

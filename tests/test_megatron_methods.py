@@ -14,6 +14,7 @@ two replicas (Megatron's data-parallel ranks).
 
 import json
 import os
+import pickle
 import subprocess
 import sys
 from pathlib import Path
@@ -391,6 +392,17 @@ def test_pretrain_gpt_resumes_exactly(tmp_path, case):
         out = _pretrain(tmp_path, "tampered", "--train-iters", "20", "--load", str(save), *args, fails=True)
         assert out.count(f"rank 1: {path}: sha256 differs") >= 2, out[-3000:]
         assert "iteration 11/" not in out and "a peer stalled" not in out
+        # PyTorch's loader unpickles .metadata: one holding a pickled call (digest recomputed) is refused first
+        from ds_lowcomm.checkpoint_io import write_digest
+
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+        metadata = save / "iter_0000010" / ".metadata"
+        metadata.write_bytes(pickle.dumps(_PickledCall()))
+        write_digest(metadata)
+        out = _pretrain(tmp_path, "pickled", "--train-iters", "20", "--load", str(save), *args, fails=True)
+        assert out.count(f"{metadata} holds objects other than checkpoint metadata") >= 2, out[-3000:]
+        assert "iteration 11/" not in out
         return
     # One rank's file replaced by a pickled call (its digest recomputed): every rank refuses it
     from ds_lowcomm.checkpoint_io import load_file, save_file
