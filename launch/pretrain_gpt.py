@@ -62,6 +62,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--global-batch-size", type=int, default=None,
                    help="sequences per iteration over all replicas (default: micro batch x data-parallel size)")
     p.add_argument("--lr", type=float, default=3e-3)
+    p.add_argument("--lr-warmup-iters", type=int, default=0,
+                   help="linear warmup from 0 to --lr over these iterations (set in the param groups each iteration)")
     p.add_argument("--weight-decay", type=float, default=0.01, help="Megatron's default")
     p.add_argument("--bf16", action="store_true", help="bf16 parameters with fp32 main params/grads (Megatron's)")
     p.add_argument("--fp16", action="store_true",
@@ -211,6 +213,9 @@ def main(argv=None) -> dict | None:
         # Every rank of one replica sees the same micro batches; each replica its own shard.
         batches = [corpus.train_batch(dp_rank, dp_size, it * num_micro + m, args.micro_batch_size, args.seq_length,
                                       seed=args.seed) for m in range(num_micro)]
+        if args.lr_warmup_iters:  # as Megatron's scheduler: the lr goes into the param groups
+            for group in optimizer.param_groups:
+                group["lr"] = args.lr * min(1.0, (it + 1) / args.lr_warmup_iters)
         model.zero_grad_buffer()
         optimizer.zero_grad()
         loss = run(batches, forward_only=False)

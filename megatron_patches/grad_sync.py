@@ -141,15 +141,18 @@ class DenseMean:
 class DeMoExchange:
     """DeMo's exchange on the gradients Megatron hands over: each gradient goes into its
     parameter's momentum (held by ``demo``, a :class:`~ds_lowcomm.optim.demo.DeMo` over the
-    model's parameters, scaled by the parameter's current lr from ``lr_of``), the momenta's
+    model's parameters, scaled by the lr of the parameter's group now), the momenta's
     top-k DCT components travel, and ``main_grad`` becomes everyone's mean of them."""
 
-    def __init__(self, demo: DeMo, lr_of: Callable[[torch.Tensor], float]):
+    def __init__(self, demo: DeMo, groups_of: Callable[[], dict[int, dict]]):
         self.demo = demo
-        self.lr_of = lr_of
+        self.groups_of = groups_of  # id(param) -> its param group, looked up at each exchange
 
     def start(self, params, grads) -> Pending:
-        pending = self.demo.start_momentum_sync(params, grads, [self.lr_of(p) for p in params])
+        # The groups as they are now: a checkpoint load (torch's load_state_dict) replaces the
+        # group dicts, and the scheduler sets the lr in the new ones.
+        groups = self.groups_of()
+        pending = self.demo.start_momentum_sync(params, grads, [groups[id(p)]["lr"] for p in params])
 
         def finish():
             for grad, mean in zip(grads, pending.wait()):

@@ -249,10 +249,9 @@ def apply(model_chunks, optimizer, config: LowcommConfig | dict | None) -> Megat
         return PerStepOptimizer(optimizer, config, transport)
 
     if config.method == "demo":
-        groups = _groups_by_model_param(optimizer)
         demo = DeMo(_model_params(model_chunks), lr=1.0, settings=config.settings, transport=transport,
                     ledger_steps=False)  # its momenta and exchange; lr per step from Megatron's groups
-        install_grad_sync(model_chunks, DeMoExchange(demo, lambda p: groups[id(p)]["lr"]))
+        install_grad_sync(model_chunks, DeMoExchange(demo, lambda: _groups_by_model_param(optimizer)))
         _replace_inner(optimizer, SignDescent)
         return PerStepOptimizer(optimizer, config, transport, demo=demo)
 

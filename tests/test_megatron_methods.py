@@ -339,7 +339,10 @@ class _PickledCall:
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 RESUME_CASES = {
     "diloco-torch_dist": ["--lowcomm-method", "diloco", "--lowcomm-sync-every", "4"],
-    "demo-torch_dist": ["--lowcomm-method", "demo", "--lowcomm-topk", "8", "--lowcomm-chunk", "16"],
+    # a warmup (the lr set in the param groups each iteration, as Megatron's scheduler does): DeMo
+    # reads the groups after the load replaced them
+    "demo-torch_dist": ["--lowcomm-method", "demo", "--lowcomm-topk", "8", "--lowcomm-chunk", "16",
+                        "--lr-warmup-iters", "15"],
     "sparseloco-torch_dist": ["--lowcomm-method", "sparseloco", "--lowcomm-sync-every", "4"],
     "sparseloco-torch": ["--lowcomm-method", "sparseloco", "--lowcomm-sync-every", "4", "--ckpt-format", "torch"],
     "stock-torch_dist": [],
