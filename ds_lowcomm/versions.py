@@ -31,6 +31,7 @@ from dataclasses import dataclass
 SUPPORTED = {
     "deepspeed": ">=0.19.8,<0.20",
     "megatron-core": ">=0.16.1,<0.17",
+    "torchft": ">=0.2.0,<0.3",
 }
 
 ALLOW_ENV = "DS_LOWCOMM_ALLOW_UNSUPPORTED_VERSIONS"

@@ -223,6 +223,10 @@ class OuterLoop(LowcommOptimizer):
         # each fragment's anchors at its first sync (and again after a load replaced the anchors).
         self.anchor_optimizer: torch.optim.Optimizer | None = None
         self._anchor_ids: set[int] = set()
+        # Live fault tolerance (optim/fault_tolerance.py): every sync interval a torchft quorum,
+        # every sync committed or discarded on all replicas alike. None: the plain single world.
+        self.fault_tolerance = None
+        self._before_exchange: dict[int, dict[str, torch.Tensor]] = {}
         self._init_comm(settings, transport, shard, ledger_steps, inner=type(inner).__name__)
 
     @property
@@ -297,6 +301,10 @@ class OuterLoop(LowcommOptimizer):
         for p in fragment:
             self.state[p]["sync_sent_at"] = step
         if owned:
+            if self.fault_tolerance is not None:  # what the exchange may change, for a discarded sync
+                self._before_exchange = {id(p): {k: v.clone() for k, v in self.state[p].items()
+                                                 if isinstance(v, torch.Tensor)} for p in owned}
+                self.fault_tolerance.before_exchange()
             deltas = [self.state[p]["anchor"] - p.to(self.state_dtype) for p in owned]
             self._in_flight[tuple(id(p) for p in fragment)] = (owned, self._start_combine(owned, deltas))
 
@@ -305,12 +313,30 @@ class OuterLoop(LowcommOptimizer):
             in_flight = self._in_flight.pop(tuple(id(p) for p in fragment), None)
             # After state_dict() (a checkpoint) the landed result waits in the state instead.
             updates = in_flight[1].wait() if in_flight else [self.state[p].pop("landed_update") for p in owned]
-            self._apply_outer(owned, updates)
+            if self.fault_tolerance is None or self.fault_tolerance.commit():
+                self._apply_outer(owned, updates)
+            else:
+                self._discard(owned)
+                for p in fragment:
+                    del self.state[p]["sync_sent_at"]
+                self.fault_tolerance.start_interval()
+                return
         self._share(fragment)
         for p in fragment:
             state = self.state[p]
             del state["sync_sent_at"]
             state["outer_steps"] += 1
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.start_interval()
+
+    def _discard(self, params: list[torch.Tensor]) -> None:
+        """A sync torchft did not commit (a peer failed during it; every replica discards it): the
+        state it changed back as it was, the parameters back to the anchors (this interval's local
+        progress is lost, as the others' is, so every replica starts the next one alike)."""
+        for p in params:
+            for k, v in self._before_exchange.pop(id(p), {}).items():
+                self.state[p][k].copy_(v)  # in place: the outer optimizer holds the anchors themselves
+            p.copy_(self.state[p]["anchor"].to(p.dtype))
 
     def _apply_outer(self, params: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
         """The outer optimizer steps these parameters' anchors along ``updates`` (their ``.grad``;

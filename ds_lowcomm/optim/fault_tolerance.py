@@ -1,0 +1,198 @@
+"""Live fault tolerance for the outer-loop methods: replicas as independent jobs that die and
+rejoin while the others keep training, on torchft (``torchft>=0.2.0,<0.3``, the ``ft`` extra).
+
+Each replica is its own job (one process here; its own ``torchrun`` or ``deepspeed`` launch in
+general) and builds one :class:`FaultTolerance`: a torchft ``Manager`` (with the lighthouse's
+address and this replica's id) over a reconfigurable gloo group, and the
+:class:`~ds_lowcomm.comm.torchft.TorchftTransport` the method exchanges over. Then
+:meth:`FaultTolerance.attach` puts it into an outer method (diloco, dct_diloco, sparseloco):
+
+- **Every sync interval is a quorum.** At the start of each interval (before the first step, then
+  right after each sync lands) the replicas that are alive form a quorum; the interval's exchange
+  runs over them and the mean is over them.
+- **Every sync is committed or discarded on all replicas alike** (torchft's ``should_commit``): a
+  peer that dies or stalls past ``timeout_s`` during the exchange makes it fail, and every
+  participant then restores what the exchange changed (error-feedback residuals) and sets its
+  parameters back to the anchors: the interval's local progress is lost, no partial sync applied.
+- **Healing from a peer.** A new or restarted replica joins at the next quorum and gets the full
+  state (parameters, anchors, outer momentum, residuals, the inner optimizer's state, step and sync
+  counters: the optimizer's ``state_dict()``) from a live peer through torchft's HTTP checkpoint
+  transport, loaded with ``weights_only=True`` (:func:`~ds_lowcomm.comm.torchft.safe_http_transport`).
+  It is taken right after a sync, when every replica's parameters equal the anchors, so the
+  healed replica is identical to the others. Its bytes go to the ledger as ``heal``.
+- **Data.** :attr:`FaultTolerance.step` (the optimizer's local step, restored by the heal) is the
+  position in the replica's own data shard: shard by replica id, not by how many are alive.
+
+Not yet: per-step methods (demo, mtdao, adamw), Streaming DiLoCo (fragments > 1 or sync_delay
+> 0), replicas of several ranks and the DeepSpeed / Megatron paths: refused by name.
+torchft's lighthouse and transport are unauthenticated: a private network only.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+
+from ..comm.torchft import TorchftTransport, safe_http_transport
+from ..settings import ConfigError, Settings
+
+
+WHERE = "lowcomm.fault_tolerance"
+
+
+@dataclass
+class FaultToleranceSettings(Settings):
+    """``lowcomm.fault_tolerance``: where the lighthouse is, who this replica is.
+    Environment variables as torchft's own: ``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID``."""
+
+    lighthouse: str = ""  # host:port (or http://host:port) of torchft's lighthouse
+    replica_id: str = ""  # unique and stable across restarts of this replica
+    min_replicas: int = 1  # a quorum needs at least this many replicas; fewer: syncs are discarded
+    timeout_s: float = 30.0  # a collective's or a heal's wait for a peer
+    quorum_timeout_s: float = 600.0  # a quorum's wait (a restarted replica waits up to one interval)
+
+    def check(self, where: str) -> None:
+        if not self.lighthouse:
+            raise ConfigError(f"{where}.lighthouse: the lighthouse's host:port is required "
+                              "(or TORCHFT_LIGHTHOUSE in the environment)")
+        if not self.replica_id:
+            raise ConfigError(f"{where}.replica_id: a replica id unique to this replica, stable across its "
+                              "restarts, is required (or REPLICA_GROUP_ID in the environment)")
+        if not isinstance(self.min_replicas, int) or isinstance(self.min_replicas, bool) or self.min_replicas < 1:
+            raise ConfigError(f"{where}.min_replicas must be an integer >= 1; got {self.min_replicas!r}")
+        for name in ("timeout_s", "quorum_timeout_s"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
+                raise ConfigError(f"{where}.{name} must be a positive number of seconds; got {value!r}")
+
+    @classmethod
+    def from_env(cls, **given: Any) -> "FaultToleranceSettings":
+        given.setdefault("lighthouse", os.environ.get("TORCHFT_LIGHTHOUSE", ""))
+        given.setdefault("replica_id", os.environ.get("REPLICA_GROUP_ID", ""))
+        settings = cls(**given)
+        settings.validate(WHERE)
+        return settings
+
+
+def _cloned(obj: Any) -> Any:
+    """A copy of a state dict whose tensors the training loop will not change under a peer's read."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _cloned(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_cloned(v) for v in obj)
+    return obj
+
+
+class FaultTolerance:
+    """One replica's membership in the torchft quorum and the transport its method uses."""
+
+    def __init__(self, settings: FaultToleranceSettings, host: str | None = None):
+        settings.validate(WHERE)
+        from ..comm.torchft import INTERNALS
+
+        INTERNALS.ensure_checked()  # torchft in the supported range, its internal as declared
+        from torchft import Manager, ProcessGroupGloo
+
+        self.settings = settings
+        host = host or socket.gethostname()
+        timeout = timedelta(seconds=settings.timeout_s)
+        pg = ProcessGroupGloo(timeout=timeout)
+        self.transport = TorchftTransport(pg, timeout_s=settings.timeout_s)
+        self._store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        self.optimizer = None
+        lighthouse = settings.lighthouse if "://" in settings.lighthouse else f"http://{settings.lighthouse}"
+        self.manager = Manager(
+            pg=pg, min_replica_size=settings.min_replicas, use_async_quorum=False,
+            load_state_dict=self._load, state_dict=self._state, replica_id=settings.replica_id,
+            store_addr=host, store_port=self._store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
+            hostname=host, timeout=timeout, quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
+            connect_timeout=timeout, checkpoint_transport=safe_http_transport(timeout),
+            # every replica builds the same initial parameters (seeded); a joining one heals instead
+            init_sync=False)
+        self.transport.manager = self.manager
+        self.heals = 0
+        self.discarded = 0
+
+    # -- the method ----------------------------------------------------------------------------
+    def attach(self, optimizer) -> None:
+        """Put this replica's quorum into ``optimizer`` (an outer method built with
+        ``transport=self.transport``) and take the first quorum (a joining replica heals here)."""
+        from .outer import OuterLoop
+
+        if not isinstance(optimizer, OuterLoop):
+            raise ConfigError(f"lowcomm.fault_tolerance works with the outer methods (diloco, dct_diloco, sparseloco) "
+                              f"so far; got {type(optimizer).__name__}")
+        streaming = optimizer.settings.streaming
+        if streaming.fragments != 1 or streaming.sync_delay != 0:
+            raise ConfigError("lowcomm.fault_tolerance does not support Streaming DiLoCo yet: "
+                              "lowcomm.fragments must be 1 and lowcomm.sync_delay 0")
+        if optimizer.transport is not self.transport:
+            raise ConfigError("build the optimizer with transport=fault_tolerance.transport")
+        if optimizer.shard is not None:
+            raise ConfigError("lowcomm.fault_tolerance with replicas of several ranks is not supported yet")
+        self.optimizer = optimizer
+        optimizer.fault_tolerance = self
+        self.start_interval()
+
+    @property
+    def step(self) -> int:
+        """The optimizer's local step: where this replica is in its data (restored by a heal)."""
+        params = self.optimizer._current_params()
+        return int(self.optimizer.state[params[0]].get("local_step", 0)) if params else 0
+
+    # -- called by the outer loop ------------------------------------------------------------------
+    def start_interval(self) -> None:
+        """A quorum of the replicas alive now; a replica that is behind heals from a peer here."""
+        self.transport.reset()
+        self.manager.start_quorum(allow_heal=True)
+
+    def before_exchange(self) -> None:
+        self.transport.reset()
+
+    def commit(self) -> bool:
+        """Whether this sync lands (on every replica alike); False: it is discarded."""
+        ok = self.manager.should_commit()
+        self.discarded += not ok
+        return ok
+
+    # -- the state a joining replica gets --------------------------------------------------------
+    def _state(self) -> dict:
+        opt = self.optimizer
+        return _cloned({"optimizer": opt.state_dict(), "params": [p for p in opt._current_params()],
+                        "ledger": opt.ledger.state_dict()})
+
+    def _load(self, state: dict) -> None:
+        opt = self.optimizer
+        nbytes = sum(t.numel() * t.element_size() for t in _tensors(state))
+        ledger = opt.ledger.state_dict()  # this replica's own record, not the peer's
+        opt.load_state_dict(state["optimizer"])
+        opt.ledger.load_state_dict(ledger)
+        opt.ledger.record("heal", 0, nbytes)
+        with torch.no_grad():
+            for p, saved in zip(opt._current_params(), state["params"]):
+                p.copy_(saved)
+        self.heals += 1
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _tensors(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
+
+
+__all__ = ["FaultTolerance", "FaultToleranceSettings"]

@@ -1,0 +1,74 @@
+"""One replica of the live fault-tolerance tests (tests/test_fault_tolerance.py), run as its own
+process, as a replica would be its own job: a small model, this replica's own data shard (by its
+id, not by how many replicas are alive), an outer method over torchft (ds_lowcomm's
+FaultTolerance). Writes one JSON line per step to --out."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from ds_lowcomm.checkpoint_io import params_digest  # noqa: E402
+from ds_lowcomm.optim.fault_tolerance import FaultTolerance, FaultToleranceSettings  # noqa: E402
+from ds_lowcomm.optim.registry import METHOD_CLASSES  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--lighthouse", required=True)
+    ap.add_argument("--replica-id", required=True)
+    ap.add_argument("--method", default="diloco")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--sync-every", type=int, default=5)
+    ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--timeout-s", type=float, default=5.0)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--hold-at", type=int, default=None, help="at this step, wait for --hold-file to exist")
+    ap.add_argument("--hold-file", default=None)
+    ap.add_argument("--start-file", default=None, help="before the first quorum, wait for this file to exist")
+    args = ap.parse_args()
+    torch.manual_seed(0)  # the same initial parameters in every replica
+    model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    ft = FaultTolerance(FaultToleranceSettings(lighthouse=args.lighthouse, replica_id=args.replica_id,
+                                               timeout_s=args.timeout_s, quorum_timeout_s=120), host="127.0.0.1")
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    extra = {"topk": 8, "chunk": 8} if args.method in ("dct_diloco", "sparseloco") else {}
+    opt = METHOD_CLASSES[args.method](inner, transport=ft.transport, sync_every=args.sync_every, **extra)
+    out = open(args.out, "a")
+    out.write(json.dumps({"event": "start", "time": time.time()}) + "\n")
+    out.flush()
+    while args.start_file and not Path(args.start_file).exists():  # all replicas up before the first quorum
+        time.sleep(0.05)
+    ft.attach(opt)  # a joining replica heals here
+    shard = int(args.replica_id.rsplit("_", 1)[-1])
+    while ft.step < args.steps:
+        step = ft.step
+        if step == args.hold_at:  # the test holds the run here until a restarted replica is up
+            while not Path(args.hold_file).exists():
+                time.sleep(0.05)
+        gen = torch.Generator().manual_seed(10_000 * shard + step)  # this replica's shard, position = step
+        x = torch.randn(16, 8, generator=gen)
+        loss = torch.nn.functional.mse_loss(model(x), x[:, :4].sum(1, keepdim=True))  # learnable
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        out.write(json.dumps({"step": ft.step, "outer_steps": opt.outer_steps, "loss": float(loss),
+                              "digest": params_digest(model), "heals": ft.heals, "discarded": ft.discarded,
+                              "heal_bytes": opt.ledger.by_op.get("heal", [0, 0, 0])[2],
+                              "sent": opt.ledger.sent, "time": time.time()}) + "\n")
+        out.flush()
+        time.sleep(args.step_sleep)
+    out.write(json.dumps({"event": "done", "time": time.time()}) + "\n")
+    out.close()
+    ft.shutdown()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,188 @@
+"""Live fault tolerance on torchft (ds_lowcomm/optim/fault_tolerance.py): replicas as independent
+processes (tests/ft_replica.py) meeting through a real torchft lighthouse on this machine, gloo
+between them. A replica SIGKILLed mid-run and restarted, a replica that stalls (SIGSTOP): the
+others never stop, every sync a peer failed in is discarded on all of them alike, the restarted
+one heals from a live peer and is identical to the others from then on. A peer's state holding
+anything but tensors and plain data is refused."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("torchft", reason="torchft is not installed (the 'ft' extra)")
+
+ROOT = Path(__file__).resolve().parents[1]
+STEPS, SYNC_EVERY = 60, 5
+HOLD_AT = 40  # the survivors wait there until the restarted replica's process is up (imports take seconds)
+
+
+def _lighthouse():
+    from torchft.coordination import LighthouseServer
+
+    # A dead replica's heartbeats stop: it leaves the next quorum after 2 s; a quorum waits 1 s for
+    # the last one's members before going on without them.
+    server = LighthouseServer(bind="[::]:0", min_replicas=2, join_timeout_ms=1000, heartbeat_timeout_ms=2000)
+    return server, "127.0.0.1:" + server.address().rsplit(":", 1)[1]
+
+
+def _start(address, replica, out, method, timeout_s=5.0, hold=(), start_file=None):
+    cmd = [sys.executable, str(ROOT / "tests" / "ft_replica.py"), "--lighthouse", address, "--replica-id",
+           f"replica_{replica}", "--steps", str(STEPS), "--sync-every", str(SYNC_EVERY), "--step-sleep", "0.1",
+           "--method", method, "--timeout-s", str(timeout_s), "--out", str(out), *hold,
+           *(("--start-file", str(start_file)) if start_file else ())]
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.Popen(cmd, env=env, stdout=open(f"{out}.log", "w"), stderr=subprocess.STDOUT)
+
+
+def _records(path: Path) -> list[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def _steps(path: Path) -> list[dict]:
+    return [r for r in _records(path) if "step" in r]
+
+
+def _start_together(tmp_path, starts) -> list:
+    """Start the replicas (``starts``: (replica, out, kwargs)); once every one is up (its manager
+    heartbeating), let them take their first quorum together."""
+    start_file = tmp_path / "go"
+    procs = [_start(*args, start_file=start_file, **kwargs) for args, kwargs in starts]
+    begin = time.time()
+    while not all(_records(args[2]) for args, _ in starts):
+        assert time.time() - begin < 120 and all(p.poll() is None for p in procs), "a replica did not start"
+        time.sleep(0.05)
+    start_file.touch()
+    return procs
+
+
+def _wait_for_step(path: Path, step: int, timeout: float = 120) -> None:
+    start = time.time()
+    while not any(r["step"] >= step for r in _steps(path)):
+        assert time.time() - start < timeout, f"{path}: no step {step} in {timeout} s"
+        time.sleep(0.05)
+
+
+def _finish(procs, paths, timeout=240):
+    for p, path in zip(procs, paths):
+        try:
+            rc = p.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()
+            raise AssertionError(f"{path} did not finish: {Path(f'{path}.log').read_text()[-3000:]}")
+        assert rc == 0, Path(f"{path}.log").read_text()[-3000:]
+
+
+def _synced(records: list[dict]) -> dict[int, str]:
+    """step -> parameters' digest, at the steps a sync landed."""
+    return {r["step"]: r["digest"] for r in records if r["step"] % SYNC_EVERY == 0}
+
+
+@pytest.mark.parametrize("method", ["diloco", "sparseloco"])
+def test_a_killed_replica_restarts_and_heals_while_the_others_train(tmp_path, method):
+    """3 replicas; replica 2 SIGKILLed at step 12 and started again: replicas 0 and 1 never stop
+    (they discard the one sync replica 2 died in, and only that one), replica 2 heals from a live
+    peer at their next quorum (its state, counters and data position), and from then on every
+    replica's parameters are identical after every sync."""
+    server, address = _lighthouse()
+    paths = [tmp_path / f"r{i}.jsonl" for i in range(3)]
+    hold_file = tmp_path / "restarted_is_up"
+    hold = ("--hold-at", str(HOLD_AT), "--hold-file", str(hold_file))
+    procs = _start_together(tmp_path, [((address, i, paths[i], method), {"hold": hold if i < 2 else ()})
+                                       for i in range(3)])
+    try:
+        _wait_for_step(paths[2], 12)
+        procs[2].send_signal(signal.SIGKILL)
+        procs[2].wait()
+        restarted = tmp_path / "r2_restarted.jsonl"
+        procs.append(_start(address, 2, restarted, method))
+        start = time.time()
+        while not _records(restarted):  # its process is up: it asks for a quorum right after
+            assert time.time() - start < 120 and procs[3].poll() is None, "the restarted replica did not start"
+            time.sleep(0.05)
+        hold_file.touch()
+        _finish([procs[0], procs[1], procs[3]], [paths[0], paths[1], restarted])
+    finally:
+        for p in procs:
+            p.kill()
+        server.shutdown()
+    survivors = [_steps(p) for p in paths[:2]]
+    back = _steps(restarted)
+    for records in survivors:
+        assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # never stopped, never went back
+        assert records[-1]["discarded"] == 1 and records[-1]["heals"] == 0
+        assert records[-1]["outer_steps"] == STEPS // SYNC_EVERY - 1  # one sync of progress lost, no more
+    healed_at = back[0]["step"] - 1
+    assert back[-1]["heals"] == 1 and back[-1]["heal_bytes"] > 0, back[:2]
+    # at the first quorum after it was up: a sync boundary, by the survivors' hold at the latest
+    assert healed_at % SYNC_EVERY == 0 and 12 < healed_at <= HOLD_AT + SYNC_EVERY, healed_at
+    assert back[-1]["step"] == STEPS and back[-1]["outer_steps"] == survivors[0][-1]["outer_steps"]
+    digests = [_synced(r) for r in (*survivors, back)]
+    after_heal = [s for s in digests[2] if s > healed_at]
+    assert after_heal and all(digests[0][s] == digests[1][s] == digests[2][s] for s in after_heal)
+    assert all(digests[0][s] == digests[1][s] for s in digests[0])  # the survivors agree at every sync
+    losses = [r["loss"] for r in survivors[0]]
+    assert sum(losses[-10:]) < sum(losses[:10]), losses  # it learns
+
+
+def test_a_stalled_replica_is_dropped_after_the_timeout(tmp_path):
+    """Replica 2 stops (SIGSTOP) at step 12: the others wait for it at most timeout_s in that sync,
+    discard it, and go on in a quorum without it, identical after every later sync."""
+    server, address = _lighthouse()
+    paths = [tmp_path / f"r{i}.jsonl" for i in range(3)]
+    procs = _start_together(tmp_path, [((address, i, paths[i], "diloco"), {"timeout_s": 3.0}) for i in range(3)])
+    try:
+        _wait_for_step(paths[2], 12)
+        procs[2].send_signal(signal.SIGSTOP)
+        _finish(procs[:2], paths[:2])
+    finally:
+        for p in procs:
+            p.kill()
+        server.shutdown()
+    survivors = [_steps(p) for p in paths[:2]]
+    for records in survivors:
+        assert [r["step"] for r in records] == list(range(1, STEPS + 1))
+        assert 1 <= records[-1]["discarded"] <= 2
+        gaps = [b["time"] - a["time"] for a, b in zip(records, records[1:])]
+        assert max(gaps) < 3.0 + 10, gaps  # the stalled sync waited about timeout_s, not torch's 30 minutes
+    a, b = (_synced(r) for r in survivors)
+    assert a == b
+
+
+class _PickledCall:
+    def __reduce__(self):  # loading this with pickle would call os.getpid
+        return os.getpid, ()
+
+
+def test_a_heal_loads_no_pickled_code():
+    """torchft's own HTTP transport serves a state holding a pickled call: ds_lowcomm's transport
+    (weights_only) refuses it; plain tensors and data load."""
+    import torch
+    from torchft.checkpointing.http_transport import HTTPTransport
+
+    from ds_lowcomm.comm.torchft import safe_http_transport
+
+    timeout = timedelta(seconds=10)
+    server = HTTPTransport(timeout, num_chunks=0)
+    try:
+        server.send_checkpoint(dst_ranks=[1], step=3, state_dict={"w": torch.ones(2), "step": 3}, timeout=timeout)
+        got = safe_http_transport(timeout).recv_checkpoint(src_rank=0, metadata=server.metadata(), step=3,
+                                                           timeout=timeout)
+        assert torch.equal(got["w"], torch.ones(2)) and got["step"] == 3
+        server.send_checkpoint(dst_ranks=[1], step=4, state_dict={"w": torch.ones(2), "x": _PickledCall()},
+                               timeout=timeout)
+        with pytest.raises(Exception, match="unsupported GLOBAL posix.getpid"):
+            safe_http_transport(timeout).recv_checkpoint(src_rank=0, metadata=server.metadata(), step=4,
+                                                         timeout=timeout)
+    finally:
+        server.shutdown()
