@@ -38,9 +38,12 @@ def main() -> None:
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
     ft = FaultTolerance(FaultToleranceSettings(lighthouse=args.lighthouse, replica_id=args.replica_id,
                                                timeout_s=args.timeout_s, quorum_timeout_s=120), host="127.0.0.1")
-    inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    extra = {"topk": 8, "chunk": 8} if args.method in ("dct_diloco", "sparseloco") else {}
-    opt = METHOD_CLASSES[args.method](inner, transport=ft.transport, sync_every=args.sync_every, **extra)
+    if args.method == "demo":  # per step: a quorum every step
+        opt = METHOD_CLASSES["demo"](model.parameters(), lr=3e-3, transport=ft.transport, topk=8, chunk=8)
+    else:
+        inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        extra = {"topk": 8, "chunk": 8} if args.method in ("dct_diloco", "sparseloco") else {}
+        opt = METHOD_CLASSES[args.method](inner, transport=ft.transport, sync_every=args.sync_every, **extra)
     out = open(args.out, "a")
     out.write(json.dumps({"event": "start", "time": time.time()}) + "\n")
     out.flush()
@@ -59,7 +62,7 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        out.write(json.dumps({"step": ft.step, "outer_steps": opt.outer_steps, "loss": float(loss),
+        out.write(json.dumps({"step": ft.step, "outer_steps": getattr(opt, "outer_steps", None), "loss": float(loss),
                               "digest": params_digest(model), "heals": ft.heals, "discarded": ft.discarded,
                               "heal_bytes": opt.ledger.by_op.get("heal", [0, 0, 0])[2],
                               "sent": opt.ledger.sent, "time": time.time()}) + "\n")

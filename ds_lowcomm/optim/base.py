@@ -222,6 +222,26 @@ class LowcommOptimizer(torch.optim.Optimizer):
         """One step of the method on ``params`` (gradients in ``p.grad``), its syncs included."""
         raise NotImplementedError
 
+    # -- live fault tolerance (optim/fault_tolerance.py) ------------------------------------------
+    # Set by FaultTolerance.attach: every exchange runs in a torchft quorum and is committed or
+    # discarded on every replica alike. None: the plain single world.
+    fault_tolerance = None
+
+    def _keep_for_discard(self, params: list[torch.Tensor]) -> None:
+        """Before an exchange under fault tolerance: a copy of what it may change in these
+        parameters' state (momenta, residuals), for a sync that is then discarded."""
+        self.fault_tolerance.before_exchange()
+        self._before_exchange = {id(p): {k: v.clone() for k, v in self.state[p].items() if isinstance(v, torch.Tensor)}
+                                 for p in params}
+
+    def _restore_discarded(self, params: list[torch.Tensor]) -> None:
+        for p in params:
+            before, state = self._before_exchange.pop(id(p), {}), self.state[p]
+            for k in [k for k, v in state.items() if isinstance(v, torch.Tensor) and k not in before]:
+                del state[k]  # made by the discarded exchange (a first step's momentum)
+            for k, v in before.items():
+                state[k].copy_(v)  # in place: an outer optimizer holds the anchors themselves
+
 
     def _owned(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         return params if self.shard is None else self.shard.owned(params)

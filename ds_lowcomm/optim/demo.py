@@ -69,10 +69,18 @@ class DeMo(LowcommOptimizer):
                 if q is not None:
                     sign_step_(p, q, lr, wd)
         elif synced:
+            ft = self.fault_tolerance
+            if ft is not None:  # the momenta as they were, for an exchange that is then discarded
+                self._keep_for_discard(synced)
             means = self.start_momentum_sync(synced, grads, lrs).wait()
-            for p, q, lr, wd in zip(synced, means, lrs, decays):
-                sign_step_(p, q, lr, wd)
+            if ft is None or ft.commit():
+                for p, q, lr, wd in zip(synced, means, lrs, decays):
+                    sign_step_(p, q, lr, wd)
+            else:  # a peer failed during it: every replica skips this step alike
+                self._restore_discarded(synced)
         self._share(params)
+        if self.fault_tolerance is not None:
+            self.fault_tolerance.start_interval()  # the next step's quorum (a joining replica heals)
 
     def _land_in_flight(self, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """overlap: the means of the exchange started at the previous step (None before the first

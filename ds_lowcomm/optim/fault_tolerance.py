@@ -1,30 +1,31 @@
 """Live fault tolerance for the outer-loop methods: replicas as independent jobs that die and
 rejoin while the others keep training, on torchft (``torchft>=0.2.0,<0.3``, the ``ft`` extra).
 
-Each replica is its own job (one process here; its own ``torchrun`` or ``deepspeed`` launch in
-general) and builds one :class:`FaultTolerance`: a torchft ``Manager`` (with the lighthouse's
-address and this replica's id) over a reconfigurable gloo group, and the
-:class:`~ds_lowcomm.comm.torchft.TorchftTransport` the method exchanges over. Then
-:meth:`FaultTolerance.attach` puts it into an outer method (diloco, dct_diloco, sparseloco):
+Each replica is its own job (one process so far) and builds one :class:`FaultTolerance`: a
+torchft ``Manager`` (with the lighthouse's address and this replica's id) over a reconfigurable
+gloo group, and the :class:`~ds_lowcomm.comm.torchft.TorchftTransport` the method exchanges over.
+Then :meth:`FaultTolerance.attach` puts it into an outer method (diloco, dct_diloco, sparseloco)
+or demo:
 
-- **Every sync interval is a quorum.** At the start of each interval (before the first step, then
-  right after each sync lands) the replicas that are alive form a quorum; the interval's exchange
-  runs over them and the mean is over them.
+- **Every sync is a quorum's.** Outer methods: at the start of each interval (before the first
+  step, then right after each sync lands) the replicas that are alive form a quorum; the
+  interval's exchange runs over them and the mean is over them. demo: the same at every step.
 - **Every sync is committed or discarded on all replicas alike** (torchft's ``should_commit``): a
   peer that dies or stalls past ``timeout_s`` during the exchange makes it fail, and every
-  participant then restores what the exchange changed (error-feedback residuals) and sets its
-  parameters back to the anchors: the interval's local progress is lost, no partial sync applied.
+  participant then restores what the exchange changed (error-feedback residuals, DeMo's momenta)
+  and, outer methods, sets its parameters back to the anchors (the interval's local progress is
+  lost); demo skips the step. Never a partial sync applied.
 - **Healing from a peer.** A new or restarted replica joins at the next quorum and gets the full
   state (parameters, anchors, outer momentum, residuals, the inner optimizer's state, step and sync
   counters: the optimizer's ``state_dict()``) from a live peer through torchft's HTTP checkpoint
   transport, loaded with ``weights_only=True`` (:func:`~ds_lowcomm.comm.torchft.safe_http_transport`).
   It is taken right after a sync, when every replica's parameters equal the anchors, so the
   healed replica is identical to the others. Its bytes go to the ledger as ``heal``.
-- **Data.** :attr:`FaultTolerance.step` (the optimizer's local step, restored by the heal) is the
+- **Data.** :attr:`FaultTolerance.step` (the replica's steps, restored by the heal) is the
   position in the replica's own data shard: shard by replica id, not by how many are alive.
 
-Not yet: per-step methods (demo, mtdao, adamw), Streaming DiLoCo (fragments > 1 or sync_delay
-> 0), replicas of several ranks and the DeepSpeed / Megatron paths: refused by name.
+Not yet: adamw and mtdao, demo with overlap, Streaming DiLoCo (fragments > 1 or sync_delay > 0),
+replicas of several ranks, and the DeepSpeed / Megatron paths: refused by name.
 torchft's lighthouse and transport are unauthenticated: a private network only.
 """
 
@@ -122,34 +123,48 @@ class FaultTolerance:
 
     # -- the method ----------------------------------------------------------------------------
     def attach(self, optimizer) -> None:
-        """Put this replica's quorum into ``optimizer`` (an outer method built with
+        """Put this replica's quorum into ``optimizer`` (an outer method, or demo, built with
         ``transport=self.transport``) and take the first quorum (a joining replica heals here)."""
+        from .demo import DeMo
         from .outer import OuterLoop
 
-        if not isinstance(optimizer, OuterLoop):
-            raise ConfigError(f"lowcomm.fault_tolerance works with the outer methods (diloco, dct_diloco, sparseloco) "
-                              f"so far; got {type(optimizer).__name__}")
-        streaming = optimizer.settings.streaming
-        if streaming.fragments != 1 or streaming.sync_delay != 0:
-            raise ConfigError("lowcomm.fault_tolerance does not support Streaming DiLoCo yet: "
-                              "lowcomm.fragments must be 1 and lowcomm.sync_delay 0")
+        if isinstance(optimizer, OuterLoop):
+            streaming = optimizer.settings.streaming
+            if streaming.fragments != 1 or streaming.sync_delay != 0:
+                raise ConfigError("lowcomm.fault_tolerance does not support Streaming DiLoCo yet: "
+                                  "lowcomm.fragments must be 1 and lowcomm.sync_delay 0")
+        elif isinstance(optimizer, DeMo):
+            if optimizer.settings.overlap:
+                raise ConfigError("lowcomm.fault_tolerance with demo needs lowcomm.overlap false (an exchange in "
+                                  "flight across a quorum change is not supported yet)")
+        else:
+            raise ConfigError(f"lowcomm.fault_tolerance works with diloco, dct_diloco, sparseloco and demo so far; "
+                              f"got {type(optimizer).__name__}")
         if optimizer.transport is not self.transport:
             raise ConfigError("build the optimizer with transport=fault_tolerance.transport")
         if optimizer.shard is not None:
             raise ConfigError("lowcomm.fault_tolerance with replicas of several ranks is not supported yet")
         self.optimizer = optimizer
         optimizer.fault_tolerance = self
-        self.start_interval()
+        self._steps = 0
+        self.start_interval(stepped=False)
 
     @property
     def step(self) -> int:
-        """The optimizer's local step: where this replica is in its data (restored by a heal)."""
-        params = self.optimizer._current_params()
-        return int(self.optimizer.state[params[0]].get("local_step", 0)) if params else 0
+        """This replica's steps (restored by a heal): where it is in its own data shard."""
+        from .outer import OuterLoop
 
-    # -- called by the outer loop ------------------------------------------------------------------
-    def start_interval(self) -> None:
-        """A quorum of the replicas alive now; a replica that is behind heals from a peer here."""
+        opt = self.optimizer
+        if isinstance(opt, OuterLoop):  # its own counter (a quorum is taken once per interval)
+            params = opt._current_params()
+            return int(opt.state[params[0]].get("local_step", 0)) if params else 0
+        return self._steps
+
+    # -- called by the method --------------------------------------------------------------------
+    def start_interval(self, stepped: bool = True) -> None:
+        """After each step (outer methods: after each sync) and at attach (``stepped`` False): a
+        quorum of the replicas alive now; a replica that is behind heals from a peer here."""
+        self._steps += stepped
         self.transport.reset()
         self.manager.start_quorum(allow_heal=True)
 
@@ -166,7 +181,7 @@ class FaultTolerance:
     def _state(self) -> dict:
         opt = self.optimizer
         return _cloned({"optimizer": opt.state_dict(), "params": [p for p in opt._current_params()],
-                        "ledger": opt.ledger.state_dict()})
+                        "steps": self._steps})
 
     def _load(self, state: dict) -> None:
         opt = self.optimizer
@@ -178,6 +193,7 @@ class FaultTolerance:
         with torch.no_grad():
             for p, saved in zip(opt._current_params(), state["params"]):
                 p.copy_(saved)
+        self._steps = int(state["steps"])
         self.heals += 1
 
     def shutdown(self) -> None:

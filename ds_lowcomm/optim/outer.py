@@ -223,10 +223,6 @@ class OuterLoop(LowcommOptimizer):
         # each fragment's anchors at its first sync (and again after a load replaced the anchors).
         self.anchor_optimizer: torch.optim.Optimizer | None = None
         self._anchor_ids: set[int] = set()
-        # Live fault tolerance (optim/fault_tolerance.py): every sync interval a torchft quorum,
-        # every sync committed or discarded on all replicas alike. None: the plain single world.
-        self.fault_tolerance = None
-        self._before_exchange: dict[int, dict[str, torch.Tensor]] = {}
         self._init_comm(settings, transport, shard, ledger_steps, inner=type(inner).__name__)
 
     @property
@@ -302,9 +298,7 @@ class OuterLoop(LowcommOptimizer):
             self.state[p]["sync_sent_at"] = step
         if owned:
             if self.fault_tolerance is not None:  # what the exchange may change, for a discarded sync
-                self._before_exchange = {id(p): {k: v.clone() for k, v in self.state[p].items()
-                                                 if isinstance(v, torch.Tensor)} for p in owned}
-                self.fault_tolerance.before_exchange()
+                self._keep_for_discard(owned)
             deltas = [self.state[p]["anchor"] - p.to(self.state_dtype) for p in owned]
             self._in_flight[tuple(id(p) for p in fragment)] = (owned, self._start_combine(owned, deltas))
 
@@ -333,9 +327,8 @@ class OuterLoop(LowcommOptimizer):
         """A sync torchft did not commit (a peer failed during it; every replica discards it): the
         state it changed back as it was, the parameters back to the anchors (this interval's local
         progress is lost, as the others' is, so every replica starts the next one alike)."""
+        self._restore_discarded(params)
         for p in params:
-            for k, v in self._before_exchange.pop(id(p), {}).items():
-                self.state[p][k].copy_(v)  # in place: the outer optimizer holds the anchors themselves
             p.copy_(self.state[p]["anchor"].to(p.dtype))
 
     def _apply_outer(self, params: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
