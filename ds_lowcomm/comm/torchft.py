@@ -68,7 +68,12 @@ class TorchftTransport(Transport):
         return f"the {self.world_size} replicas of the current torchft quorum"
 
     def _run(self, issue: Callable[[], Any]) -> Callable[[], object]:
-        if self.failed is not None or self.world_size == 1:
+        if self.world_size == 1:
+            return lambda: None
+        if self.failed is not None or (self.manager is not None and self.manager.errored() is not None):
+            # This replica already failed in this round (a collective, or its heal): it sends
+            # nothing, so the others' collective fails too and every replica discards the sync
+            # (a replica whose heal failed must not contribute its stale state).
             return lambda: None
         try:
             work = issue()
