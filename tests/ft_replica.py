@@ -40,6 +40,8 @@ def main() -> None:
                                                timeout_s=args.timeout_s, quorum_timeout_s=120), host="127.0.0.1")
     if args.method == "demo":  # per step: a quorum every step
         opt = METHOD_CLASSES["demo"](model.parameters(), lr=3e-3, transport=ft.transport, topk=8, chunk=8)
+    elif args.method == "adamw":
+        opt = METHOD_CLASSES["adamw"](model.parameters(), lr=1e-2, transport=ft.transport)
     else:
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
         extra = {"topk": 8, "chunk": 8} if args.method in ("dct_diloco", "sparseloco") else {}

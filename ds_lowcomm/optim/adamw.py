@@ -61,11 +61,17 @@ class AllReduceAdamW(LowcommOptimizer, torch.optim.AdamW):
         for p in params:
             if p.grad is None:  # keep the flat buffer's layout the same on every rank
                 p.grad = torch.zeros_like(p)
+        ft = self.fault_tolerance
+        if ft is not None:
+            ft.before_exchange()
         self._start_mean_(owned, [p.grad for p in owned], "all_reduce").wait()
         if self.shard is not None:  # AdamW skips parameters without a gradient
             keep = {id(p) for p in owned}
             for p in params:
                 if id(p) not in keep:
                     p.grad = None
-        torch.optim.AdamW.step(self)
+        if ft is None or ft.commit():  # else a peer failed during it: every replica skips this step alike
+            torch.optim.AdamW.step(self)
         self._share(params)
+        if ft is not None:
+            ft.start_interval()  # the next step's quorum (a joining replica heals)

@@ -4,17 +4,18 @@ rejoin while the others keep training, on torchft (``torchft>=0.2.0,<0.3``, the 
 Each replica is its own job (one process so far) and builds one :class:`FaultTolerance`: a
 torchft ``Manager`` (with the lighthouse's address and this replica's id) over a reconfigurable
 gloo group, and the :class:`~ds_lowcomm.comm.torchft.TorchftTransport` the method exchanges over.
-Then :meth:`FaultTolerance.attach` puts it into an outer method (diloco, dct_diloco, sparseloco)
-or demo:
+Then :meth:`FaultTolerance.attach` puts it into an outer method (diloco, dct_diloco, sparseloco),
+demo or adamw:
 
 - **Every sync is a quorum's.** Outer methods: at the start of each interval (before the first
   step, then right after each sync lands) the replicas that are alive form a quorum; the
-  interval's exchange runs over them and the mean is over them. demo: the same at every step.
+  interval's exchange runs over them and the mean is over them. demo and adamw: the same at
+  every step.
 - **Every sync is committed or discarded on all replicas alike** (torchft's ``should_commit``): a
   peer that dies or stalls past ``timeout_s`` during the exchange makes it fail, and every
   participant then restores what the exchange changed (error-feedback residuals, DeMo's momenta)
   and, outer methods, sets its parameters back to the anchors (the interval's local progress is
-  lost); demo skips the step. Never a partial sync applied.
+  lost); demo and adamw skip the step. Never a partial sync applied.
 - **Healing from a peer.** A new or restarted replica joins at the next quorum and gets the full
   state (parameters, anchors, outer momentum, residuals, the inner optimizer's state, step and sync
   counters: the optimizer's ``state_dict()``) from a live peer through torchft's HTTP checkpoint
@@ -24,7 +25,7 @@ or demo:
 - **Data.** :attr:`FaultTolerance.step` (the replica's steps, restored by the heal) is the
   position in the replica's own data shard: shard by replica id, not by how many are alive.
 
-Not yet: adamw and mtdao, demo with overlap, Streaming DiLoCo (fragments > 1 or sync_delay > 0),
+Not yet: mtdao, demo with overlap, Streaming DiLoCo (fragments > 1 or sync_delay > 0),
 replicas of several ranks, and the DeepSpeed / Megatron paths: refused by name.
 torchft's lighthouse and transport are unauthenticated: a private network only.
 """
@@ -123,8 +124,9 @@ class FaultTolerance:
 
     # -- the method ----------------------------------------------------------------------------
     def attach(self, optimizer) -> None:
-        """Put this replica's quorum into ``optimizer`` (an outer method, or demo, built with
+        """Put this replica's quorum into ``optimizer`` (an outer method, demo or adamw, built with
         ``transport=self.transport``) and take the first quorum (a joining replica heals here)."""
+        from .adamw import AllReduceAdamW
         from .demo import DeMo
         from .outer import OuterLoop
 
@@ -137,9 +139,9 @@ class FaultTolerance:
             if optimizer.settings.overlap:
                 raise ConfigError("lowcomm.fault_tolerance with demo needs lowcomm.overlap false (an exchange in "
                                   "flight across a quorum change is not supported yet)")
-        else:
-            raise ConfigError(f"lowcomm.fault_tolerance works with diloco, dct_diloco, sparseloco and demo so far; "
-                              f"got {type(optimizer).__name__}")
+        elif not isinstance(optimizer, AllReduceAdamW):
+            raise ConfigError(f"lowcomm.fault_tolerance works with diloco, dct_diloco, sparseloco, demo and adamw so "
+                              f"far (not mtdao); got {type(optimizer).__name__}")
         if optimizer.transport is not self.transport:
             raise ConfigError("build the optimizer with transport=fault_tolerance.transport")
         if optimizer.shard is not None:
