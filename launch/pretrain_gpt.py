@@ -45,6 +45,7 @@ import torch.distributed as dist  # noqa: E402
 
 from ds_lowcomm.settings import ConfigError  # noqa: E402
 from megatron_patches.args import activation_settings, add_lowcomm_args, lowcomm_config  # noqa: E402  (megatron itself is imported in main)
+from megatron_patches.checkpoint import FORMATS as CKPT_FORMATS  # noqa: E402
 
 VOCAB = 256  # bytes
 
@@ -85,7 +86,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--save", default=None, help="checkpoint directory")
     p.add_argument("--save-interval", type=int, default=None, help="iterations between checkpoints")
     p.add_argument("--load", default=None, help="resume from the latest checkpoint in this directory")
-    p.add_argument("--ckpt-format", default="torch_dist", choices=("torch_dist", "torch"),
+    p.add_argument("--ckpt-format", default="torch_dist", choices=CKPT_FORMATS,
                    help="torch_dist: Megatron's distributed checkpoint (Megatron-LM's default); torch: one file per rank")
     add_lowcomm_args(p)
     return p.parse_args(argv)

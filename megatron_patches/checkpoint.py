@@ -104,17 +104,9 @@ def _mismatches(path: Path, state: dict, optimizer) -> list[str]:
     problems = []
     if state["layout"] != _layout():
         problems.append(f"{path} was written with layout {state['layout']}; this run has {_layout()}")
-    if "lowcomm_method" in state and state["lowcomm_method"] != _method_of(optimizer):
-        saved, now = state["lowcomm_method"], _method_of(optimizer)
-        if now is None:
-            problems.append(f"{path} holds ds_lowcomm's {saved} state; this run has no --lowcomm-* flags: resume "
-                            f"with the flags it was saved with (--lowcomm-method {saved} and the same settings, or "
-                            "the same --lowcomm-config FILE)")
-        elif saved is None:
-            problems.append(f"{path} was saved by stock Megatron (no ds_lowcomm method); this run has "
-                            f"--lowcomm-method {now}: resume it without the --lowcomm-* flags, or start without --load")
-        else:
-            problems.append(f"{path} was saved with --lowcomm-method {saved}; this run has --lowcomm-method {now}")
+    why = sharded_state.method_problem(state["lowcomm_method"], _method_of(optimizer)) if "lowcomm_method" in state else None
+    if why:
+        problems.append(f"{path} {why}")
     return problems
 
 
@@ -146,15 +138,25 @@ def iteration_dir(directory: str | os.PathLike, iteration: int) -> Path:
     return Path(directory) / f"iter_{iteration:07d}"
 
 
-def _rng_sharded(template: dict | None = None) -> dict:
-    """This rank's RNG states as ShardedTensors under keys naming the rank."""
+def _rng_sharded() -> dict:
+    """This rank's RNG states as ShardedTensors under keys naming the rank (the loaded ones come
+    back under the same names: :func:`_rng_from_sharded`)."""
     sharded_tensor, rank = mi.live(mi.SHARDED_TENSOR), dist.get_rank()
-    states = template or rng_states()
+    states = rng_states()
     flat = {"cpu": states["cpu"], **{f"tracker.{k}": v for k, v in states["tracker"].items()}}
     if "cuda" in states:
         flat["cuda"] = states["cuda"]
     return {name: sharded_tensor.from_rank_offsets(f"rng.rank_{rank:05d}.{name}", t.clone(), replica_id=0)
             for name, t in flat.items()}
+
+
+def _rng_from_sharded(flat: dict) -> dict:
+    """:func:`rng_states`' layout from what :func:`_rng_sharded`'s request loaded."""
+    states = {"cpu": flat["cpu"], "tracker": {k.removeprefix("tracker."): v for k, v in flat.items()
+                                              if k.startswith("tracker.")}}
+    if "cuda" in flat:
+        states["cuda"] = flat["cuda"]
+    return states
 
 
 def _unwrapped(chunk: torch.nn.Module) -> torch.nn.Module:
@@ -272,12 +274,9 @@ def load_dist(directory: str | os.PathLike, model_chunks: Sequence[torch.nn.Modu
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         _unwrapped(chunk).load_state_dict(loaded[key])
     optimizer.load_state_dict(loaded["optimizer"])
-    rng = loaded["rng_state"]
-    set_rng_states({"cpu": rng["cpu"], "tracker": {k.removeprefix("tracker."): v for k, v in rng.items()
-                                                   if k.startswith("tracker.")},
-                    **({"cuda": rng["cuda"]} if "cuda" in rng else {})})
+    set_rng_states(_rng_from_sharded(loaded["rng_state"]))
     return int(loaded.get("iteration", iteration))
 
 
-__all__ = ["FORMATS", "TRACKER", "dcp_metadata_problem", "latest_iteration", "load", "load_dist", "params_digest", "rank_file", "rng_states",
-           "save", "save_dist", "set_rng_states"]
+__all__ = ["FORMATS", "TRACKER", "dcp_metadata_problem", "latest_iteration", "load", "load_dist", "params_digest",
+           "rank_file", "rng_states", "save", "save_dist", "set_rng_states"]

@@ -132,23 +132,29 @@ def for_loading(method: str | None, metadata: dict | None) -> tuple[dict, dict]:
     return {TENSORS_KEY: request}, mine
 
 
+def method_problem(saved: str | None, method: str | None) -> str | None:
+    """Why a checkpoint saved with ds_lowcomm's ``saved`` method (None: stock Megatron) cannot
+    resume a run with ``method`` (None: no ``--lowcomm-*`` flags): words following the
+    checkpoint's name; None where they match."""
+    if saved == method:
+        return None
+    if method is None:
+        return (f"holds ds_lowcomm's {saved} state; this run has no --lowcomm-* flags: resume with the flags it was "
+                f"saved with (--lowcomm-method {saved} and the same settings, or the same --lowcomm-config FILE)")
+    if saved is None:
+        return (f"holds no ds_lowcomm state (saved by stock Megatron); this run has --lowcomm-method {method}: "
+                "resume it without the --lowcomm-* flags, or start without --load")
+    return f"was saved with --lowcomm-method {saved}; this run has --lowcomm-method {method}"
+
+
 def problem_with(saved: dict | None, method: str | None) -> str | None:
     """Why a checkpoint whose content metadata holds ``saved`` (None: none of ds_lowcomm's) cannot
     resume a run with ``method`` (None: stock Megatron); None where it can."""
-    if saved is None:
-        if method is None:
-            return None
-        return (f"the checkpoint holds no ds_lowcomm state (saved by stock Megatron, or without the content "
-                f"metadata ds_lowcomm needs); this run has --lowcomm-method {method}: resume it without the "
-                "--lowcomm-* flags, or start without --load")
-    if method is None:
-        return (f"the checkpoint holds ds_lowcomm's {saved.get('method')} state; this run has no --lowcomm-* flags: "
-                f"resume with the flags it was saved with (--lowcomm-method {saved.get('method')} and the same "
-                "settings, or the same --lowcomm-config FILE)")
+    why = method_problem(None if saved is None else saved.get("method"), method)
+    if why or saved is None:
+        return why and f"the checkpoint {why}"
     if saved.get("format") != FORMAT:
         return f"the checkpoint's ds_lowcomm state has format {saved.get('format')!r}; this ds_lowcomm reads {FORMAT}"
-    if saved["method"] != method:
-        return f"the checkpoint was saved with --lowcomm-method {saved['method']}; this run has --lowcomm-method {method}"
     if saved["layout"] != layout():
         return (f"the checkpoint's ds_lowcomm state was written with layout {saved['layout']}; this run has "
                 f"{layout()} (the method's state is per rank: resume with the same sizes)")
@@ -169,5 +175,6 @@ def is_sharded(state: Any) -> bool:
     return isinstance(state, dict) and TENSORS_KEY in state
 
 
-__all__ = ["METADATA_KEY", "ShardedStateError", "for_loading", "for_saving", "is_sharded", "layout", "problem_with",
+__all__ = ["METADATA_KEY", "ShardedStateError", "for_loading", "for_saving", "is_sharded", "layout", "method_problem",
+           "problem_with",
            "rebuild"]

@@ -303,25 +303,24 @@ class OuterLoop(LowcommOptimizer):
             self._in_flight[tuple(id(p) for p in fragment)] = (owned, self._start_combine(owned, deltas))
 
     def _land(self, fragment: list[torch.Tensor], owned: list[torch.Tensor]) -> None:
+        ft = self.fault_tolerance
+        committed = True
         if owned:
             in_flight = self._in_flight.pop(tuple(id(p) for p in fragment), None)
             # After state_dict() (a checkpoint) the landed result waits in the state instead.
             updates = in_flight[1].wait() if in_flight else [self.state[p].pop("landed_update") for p in owned]
-            if self.fault_tolerance is None or self.fault_tolerance.commit():
+            committed = ft is None or ft.commit()
+            if committed:
                 self._apply_outer(owned, updates)
             else:
                 self._discard(owned)
-                for p in fragment:
-                    del self.state[p]["sync_sent_at"]
-                self.fault_tolerance.start_interval()
-                return
         self._share(fragment)
         for p in fragment:
             state = self.state[p]
             del state["sync_sent_at"]
-            state["outer_steps"] += 1
-        if self.fault_tolerance is not None:
-            self.fault_tolerance.start_interval()
+            state["outer_steps"] += committed
+        if ft is not None:
+            ft.start_interval()
 
     def _discard(self, params: list[torch.Tensor]) -> None:
         """A sync torchft did not commit (a peer failed during it; every replica discards it): the
