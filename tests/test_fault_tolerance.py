@@ -8,6 +8,7 @@ anything but tensors and plain data is refused."""
 from __future__ import annotations
 
 import json
+import re
 import os
 import signal
 import subprocess
@@ -190,3 +191,78 @@ def test_a_heal_loads_no_pickled_code():
                                                          timeout=timeout)
     finally:
         server.shutdown()
+
+
+def _loop_replica(tmp_path, replica: int, spec: dict):
+    """One replica of the training loop (the benchmarks' worker), its own one-rank job."""
+    job = tmp_path / f"job{replica}.json"
+    job.write_text(json.dumps({"spec": spec, "peer": None}))
+    env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
+           "MASTER_PORT": str(_free_port()), "REPLICA_GROUP_ID": str(replica), "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.Popen([sys.executable, "-m", "ds_lowcomm.bench.worker", str(job), str(tmp_path / f"m{replica}")],
+                            cwd=ROOT, env=env, stdout=open(tmp_path / f"loop{replica}.log", "w"),
+                            stderr=subprocess.STDOUT)
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_the_training_loop_as_replicas_over_torchft_equals_one_world():
+    """``lowcomm.fault_tolerance`` in the training loop's spec: 2 replicas, each its own one-rank
+    job reading its own data shard (REPLICA_GROUP_ID of num_replica_groups), train exactly as the
+    same 2 ranks in one world do when nothing fails: bit-identical parameters, the same held-out loss."""
+    import tempfile
+
+    from ds_lowcomm.task.spec import TrainSpec
+    from ds_lowcomm.task.train import train_worker
+    from ds_lowcomm.workers import run_local_workers
+
+    base = dict(steps=10, eval_every=5, verbose=False, model={"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 32})
+    lowcomm = {"method": "sparseloco", "sync_every": 5, "topk": 8, "chunk": 32}
+    server, address = _lighthouse()
+    tmp = Path(tempfile.mkdtemp(prefix="ft-loop-"))
+    spec = TrainSpec(**base, lowcomm={**lowcomm, "fault_tolerance": {
+        "lighthouse": address, "replica_id": "0", "num_replica_groups": 2, "timeout_s": 20}}).to_dict()
+    del spec["lowcomm"]["fault_tolerance"]["replica_id"]  # each job's from REPLICA_GROUP_ID, as torchft's
+    procs = [_loop_replica(tmp, r, spec) for r in range(2)]
+    try:
+        one_world = run_local_workers(train_worker, 2, TrainSpec(**base, lowcomm=lowcomm))
+        for r, p in enumerate(procs):
+            assert p.wait(timeout=240) == 0, (tmp / f"loop{r}.log").read_text()[-3000:]
+    finally:
+        for p in procs:
+            p.kill()
+        server.shutdown()
+    replicas = [json.loads((tmp / f"m{r}.rank0.json").read_text()) for r in range(2)]
+    assert replicas[0]["params_digest"] == replicas[1]["params_digest"] == one_world[0]["params_digest"]
+    assert replicas[0]["final_val_loss"] == one_world[0]["final_val_loss"]
+
+
+def test_fault_tolerance_settings_are_checked_by_name(monkeypatch):
+    from ds_lowcomm.config import ConfigError
+    from ds_lowcomm.task.spec import TrainSpec
+
+    monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
+    monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)
+    monkeypatch.setenv("NUM_REPLICA_GROUPS", "3")
+    good = {"lighthouse": "127.0.0.1:29510", "replica_id": "2"}
+    assert TrainSpec(lowcomm={"method": "diloco", "fault_tolerance": good}).fault_tolerance.data_shard() == (2, 3)
+    cases = {
+        "lowcomm.fault_tolerance: unknown setting(s) lighthouse_addr; allowed: lighthouse, replica_id":
+            {"lighthouse_addr": "x:1", "replica_id": "0"},
+        "lowcomm.fault_tolerance.lighthouse: the lighthouse's host:port is required": {"replica_id": "0"},
+        "lowcomm.fault_tolerance.min_replicas must be an integer >= 1; got 0": {**good, "min_replicas": 0},
+        "lowcomm.fault_tolerance.timeout_s must be a number > 0; got -1": {**good, "timeout_s": -1},
+        "replica_id an integer below it; got replica_id '3', num_replica_groups 3": {**good, "replica_id": "3"},
+    }
+    for message, section in cases.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            TrainSpec(lowcomm={"method": "diloco", "fault_tolerance": section})
+    with pytest.raises(ConfigError, match="fault_tolerance works with a torch optimizer's step so far: not with "
+                                          "deepspeed_config"):
+        TrainSpec(deepspeed_config="configs/diloco.json", lowcomm={"method": "diloco", "fault_tolerance": good})

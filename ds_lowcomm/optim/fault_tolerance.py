@@ -36,12 +36,12 @@ import os
 import socket
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 
 from ..comm.torchft import TorchftTransport, safe_http_transport
-from ..settings import ConfigError, Settings
+from ..settings import ConfigError, Settings, check_int, check_positive
 
 
 WHERE = "lowcomm.fault_tolerance"
@@ -49,36 +49,59 @@ WHERE = "lowcomm.fault_tolerance"
 
 @dataclass
 class FaultToleranceSettings(Settings):
-    """``lowcomm.fault_tolerance``: where the lighthouse is, who this replica is.
-    Environment variables as torchft's own: ``TORCHFT_LIGHTHOUSE``, ``REPLICA_GROUP_ID``."""
+    """``lowcomm.fault_tolerance``: where the lighthouse is, who this replica is. Environment
+    variables as torchft's own fill what the section leaves out: ``TORCHFT_LIGHTHOUSE``,
+    ``REPLICA_GROUP_ID``, ``NUM_REPLICA_GROUPS``."""
 
     lighthouse: str = ""  # host:port (or http://host:port) of torchft's lighthouse
     replica_id: str = ""  # unique and stable across restarts of this replica
+    # How many data shards the replicas split the data into (the replicas started, not the ones
+    # alive): with the training loop's data, replica_id is an integer below it and names its shard.
+    num_replica_groups: int = 0
     min_replicas: int = 1  # a quorum needs at least this many replicas; fewer: syncs are discarded
     timeout_s: float = 30.0  # a collective's or a heal's wait for a peer
     quorum_timeout_s: float = 600.0  # a quorum's wait (a restarted replica waits up to one interval)
 
     def check(self, where: str) -> None:
-        if not self.lighthouse:
+        if not self.lighthouse or not isinstance(self.lighthouse, str):
             raise ConfigError(f"{where}.lighthouse: the lighthouse's host:port is required "
                               "(or TORCHFT_LIGHTHOUSE in the environment)")
-        if not self.replica_id:
+        if not self.replica_id or not isinstance(self.replica_id, str):
             raise ConfigError(f"{where}.replica_id: a replica id unique to this replica, stable across its "
                               "restarts, is required (or REPLICA_GROUP_ID in the environment)")
-        if not isinstance(self.min_replicas, int) or isinstance(self.min_replicas, bool) or self.min_replicas < 1:
-            raise ConfigError(f"{where}.min_replicas must be an integer >= 1; got {self.min_replicas!r}")
+        check_int(where, "num_replica_groups", self.num_replica_groups, 0)
+        check_int(where, "min_replicas", self.min_replicas, 1)
         for name in ("timeout_s", "quorum_timeout_s"):
-            value = getattr(self, name)
-            if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
-                raise ConfigError(f"{where}.{name} must be a positive number of seconds; got {value!r}")
+            check_positive(where, name, getattr(self, name))
 
     @classmethod
-    def from_env(cls, **given: Any) -> "FaultToleranceSettings":
+    def from_section(cls, raw: Mapping[str, Any] | None = None, where: str = WHERE) -> "FaultToleranceSettings":
+        """From the nested ``"fault_tolerance"`` mapping (unknown keys refused by name), torchft's
+        environment variables filling what it leaves out. Validated."""
+        if raw is None:
+            raw = {}
+        if not isinstance(raw, Mapping):
+            raise ConfigError(f"{where} must be a mapping of {', '.join(cls.flat_keys())}; got {raw!r}")
+        given = dict(raw)
         given.setdefault("lighthouse", os.environ.get("TORCHFT_LIGHTHOUSE", ""))
         given.setdefault("replica_id", os.environ.get("REPLICA_GROUP_ID", ""))
-        settings = cls(**given)
-        settings.validate(WHERE)
-        return settings
+        if "NUM_REPLICA_GROUPS" in os.environ and "num_replica_groups" not in given:
+            try:
+                given["num_replica_groups"] = int(os.environ["NUM_REPLICA_GROUPS"])
+            except ValueError:
+                raise ConfigError(f"NUM_REPLICA_GROUPS must be an integer; got {os.environ['NUM_REPLICA_GROUPS']!r}")
+        if isinstance(given["replica_id"], int) and not isinstance(given["replica_id"], bool):
+            given["replica_id"] = str(given["replica_id"])
+        return cls.from_flat(given, where=where, strict=True)
+
+    def data_shard(self, where: str = WHERE) -> tuple[int, int]:
+        """(this replica's shard, the number of shards) for a loader that shards by replica."""
+        if self.num_replica_groups < 1 or not self.replica_id.isdigit() \
+                or int(self.replica_id) >= self.num_replica_groups:
+            raise ConfigError(f"{where}: the training loop reads replica_id's data shard: num_replica_groups must be "
+                              f">= 1 (or NUM_REPLICA_GROUPS) and replica_id an integer below it; got replica_id "
+                              f"{self.replica_id!r}, num_replica_groups {self.num_replica_groups}")
+        return int(self.replica_id), self.num_replica_groups
 
 
 def _cloned(obj: Any) -> Any:
@@ -108,7 +131,7 @@ class FaultTolerance:
         pg = ProcessGroupGloo(timeout=timeout)
         self.transport = TorchftTransport(pg, timeout_s=settings.timeout_s)
         self._store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        self.optimizer = None
+        self.optimizer, self.stateful = None, ()
         lighthouse = settings.lighthouse if "://" in settings.lighthouse else f"http://{settings.lighthouse}"
         self.manager = Manager(
             pg=pg, min_replica_size=settings.min_replicas, use_async_quorum=False,
@@ -123,9 +146,11 @@ class FaultTolerance:
         self.discarded = 0
 
     # -- the method ----------------------------------------------------------------------------
-    def attach(self, optimizer) -> None:
+    def attach(self, optimizer, *stateful) -> None:
         """Put this replica's quorum into ``optimizer`` (an outer method, demo or adamw, built with
-        ``transport=self.transport``) and take the first quorum (a joining replica heals here)."""
+        ``transport=self.transport``) and take the first quorum (a joining replica heals here).
+        ``stateful``: more objects with ``state_dict()``/``load_state_dict()`` a joining replica
+        gets from its peer (a learning-rate scheduler: its position; plain data only)."""
         from .adamw import AllReduceAdamW
         from .demo import DeMo
         from .outer import OuterLoop
@@ -146,7 +171,7 @@ class FaultTolerance:
             raise ConfigError("build the optimizer with transport=fault_tolerance.transport")
         if optimizer.shard is not None:
             raise ConfigError("lowcomm.fault_tolerance with replicas of several ranks is not supported yet")
-        self.optimizer = optimizer
+        self.optimizer, self.stateful = optimizer, stateful
         optimizer.fault_tolerance = self
         self._steps = 0
         self.start_interval(stepped=False)
@@ -183,7 +208,7 @@ class FaultTolerance:
     def _state(self) -> dict:
         opt = self.optimizer
         return _cloned({"optimizer": opt.state_dict(), "params": [p for p in opt._current_params()],
-                        "steps": self._steps})
+                        "steps": self._steps, "stateful": [obj.state_dict() for obj in self.stateful]})
 
     def _load(self, state: dict) -> None:
         opt = self.optimizer
@@ -195,6 +220,8 @@ class FaultTolerance:
         with torch.no_grad():
             for p, saved in zip(opt._current_params(), state["params"]):
                 p.copy_(saved)
+        for obj, saved in zip(self.stateful, state["stateful"]):
+            obj.load_state_dict(saved)
         self._steps = int(state["steps"])
         self.heals += 1
 

@@ -18,6 +18,7 @@ import torch
 
 from ..codec import FLOAT_DTYPES, ActivationSettings
 from ..config import ConfigError, LowcommConfig, check_lr
+from ..optim.fault_tolerance import FaultToleranceSettings
 from .data import MAX_TRAIN_BYTES, MAX_VAL_BYTES
 from .model import GPTConfig
 
@@ -147,9 +148,22 @@ class TrainSpec:
                 raise ConfigError(f"{name('lowcomm')}.activations: codecs between pipeline stages need "
                                   f"{name('pipeline_stages')} > 0")
             ActivationSettings.from_section(section.pop("activations"), where=f"{name('lowcomm')}.activations")
+        fault_tolerance = None
+        if "fault_tolerance" in section:  # replicas as independent jobs over torchft (a nested mapping)
+            fault_tolerance = _fault_tolerance(section.pop("fault_tolerance"), f"{name('lowcomm')}.fault_tolerance")
+            if self.deepspeed_config or self.pipeline_stages or self.resume_from:
+                raise ConfigError(f"{name('lowcomm')}.fault_tolerance works with a torch optimizer's step so far: not "
+                                  f"with {name('deepspeed_config')}, {name('pipeline_stages')} or "
+                                  f"{name('resume_from')} (a restarted replica heals from a live peer instead)")
+        object.__setattr__(self, "_fault_tolerance", fault_tolerance)
         cfg = LowcommConfig.from_dict(section, where=name("lowcomm"))
         check_lr(self.lr, where=name("lr"))
         return cfg
+
+    @property
+    def fault_tolerance(self):
+        """``lowcomm.fault_tolerance`` parsed (a FaultToleranceSettings), or None."""
+        return self._fault_tolerance
 
     @property
     def lowcomm_config(self) -> LowcommConfig:
@@ -202,3 +216,9 @@ def _model_config(raw: Mapping[str, Any]) -> GPTConfig:
 
 
 DEFAULTS = TrainSpec()  # the command lines' defaults
+
+
+def _fault_tolerance(raw, where: str) -> FaultToleranceSettings:
+    settings = FaultToleranceSettings.from_section(raw, where=where)
+    settings.data_shard(where)  # the loop reads the replica's own shard
+    return settings

@@ -34,6 +34,7 @@ import torch
 from ..checkpoint_io import LATEST, agree_on_problems, check_digests, load_file, read_latest, save_file, write_text
 from ..codec import FLOAT_DTYPES
 from ..comm import build_transport
+from ..config import ConfigError
 from ..optim import build_optimizer
 from .spec import TrainSpec
 
@@ -103,11 +104,14 @@ def worker_device(name: str, rank: int) -> torch.device:
     return torch.device(name)
 
 
-def lowcomm_setup(model: torch.nn.Module, spec: TrainSpec):
-    """The module to run, the optimizer and its byte ledger: the ds_lowcomm method of spec.lowcomm."""
+def lowcomm_setup(model: torch.nn.Module, spec: TrainSpec, transport=None):
+    """The module to run, the optimizer and its byte ledger: the ds_lowcomm method of spec.lowcomm
+    (over ``transport``, default the one its settings name)."""
     cfg = spec.lowcomm_config
+    if transport is None:
+        transport = build_transport(cfg.transport, timeout_s=cfg.comm.timeout_s)
     opt = build_optimizer(cfg, model.parameters(), lr=spec.lr, weight_decay=spec.weight_decay, betas=spec.betas,
-                          transport=build_transport(cfg.transport, timeout_s=cfg.comm.timeout_s))
+                          transport=transport)
     return model, opt, opt.ledger
 
 
@@ -124,9 +128,11 @@ def _evaluate_module(step, task) -> Callable[[], dict[str, float]]:
 
 class TorchStep:
     """A torch optimizer's step; ``net`` (the module forward runs through, e.g. a DDP wrapper) may
-    differ from ``module`` (the model, saved and evaluated)."""
+    differ from ``module`` (the model, saved and evaluated). With ``spec.fault_tolerance`` this
+    process is one replica of a torchft quorum (``fault_tolerance``: its FaultTolerance)."""
 
     accumulation = 1
+    fault_tolerance = None
 
     def __init__(self, module, net, optimizer, ledger, spec: TrainSpec, rank: int, loss: LossFn, device):
         self.module, self.net, self.opt, self.ledger = module, net, optimizer, ledger
@@ -141,8 +147,22 @@ class TorchStep:
         optimizer, ledger)``: a ds_lowcomm method by default; benchmarks pass their peers'."""
         device = worker_device(spec.device, rank)
         model = model.to(device=device, dtype=FLOAT_DTYPES[spec.dtype])
-        net, opt, ledger = setup(model, spec)
-        return cls(model, net, opt, ledger, spec, rank, loss, device)
+        if spec.fault_tolerance is None:
+            net, opt, ledger = setup(model, spec)
+            return cls(model, net, opt, ledger, spec, rank, loss, device)
+        # A replica as its own job over torchft: its method over the quorum's transport; the first
+        # quorum taken here (a restarted replica heals from a peer: the scheduler's position too)
+        from ..optim.fault_tolerance import FaultTolerance
+
+        if setup is not lowcomm_setup:
+            raise ConfigError("lowcomm.fault_tolerance works with ds_lowcomm's methods, not a peer's step")
+        ft = FaultTolerance(spec.fault_tolerance)
+        net, opt, ledger = lowcomm_setup(model, spec, transport=ft.transport)
+        step = cls(model, net, opt, ledger, spec, rank, loss, device)
+        ft.attach(opt, step.sched)
+        step.fault_tolerance = ft
+        step.data_rank, step.data_world = spec.fault_tolerance.data_shard()  # by replica, not by who is alive
+        return step
 
     def train_step(self, batches):
         (x, y), = batches

@@ -64,13 +64,18 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec, task_type=Referenc
     step: Step = (make_step or default_step(spec))(task.build_model(), spec, rank, task.loss)
     evaluate = step.evaluation(task)
     start_step = step.load(spec.resume_from, spec.resume_tag) if spec.resume_from else 0
+    # a replica over torchft: its position is the quorum's (a heal, at start or later, moves it)
+    ft = getattr(step, "fault_tolerance", None)
+    position = (lambda done: done) if ft is None else (lambda done: ft.step)
+    start_step = position(start_step)
 
     steps, accum, eval_every = spec.steps, step.accumulation, spec.eval_interval
     label = spec.label or step.label
     history, recent, train_s, step_times = [], [], 0.0, []
     before = step.report()  # the start-up checks' seconds are not the steps'
     started = time.perf_counter()
-    for i in range(start_step, steps):
+    i = start_step
+    while i < steps:
         t0 = time.perf_counter()
         losses = step.train_step(task.train_batch(step.data_rank, step.data_world, i * accum + m, step.micro_batch)
                                  for m in range(accum))
@@ -83,7 +88,8 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec, task_type=Referenc
             metrics = evaluate()
             train_loss, *averaged = mean_over_ranks(sum(window) / len(window), *metrics.values())
             row = {"step": done, "train_loss": train_loss, **dict(zip(metrics, averaged)), **step.traffic(),
-                   "train_s": train_s}  # training time so far, evaluations left out
+                   "train_s": train_s,  # training time so far, evaluations left out
+                   "time": time.time()}  # when (a run of several jobs lines their rows up by it)
             history.append(row)
             if rank == 0 and spec.verbose:
                 print(f"[{label}] step {done:5d}/{steps}  train {train_loss:.4f}  val {row['val_loss']:.4f}  "
@@ -97,6 +103,9 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec, task_type=Referenc
             break  # the held-out loss is averaged over ranks: every rank stops at the same step
         if done == spec.stop_at_step:
             break  # a timing run: the first steps of the full schedule
+        i = position(done)
+    if ft is not None:
+        ft.shutdown()
 
     return {
         "label": label,
