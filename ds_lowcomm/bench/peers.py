@@ -24,6 +24,7 @@ import json
 import os
 import statistics
 import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -97,7 +98,32 @@ def peer_step(peer: dict):
     setups = {"ddp_powersgd": peer_setup, "torchft_diloco": torchft_setup, "ddp": ddp_setup}
     if peer.get("kind") not in setups:
         raise ValueError(f"peer.kind must be one of {', '.join(PEER_KINDS)}; got {peer.get('kind')!r}")
+    if peer.get("fault_tolerance"):  # torchft's DiLoCo as one replica of its own job (bench faults)
+        return partial(_torchft_replica_step, peer=peer)
     return partial(TorchStep.build, setup=partial(setups[peer["kind"]], peer=peer))
+
+
+class TorchftReplica:
+    """torchft's DiLoCo as one replica of its own job, for the training loop: where the replica is
+    in its data (its inner steps, healed from a peer with the model), its heals, its shutdown."""
+
+    discarded = None  # torchft does not say
+
+    def __init__(self):
+        self.step, self.heals, self.manager, self.scheduler = 0, 0, None, None
+
+    def shutdown(self) -> None:
+        self.manager.shutdown(wait=False)
+
+
+def _torchft_replica_step(model, spec: TrainSpec, rank: int, loss, peer: dict) -> TorchStep:
+    replica = TorchftReplica()
+    step = TorchStep.build(model, spec, rank, loss, setup=partial(torchft_setup, peer=peer, replica=replica))
+    replica.scheduler = step.sched  # healed with the rest (its position in the schedule)
+    step.fault_tolerance = replica
+    ft = peer["fault_tolerance"]
+    step.data_rank, step.data_world = int(ft["replica_id"]), ft["num_replica_groups"]
+    return step
 
 
 def peer_setup(model: torch.nn.Module, spec: TrainSpec, peer: dict):
@@ -171,28 +197,61 @@ class _Fragment(torch.nn.Module):
         self.params = torch.nn.ParameterList(params)
 
 
-def torchft_setup(model: torch.nn.Module, spec: TrainSpec, peer: dict):
+def torchft_setup(model: torch.nn.Module, spec: TrainSpec, peer: dict, replica: TorchftReplica | None = None):
     """The step's (module, inner optimizer, ledger) for torchft's DiLoCo, as its users set it up:
     every worker its own replica group (one torchft Manager each, with its own store), a
     lighthouse on rank 0's host, the outer step torchft's (SGD, Nesterov) around an inner AdamW
     with the spec's settings. Its all-reduces of pseudo-gradients are counted where the manager
-    issues them (fp32, sent N / received N as ours); lighthouse and manager RPCs are not."""
+    issues them (fp32, sent N / received N as ours); lighthouse and manager RPCs are not.
+    With ``replica`` (and ``peer["fault_tolerance"]``: lighthouse, replica_id, host), this process
+    is one replica of its own job: the lighthouse is elsewhere, a quorum goes on without a dead
+    replica, and a restarted one heals from a peer (model, inner optimizer, schedule and position;
+    torchft's DiLoCo adds its own fragments' state) over an HTTP transport that advertises ``host``."""
     from datetime import timedelta
 
     from torchft import Manager, ProcessGroupGloo
     from torchft.coordination import LighthouseServer
     from torchft.local_sgd import DiLoCo
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    me = _own_address()
-    address = [None]
-    if rank == 0:
-        lighthouse = LighthouseServer(bind="0.0.0.0:0", min_replicas=world)
-        _KEEP_ALIVE.append(lighthouse)
-        address = [f"http://{me}:{lighthouse.address().rsplit(':', 1)[1]}"]
-    dist.broadcast_object_list(address, src=0)
-    store = dist.TCPStore(me, 0, is_master=True, wait_for_workers=False)
     inner = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
+    wait, faults = timedelta(seconds=600), {}
+    if replica is None:
+        rank, world = dist.get_rank(), dist.get_world_size()
+        me = _own_address()
+        address = [None]
+        if rank == 0:
+            lighthouse = LighthouseServer(bind="0.0.0.0:0", min_replicas=world)
+            _KEEP_ALIVE.append(lighthouse)
+            address = [f"http://{me}:{lighthouse.address().rsplit(':', 1)[1]}"]
+        dist.broadcast_object_list(address, src=0)
+        state = {"load_state_dict": lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["inner"])),
+                 "state_dict": lambda: {"model": model.state_dict(), "inner": inner.state_dict()}}
+    else:
+        from ..comm.torchft import safe_http_transport
+        from ..optim.fault_tolerance import tensor_bytes
+
+        section = peer["fault_tolerance"]
+        rank, world, me, address = int(section["replica_id"]), 1, section["host"], [f"http://{section['lighthouse']}"]
+        wait = timedelta(seconds=section.get("timeout_s", 30.0))
+        # counted before DiLoCo's hook syncs (and heals) in the same step, on every replica alike
+        inner.register_step_post_hook(lambda *_: setattr(replica, "step", replica.step + 1))
+
+        def load(sd):
+            model.load_state_dict(sd["model"])
+            inner.load_state_dict(sd["inner"])
+            replica.scheduler.load_state_dict(sd["scheduler"])
+            replica.step, replica.heals = int(sd["position"]), replica.heals + 1
+            # what this load gets (model, inner optimizer); torchft's DiLoCo loads its fragments'
+            # anchors and outer momenta beside it, uncounted here
+            nbytes = tensor_bytes(sd)
+            print(f"torchft replica {rank}: healed from a peer at step {replica.step}: {nbytes} bytes at "
+                  f"{time.time()}", flush=True)
+
+        state = {"load_state_dict": load,
+                 "state_dict": lambda: {"model": model.state_dict(), "inner": inner.state_dict(),
+                                        "scheduler": replica.scheduler.state_dict(), "position": replica.step}}
+        faults = {"checkpoint_transport": safe_http_transport(wait, me), "quorum_timeout": timedelta(seconds=600)}
+    store = dist.TCPStore(me, 0, is_master=True, wait_for_workers=False)
     # Streaming DiLoCo: the same contiguous fragments as ds_lowcomm's (torchft syncs fragment
     # i % P every H / P steps, sending it sync_delay steps before it lands), and an outer optimizer
     # per fragment: one over the whole model would also step the other fragments along their
@@ -200,16 +259,15 @@ def torchft_setup(model: torch.nn.Module, spec: TrainSpec, peer: dict):
     fragments = [_Fragment(ps) for ps in contiguous_fragments(list(model.parameters()), peer.get("fragments", 1))]
     outer = [torch.optim.SGD(f.parameters(), lr=peer.get("outer_lr", 0.7), momentum=peer.get("outer_momentum", 0.9),
                              nesterov=True) for f in fragments]
-    wait = timedelta(seconds=600)
     manager = Manager(
-        pg=ProcessGroupGloo(timeout=wait), min_replica_size=world, use_async_quorum=False,
-        load_state_dict=lambda sd: (model.load_state_dict(sd["model"]), inner.load_state_dict(sd["inner"])),
-        state_dict=lambda: {"model": model.state_dict(), "inner": inner.state_dict()},
+        pg=ProcessGroupGloo(timeout=wait), min_replica_size=world, use_async_quorum=False, **state,
         replica_id=f"replica_{rank}", store_addr=me, store_port=store.port, rank=0, world_size=1,
-        lighthouse_addr=address[0], hostname=me, timeout=wait, quorum_timeout=wait, connect_timeout=wait,
+        lighthouse_addr=address[0], hostname=me, timeout=wait, connect_timeout=wait,
         # every replica starts from the same seeded weights (torchft's documented case for False);
         # with True, step 0 heals over HTTP at socket.gethostname(), which a test host cannot reach
-        init_sync=False)
+        init_sync=False, **{"quorum_timeout": wait, **faults})
+    if replica is not None:
+        replica.manager = manager
     ledger = ByteLedger()
     issue = manager.allreduce
 

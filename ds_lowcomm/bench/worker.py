@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import time
 from datetime import timedelta
 
 import torch
@@ -28,6 +29,12 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     dist.init_process_group("gloo", init_method="env://", timeout=timedelta(seconds=600))
     rank, world = dist.get_rank(), dist.get_world_size()
+    # replicas as separate jobs (bench faults): each says it is up, then all start together
+    start_file = os.environ.get("DSLC_START_FILE")
+    if start_file:
+        open(f"{start_file}.ready{os.environ.get('REPLICA_GROUP_ID', rank)}", "w").close()
+    while start_file and not os.path.exists(start_file):
+        time.sleep(0.05)
     make_step = None
     if job.get("peer"):
         from .peers import peer_step

@@ -111,13 +111,21 @@ class TorchftTransport(Transport):
         self._run(lambda: self.pg.broadcast([buf], opts))()
 
 
-def safe_http_transport(timeout: timedelta):
+def safe_http_transport(timeout: timedelta, host: str | None = None):
     """torchft's HTTP checkpoint transport, whole state in one piece, loading tensors and plain
-    data only (``weights_only=True``; anything else is refused and the heal fails)."""
+    data only (``weights_only=True``; anything else is refused and the heal fails). ``host``: the
+    address peers fetch from (torchft advertises this machine's hostname, which may resolve to a
+    loopback address the peers cannot reach)."""
     INTERNALS.ensure_checked()
+    import socket
+
     from torchft.checkpointing.http_transport import HTTPTransport
 
     class SafeHTTPTransport(HTTPTransport):
+        def metadata(self) -> str:
+            address = super().metadata()
+            return address.replace(f"//{socket.gethostname()}:", f"//{host}:", 1) if host else address
+
         @classmethod
         def _load_from_address(cls, address: str, timeout: timedelta) -> object:
             import urllib.request

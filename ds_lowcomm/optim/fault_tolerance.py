@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import os
 import socket
+import sys
+import time
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any, Mapping
@@ -61,6 +63,7 @@ class FaultToleranceSettings(Settings):
     min_replicas: int = 1  # a quorum needs at least this many replicas; fewer: syncs are discarded
     timeout_s: float = 30.0  # a collective's or a heal's wait for a peer
     quorum_timeout_s: float = 600.0  # a quorum's wait (a restarted replica waits up to one interval)
+    host: str = ""  # the address the other replicas reach this one at (default: this machine's hostname)
 
     def check(self, where: str) -> None:
         if not self.lighthouse or not isinstance(self.lighthouse, str):
@@ -73,6 +76,8 @@ class FaultToleranceSettings(Settings):
         check_int(where, "min_replicas", self.min_replicas, 1)
         for name in ("timeout_s", "quorum_timeout_s"):
             check_positive(where, name, getattr(self, name))
+        if not isinstance(self.host, str):
+            raise ConfigError(f"{where}.host must be a host name or address; got {self.host!r}")
 
     @classmethod
     def from_section(cls, raw: Mapping[str, Any] | None = None, where: str = WHERE) -> "FaultToleranceSettings":
@@ -126,7 +131,7 @@ class FaultTolerance:
         from torchft import Manager, ProcessGroupGloo
 
         self.settings = settings
-        host = host or socket.gethostname()
+        host = host or settings.host or socket.gethostname()
         timeout = timedelta(seconds=settings.timeout_s)
         pg = ProcessGroupGloo(timeout=timeout)
         self.transport = TorchftTransport(pg, timeout_s=settings.timeout_s)
@@ -138,7 +143,7 @@ class FaultTolerance:
             load_state_dict=self._load, state_dict=self._state, replica_id=settings.replica_id,
             store_addr=host, store_port=self._store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
             hostname=host, timeout=timeout, quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
-            connect_timeout=timeout, checkpoint_transport=safe_http_transport(timeout),
+            connect_timeout=timeout, checkpoint_transport=safe_http_transport(timeout, host),
             # every replica builds the same initial parameters (seeded); a joining one heals instead
             init_sync=False)
         self.transport.manager = self.manager
@@ -212,7 +217,7 @@ class FaultTolerance:
 
     def _load(self, state: dict) -> None:
         opt = self.optimizer
-        nbytes = sum(t.numel() * t.element_size() for t in _tensors(state))
+        nbytes = tensor_bytes(state)
         ledger = opt.ledger.state_dict()  # this replica's own record, not the peer's
         opt.load_state_dict(state["optimizer"])
         opt.ledger.load_state_dict(ledger)
@@ -224,20 +229,22 @@ class FaultTolerance:
             obj.load_state_dict(saved)
         self._steps = int(state["steps"])
         self.heals += 1
+        print(f"ds_lowcomm fault tolerance: replica {self.settings.replica_id} healed from a peer at step "
+              f"{self.step}: {nbytes} bytes at {time.time():.3f}", file=sys.stderr, flush=True)
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
 
 
-def _tensors(obj: Any):
+def tensor_bytes(obj: Any) -> int:
+    """The bytes of every tensor in a nested state (dicts, lists, tuples): a heal's size."""
     if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, dict):
-        for v in obj.values():
-            yield from _tensors(v)
-    elif isinstance(obj, (list, tuple)):
-        for v in obj:
-            yield from _tensors(v)
+        return obj.numel() * obj.element_size()
+    if isinstance(obj, dict):
+        return sum(tensor_bytes(v) for v in obj.values())
+    if isinstance(obj, (list, tuple)):
+        return sum(tensor_bytes(v) for v in obj)
+    return 0
 
 
-__all__ = ["FaultTolerance", "FaultToleranceSettings"]
+__all__ = ["FaultTolerance", "FaultToleranceSettings", "tensor_bytes"]
