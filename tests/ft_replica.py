@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 import time
 from pathlib import Path
@@ -33,6 +34,8 @@ def main() -> None:
     ap.add_argument("--hold-at", type=int, default=None, help="at this step, wait for --hold-file to exist")
     ap.add_argument("--hold-file", default=None)
     ap.add_argument("--start-file", default=None, help="before the first quorum, wait for this file to exist")
+    ap.add_argument("--exit-in-exchange", type=int, default=None,
+                    help="in the sync of this step, exit (code 3) as its all-gather would start")
     args = ap.parse_args()
     torch.manual_seed(0)  # the same initial parameters in every replica
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
@@ -51,6 +54,15 @@ def main() -> None:
     out.flush()
     while args.start_file and not Path(args.start_file).exists():  # all replicas up before the first quorum
         time.sleep(0.05)
+    if args.exit_in_exchange is not None:  # dies in an exchange its peers have started
+        first = ft.transport._all_gather
+
+        def all_gather_then_exit(send, out):
+            if ft.step == args.exit_in_exchange:  # the step counts from its start (a sync ends it)
+                os._exit(3)
+            return first(send, out)
+
+        ft.transport._all_gather = all_gather_then_exit
     ft.attach(opt)  # a joining replica heals here
     shard = int(args.replica_id.rsplit("_", 1)[-1])
     while ft.step < args.steps:

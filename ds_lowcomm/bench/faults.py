@@ -18,9 +18,9 @@ faults:
   checkpointing at every sync: a dead worker stops every rank, and all restart from the last
   checkpoint (what ``torchrun --max-restarts`` does: its agent stops the others when one fails).
 
-Per entry (``faults.csv``): replica 0's steps per second in both runs (training loop seconds; the
-restart path: steps over the whole run's wall time, restarts included), seconds from the start to
-adamw's held-out loss (adamw trained ``--steps`` steps on the same replicas, unshaped link), the
+Per entry (``faults.csv``): replica 0's steps per second in both runs (its steps over the seconds
+from the launch to its last step: start-up, and the restart path's restarts, included), seconds
+from the launch to adamw's held-out loss (adamw trained ``--steps`` steps on the same replicas, unshaped link), the
 held-out loss at the end in both runs, the heal bytes (the restarted replicas' loads, from their
 logs) and the kills done. ``faults.json`` adds each replica's heals, the syncs replica 0 discarded,
 how long each restarted replica took to be back in sync (restart to heal) and one sync interval's
@@ -163,6 +163,7 @@ def run_replicas(net: TestNetwork, spec: TrainSpec, peer: dict | None, kill_ever
             procs.start(i, job, env)
 
         try:
+            began = time.time()  # the schedule and the seconds count from the launch, start-up included
             for i in range(n):
                 start(i, first=True)
             up = time.time()
@@ -171,7 +172,6 @@ def run_replicas(net: TestNetwork, spec: TrainSpec, peer: dict | None, kill_ever
                     raise RuntimeError(f"a replica did not start:\n{procs.tail(None)}")
                 time.sleep(0.05)
             go.touch()
-            began = time.time()
             kills, restarts = 0, []
             schedule = _kill_times(began, kill_every)
             next_kill = next(schedule, None)
@@ -241,7 +241,7 @@ def run_restart(net: TestNetwork, spec: TrainSpec, kill_every: float | None, tim
                 time.sleep(0.05)
             procs.poll_progress()
             r0 = procs.result(0)
-            return {"r0": r0, "began": began, "ended": time.time(), "kills": kills, "seen": procs.seen}
+            return {"r0": r0, "began": began, "kills": kills, "seen": procs.seen}
         finally:
             procs.kill_all()
 
@@ -256,7 +256,7 @@ def measure(entry: str, net: TestNetwork, spec: TrainSpec, peer, kill_every: flo
     if entry == "restart":
         run = run_restart(net, spec, kill_every)
         rows = [(t - run["began"], step, val) for t, step, val in run["seen"]]
-        return {"steps_per_s": spec.steps / (run["ended"] - run["began"]), "rows": rows, "kills": run["kills"],
+        return {"steps_per_s": spec.steps / rows[-1][0], "rows": rows, "kills": run["kills"],
                 "final_val_loss": run["r0"]["final_val_loss"], "heal_bytes": 0, "heals": [], "discarded": None,
                 "back_in_sync_s": []}
     run = run_replicas(net, spec, peer, kill_every)
@@ -267,7 +267,7 @@ def measure(entry: str, net: TestNetwork, spec: TrainSpec, peer, kill_every: flo
     for t in run["restarts"]:
         later = [h_time for _, _, h_time in run["heals"] if h_time >= t]
         back.append(min(later) - t if later else None)
-    return {"steps_per_s": spec.steps / r0["wall_s"], "rows": rows, "kills": run["kills"],
+    return {"steps_per_s": spec.steps / rows[-1][0], "rows": rows, "kills": run["kills"],
             "final_val_loss": r0["final_val_loss"], "heal_bytes": sum(b for _, b, _ in run["heals"]),
             "heals": run["heals"], "discarded": (r0.get("fault_tolerance") or {}).get("discarded"),
             "back_in_sync_s": back}

@@ -60,6 +60,10 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
 
         section = dict(section)
         replicas = parse_replicas(section.pop("replicas"))
+    if isinstance(section, dict) and "fault_tolerance" in section:
+        raise ConfigError("lowcomm.fault_tolerance is not supported with DeepSpeed yet (each replica its own "
+                          "deepspeed launch over torchft is being built); the plain torch path has it: README, "
+                          "Live fault tolerance")
     lowcomm = LowcommConfig.from_dict(section, where="lowcomm")
     stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
     if stage not in (0, 1, 2, 3):
