@@ -254,8 +254,14 @@ def test_time_to_loss_benchmark_tiny(tmp_path):
             "bytes_sent_per_worker"} <= set(header)
 
 
+@pytest.fixture(scope="module")
+def torchft_cache(tmp_path_factory):
+    """The torchft peer tests' run cache: their adamw target run (the same spec) runs once."""
+    return tmp_path_factory.mktemp("torchft_cache")
+
+
 @needs_root
-def test_torchft_diloco_peer_trains_as_ds_lowcomm_diloco(tmp_path):
+def test_torchft_diloco_peer_trains_as_ds_lowcomm_diloco(tmp_path, torchft_cache):
     """torchft's DiLoCo (its Manager, lighthouse and outer SGD, one replica group per test host)
     as a peer: on the diloco recipe (H, outer lr 0.7, Nesterov 0.9, inner AdamW) it reaches the
     same held-out losses as ds_lowcomm's diloco at every evaluation, an independent implementation
@@ -264,7 +270,7 @@ def test_torchft_diloco_peer_trains_as_ds_lowcomm_diloco(tmp_path):
 
     steps = ["--steps", "20", "--eval-every", "10", "--n-layer", "1", "--n-embd", "32", "--seq-len", "32"]
     time_to_loss.main(["--hosts", "2", "--links", "unshaped", "--entries", "adamw,diloco,torchft_diloco",
-                       "--budget-factor", "2", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path), *steps])
+                       "--budget-factor", "2", "--cache", str(torchft_cache), "--out", str(tmp_path), *steps])
     runs = json.loads((tmp_path / "time_to_loss.json").read_text())["results"]
     ours, peer = runs["2@unshaped@diloco"]["runs"]["0"][0], runs["2@unshaped@torchft_diloco"]["runs"]["0"][0]
     assert [h["val_loss"] for h in peer["history"]] == pytest.approx([h["val_loss"] for h in ours["history"]],
@@ -278,7 +284,7 @@ def test_torchft_diloco_peer_trains_as_ds_lowcomm_diloco(tmp_path):
 
 
 @needs_root
-def test_torchft_streaming_diloco_peer_trains_as_ds_lowcomm_streaming(tmp_path, monkeypatch):
+def test_torchft_streaming_diloco_peer_trains_as_ds_lowcomm_streaming(tmp_path, monkeypatch, torchft_cache):
     """torchft's Streaming DiLoCo (4 fragments of the model, one synced every H / 4 steps) on the
     same fragments and schedule as ds_lowcomm's diloco with ``fragments: 4``: the same held-out
     losses at every evaluation. With a delay the two differ only in phase (torchft sends a fragment
@@ -292,7 +298,7 @@ def test_torchft_streaming_diloco_peer_trains_as_ds_lowcomm_streaming(tmp_path, 
     steps = ["--steps", "20", "--eval-every", "10", "--n-layer", "1", "--n-embd", "32", "--seq-len", "32"]
     time_to_loss.main(["--hosts", "2", "--links", "unshaped", "--entries",
                        "adamw,diloco_streaming,torchft_streaming_diloco", "--budget-factor", "2",
-                       "--cache", str(tmp_path / "cache"), "--out", str(tmp_path), *steps])
+                       "--cache", str(torchft_cache), "--out", str(tmp_path), *steps])
     runs_ = json.loads((tmp_path / "time_to_loss.json").read_text())["results"]
     ours = runs_["2@unshaped@diloco_streaming"]["runs"]["0"][0]
     peer = runs_["2@unshaped@torchft_streaming_diloco"]["runs"]["0"][0]
