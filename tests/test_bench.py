@@ -344,3 +344,24 @@ def test_megatron_benchmark_refuses_iterations_shorter_than_a_sync_interval(monk
                        "40"])
     assert megatron.steps_per_sync("diloco", ["--lowcomm-sync-every", "5"]) == 5
     assert [megatron.steps_per_sync(e, []) for e in ("stock", "adamw", "demo", "sparseloco")] == [1, 1, 1, 20]
+
+
+@needs_root
+def test_faults_benchmark_tiny(tmp_path):
+    """bench faults at tiny size, 2 replicas, replica 1 killed once 4 s after the launch: torchft's
+    DiLoCo as replicas of their own jobs (the survivor goes on; the restarted one heals or the run
+    ends first), and the stop-and-restart path, which resumes every rank from the last checkpoint
+    and so ends exactly where the run without faults does."""
+    from ds_lowcomm.bench import faults
+
+    rows = faults.main(["--entries", "torchft_diloco,restart", "--replicas", "2", "--steps", "80", "--eval-every", "40",
+                        "--kill-every", "4", "--kills", "1", "--target", "9", "--n-layer", "1", "--n-embd", "32",
+                        "--seq-len", "32", "--out", str(tmp_path)])
+    assert [r["entry"] for r in rows] == ["torchft_diloco", "restart"]
+    with open(tmp_path / "faults.csv") as f:
+        assert next(csv.reader(f)) == faults.COLUMNS
+    ft, restart = rows
+    assert ft["kills"] == 1 and restart["kills"] == 1
+    assert restart["final_val_loss"] == restart["no_fault_final_val_loss"]  # resumed exactly
+    assert 0 < ft["survivor_steps_per_s"] and 0 < restart["survivor_steps_per_s"] < restart["no_fault_steps_per_s"]
+    assert ft["time_to_target_s"] > 0  # --target 9: the first evaluation reaches it

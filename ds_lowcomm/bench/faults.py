@@ -20,7 +20,9 @@ faults:
 
 Per entry (``faults.csv``): replica 0's steps per second in both runs (its steps over the seconds
 from the launch to its last step: start-up, and the restart path's restarts, included), seconds
-from the launch to adamw's held-out loss (adamw trained ``--steps`` steps on the same replicas, unshaped link), the
+from the launch to adamw's held-out loss (adamw trained ``--target-steps`` steps, default half of
+``--steps``, on the same replicas, unshaped link; the methods need more steps than adamw to its
+loss at equal steps, so at ``--steps`` none would reach it inside the run), the
 held-out loss at the end in both runs, the heal bytes (the restarted replicas' loads, from their
 logs) and the kills done. ``faults.json`` adds each replica's heals, the syncs replica 0 discarded,
 how long each restarted replica took to be back in sync (restart to heal) and one sync interval's
@@ -124,14 +126,15 @@ class Processes:
                          for j, p in self.procs.items() if p.poll() is not None)
 
 
-def _kill_times(start: float, every: float | None):
+def _kill_times(start: float, every: float | None, most: int = 0):
+    """When to kill: every ``every`` seconds from ``start`` (``most`` > 0: that many times at most)."""
     k = 1
-    while every:
+    while every and (not most or k <= most):
         yield start + k * every
         k += 1
 
 
-def run_replicas(net: TestNetwork, spec: TrainSpec, peer: dict | None, kill_every: float | None,
+def run_replicas(net: TestNetwork, spec: TrainSpec, peer: dict | None, kill_every: float | None, kills_at_most: int = 0,
                  timeout: float = 3600) -> dict:
     """``net.hosts`` replicas over torchft (``peer`` None: ds_lowcomm's method, else torchft's
     DiLoCo), replica k > 0 killed and restarted under the schedule; replica 0's results."""
@@ -173,7 +176,7 @@ def run_replicas(net: TestNetwork, spec: TrainSpec, peer: dict | None, kill_ever
                 time.sleep(0.05)
             go.touch()
             kills, restarts = 0, []
-            schedule = _kill_times(began, kill_every)
+            schedule = _kill_times(began, kill_every, kills_at_most)
             next_kill = next(schedule, None)
             while procs.procs[0].poll() is None:
                 if time.time() - began > timeout:
@@ -199,7 +202,8 @@ def run_replicas(net: TestNetwork, spec: TrainSpec, peer: dict | None, kill_ever
             lighthouse_log.close()
 
 
-def run_restart(net: TestNetwork, spec: TrainSpec, kill_every: float | None, timeout: float = 3600) -> dict:
+def run_restart(net: TestNetwork, spec: TrainSpec, kill_every: float | None, kills_at_most: int = 0,
+                timeout: float = 3600) -> dict:
     """Today's elastic path: one world of ``net.hosts`` ranks, a checkpoint at every sync; under the
     schedule a worker dies, the others are stopped and all restart from the last checkpoint."""
     n = net.hosts
@@ -220,7 +224,7 @@ def run_restart(net: TestNetwork, spec: TrainSpec, kill_every: float | None, tim
 
         began = time.time()
         start_world()
-        kills, schedule = 0, _kill_times(began, kill_every)
+        kills, schedule = 0, _kill_times(began, kill_every, kills_at_most)
         next_kill = next(schedule, None)
         try:
             while True:
@@ -252,14 +256,14 @@ def entry_run(entry: str, steps: int, eval_every: int, model: dict) -> tuple[Tra
     return method_spec("diloco" if entry == "restart" else entry, steps, eval_every, **model), None
 
 
-def measure(entry: str, net: TestNetwork, spec: TrainSpec, peer, kill_every: float | None) -> dict:
+def measure(entry: str, net: TestNetwork, spec: TrainSpec, peer, kill_every: float | None, kills_at_most: int = 0) -> dict:
     if entry == "restart":
-        run = run_restart(net, spec, kill_every)
+        run = run_restart(net, spec, kill_every, kills_at_most)
         rows = [(t - run["began"], step, val) for t, step, val in run["seen"]]
         return {"steps_per_s": spec.steps / rows[-1][0], "rows": rows, "kills": run["kills"],
                 "final_val_loss": run["r0"]["final_val_loss"], "heal_bytes": 0, "heals": [], "discarded": None,
                 "back_in_sync_s": []}
-    run = run_replicas(net, spec, peer, kill_every)
+    run = run_replicas(net, spec, peer, kill_every, kills_at_most)
     r0 = run["r0"]
     rows = [(h["time"] - run["began"], h["step"], h["val_loss"]) for h in r0["history"]]
     # a restarted replica is back in sync when it heals: the first heal after each restart
@@ -280,44 +284,59 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--entries", default="diloco,demo,torchft_diloco,restart", help=f"of {', '.join(ENTRIES)}")
     ap.add_argument("--replicas", type=int, default=3)
     ap.add_argument("--link", default="10mbit", choices=list(LINKS))
-    ap.add_argument("--kill-every", type=float, default=20.0, help="seconds between kills")
+    ap.add_argument("--kill-every", type=float, default=30.0, help="seconds between kills")
+    ap.add_argument("--kills", type=int, default=0, help="kills at most (0: until the run ends)")
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--eval-every", type=int, default=15)
+    ap.add_argument("--target-steps", type=int, default=None,
+                    help="the target is adamw's held-out loss after this many steps of its own schedule (default: "
+                         "half of --steps: a loss the entries reach inside the run, where adamw's loss at --steps "
+                         "takes them more steps than adamw: time_to_loss)")
+    ap.add_argument("--target", type=float, default=None, help="a held-out loss to reach instead of adamw's")
+    ap.add_argument("--from-json", default=None,
+                    help="the runs of an earlier faults.json (same entries): only the target and the rows are new")
     add_model_args(ap)
     args = ap.parse_args(argv)
     entries = [e.strip() for e in args.entries.split(",")]
     unknown = [e for e in entries if e not in ENTRIES]
-    if unknown or args.replicas < 2 or args.kill_every <= 0:
+    if unknown or args.replicas < 2 or args.kill_every <= 0 or args.kills < 0:
         raise SystemExit(f"--entries must name {', '.join(ENTRIES)} (got {', '.join(unknown) or 'ok'}); "
-                         f"--replicas >= 2; --kill-every > 0")
+                         f"--replicas >= 2; --kill-every > 0; --kills >= 0")
     check_can_create()
     model = model_of(args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    adamw = run_cached(Path(args.cache), args.replicas, "unshaped", method_spec("adamw", args.steps, args.eval_every,
-                                                                               **model))
-    target = adamw["final_val_loss"]
-    print(f"target: adamw's held-out loss after {args.steps} steps on {args.replicas} replicas: {target:.4f}",
-          flush=True)
+    if args.target is None:
+        target_steps = args.target_steps or args.steps // 2
+        adamw = run_cached(Path(args.cache), args.replicas, "unshaped",
+                           method_spec("adamw", target_steps, args.eval_every, **model))
+        target = adamw["final_val_loss"]
+        print(f"target: adamw's held-out loss after {target_steps} steps on {args.replicas} replicas: {target:.4f}",
+              flush=True)
+    else:
+        target = args.target
+    earlier = json.loads(Path(args.from_json).read_text())["runs"] if args.from_json else {}
     shape, _ = effective_shape(LINKS[args.link])
     rows, details = [], {}
     for entry in entries:
+        runs = earlier.get(entry, {})
         spec, peer = entry_run(entry, args.steps, args.eval_every, model)
-        runs = {}
         for label, every in (("no_fault", None), ("faults", args.kill_every)):
-            with TestNetwork(args.replicas, shape) as net:
-                runs[label] = measure(entry, net, spec, peer, every)
+            if label not in runs:
+                with TestNetwork(args.replicas, shape) as net:
+                    runs[label] = measure(entry, net, spec, peer, every, args.kills)
             print(f"{entry:<15} {label:<9} steps/s {runs[label]['steps_per_s']:.2f}  val {runs[label]['final_val_loss']:.4f}"
                   f"  kills {runs[label]['kills']}  heal bytes {runs[label]['heal_bytes']}", flush=True)
         faults, clean = runs["faults"], runs["no_fault"]
-        reached = [t for t, _, val in faults["rows"] if val <= round(target, 4)]
         rows.append({"entry": entry, "kill_every_s": args.kill_every, "kills": faults["kills"],
                      "survivor_steps_per_s": faults["steps_per_s"], "no_fault_steps_per_s": clean["steps_per_s"],
-                     "time_to_target_s": reached[0] if reached else None,
+                     "time_to_target_s": _seconds_to(faults["rows"], target),
                      "final_val_loss": faults["final_val_loss"], "no_fault_final_val_loss": clean["final_val_loss"],
                      "heal_bytes": faults["heal_bytes"]})
-        clean_reached = [t for t, _, val in clean["rows"] if val <= round(target, 4)]
-        details[entry] = {**runs, "no_fault_time_to_target_s": clean_reached[0] if clean_reached else None}
+        every = (peer or {}).get("sync_every") or spec.lowcomm_config.effective().get("sync_every", 1)
+        details[entry] = {"no_fault": clean, "faults": faults,
+                          "no_fault_time_to_target_s": _seconds_to(clean["rows"], target),
+                          "sync_interval_s": every / clean["steps_per_s"]}
     with open(out / "faults.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
@@ -325,6 +344,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
     (out / "faults.json").write_text(json.dumps({"args": vars(args), "target": target, "rows": rows,
                                                  "runs": details}, indent=1))
     return rows
+
+
+def _seconds_to(rows: list, target: float) -> float | None:
+    """Seconds from the launch to the first evaluation at or below ``target`` (to the 4 decimals
+    the restart path's progress lines print), or None."""
+    return next((t for t, _, val in rows if val <= round(target, 4)), None)
 
 
 if __name__ == "__main__":
