@@ -348,14 +348,15 @@ def test_megatron_benchmark_refuses_iterations_shorter_than_a_sync_interval(monk
 
 @needs_root
 def test_faults_benchmark_tiny(tmp_path):
-    """bench faults at tiny size, 2 replicas, replica 1 killed once 4 s after the launch: torchft's
+    """bench faults at tiny size, 2 replicas, replica 1 killed once 2 s after the launch (in its
+    start-up or just after; a kill after a worker has finished would restart nothing): torchft's
     DiLoCo as replicas of their own jobs (the survivor goes on; the restarted one heals or the run
     ends first), and the stop-and-restart path, which resumes every rank from the last checkpoint
     and so ends exactly where the run without faults does."""
     from ds_lowcomm.bench import faults
 
-    rows = faults.main(["--entries", "torchft_diloco,restart", "--replicas", "2", "--steps", "80", "--eval-every", "40",
-                        "--kill-every", "4", "--kills", "1", "--target", "9", "--n-layer", "1", "--n-embd", "32",
+    rows = faults.main(["--entries", "torchft_diloco,restart", "--replicas", "2", "--steps", "160", "--eval-every", "80",
+                        "--kill-every", "2", "--kills", "1", "--target", "9", "--n-layer", "1", "--n-embd", "32",
                         "--seq-len", "32", "--out", str(tmp_path)])
     assert [r["entry"] for r in rows] == ["torchft_diloco", "restart"]
     with open(tmp_path / "faults.csv") as f:

@@ -181,8 +181,8 @@ def run_replicas(net: TestNetwork, spec: TrainSpec, peer: dict | None, kill_ever
             while procs.procs[0].poll() is None:
                 if time.time() - began > timeout:
                     raise RuntimeError(f"replica 0 ran past {timeout:.0f} s:\n{procs.tail(0)}")
-                if next_kill is not None and time.time() >= next_kill:
-                    victim = 1 + kills % (n - 1)
+                victim = 1 + kills % (n - 1)
+                if next_kill is not None and time.time() >= next_kill and procs.procs[victim].poll() is None:
                     procs.kill(victim)
                     start(victim, first=False)
                     restarts.append(time.time())
@@ -236,7 +236,9 @@ def run_restart(net: TestNetwork, spec: TrainSpec, kill_every: float | None, kil
                     raise RuntimeError(f"a worker failed:\n{procs.tail(None)}")
                 if time.time() - began > timeout:
                     raise RuntimeError(f"the run went past {timeout:.0f} s")
-                if next_kill is not None and time.time() >= next_kill:
+                # (once a worker has finished its run the job is ending: a restart then would
+                # resume after the last step and train nothing)
+                if next_kill is not None and time.time() >= next_kill and all(c is None for c in codes):
                     procs.kill(1 + kills % (n - 1))
                     procs.kill_all()  # the elastic agent stops the rest of the group
                     kills += 1

@@ -26,7 +26,8 @@ demo or adamw:
   position in the replica's own data shard: shard by replica id, not by how many are alive.
 
 Not yet: mtdao, demo with overlap, Streaming DiLoCo (fragments > 1 or sync_delay > 0),
-replicas of several ranks, and the DeepSpeed / Megatron paths: refused by name.
+replicas of several ranks, and the DeepSpeed path: refused by name (Megatron's flags have none
+for it). The reference task's training loop reads ``lowcomm.fault_tolerance`` (task/steps.py).
 torchft's lighthouse and transport are unauthenticated: a private network only.
 """
 
