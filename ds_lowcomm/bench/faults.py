@@ -81,7 +81,7 @@ class Processes:
         env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "CUDA_VISIBLE_DEVICES": "", **env}
         argv = self.net.command(i, [sys.executable, "-m", "ds_lowcomm.bench.worker", str(job_path), str(prefix)])
         self.procs[i] = subprocess.Popen(argv, env=env, stdout=open(log, "w"), stderr=subprocess.STDOUT)
-        self.procs[i].result = prefix  # type: ignore[attr-defined]
+        self.procs[i].result, self.procs[i].log = prefix, log  # type: ignore[attr-defined]
         self.logs.append(log)
         if watch:
             self._read[log] = 0
@@ -120,8 +120,7 @@ class Processes:
     def tail(self, i: int | None = None) -> str:
         """Worker ``i``'s latest log's end; None: every exited worker's."""
         if i is not None:
-            return Path(self.procs[i].result.with_name(f"log{self.procs[i].result.name[3:]}.txt")).read_text(
-                errors="replace")[-3000:]
+            return self.procs[i].log.read_text(errors="replace")[-3000:]
         return "\n".join(f"worker {j} exited with {p.returncode}:\n{self.tail(j)}"
                          for j, p in self.procs.items() if p.poll() is not None)
 
@@ -210,8 +209,7 @@ def run_restart(net: TestNetwork, spec: TrainSpec, kill_every: float | None, kil
     with tempfile.TemporaryDirectory(prefix="dslc-restart-") as tmp_dir:
         tmp = Path(tmp_dir)
         save = tmp / "ckpt"
-        every = spec.lowcomm_config.effective().get("sync_every", 20)
-        spec = dataclasses.replace(spec, save_dir=str(save), save_every=every, verbose=True)
+        spec = dataclasses.replace(spec, save_dir=str(save), save_every=sync_every(spec, None), verbose=True)
         procs = Processes(net, tmp)
 
         def start_world() -> None:
@@ -250,6 +248,11 @@ def run_restart(net: TestNetwork, spec: TrainSpec, kill_every: float | None, kil
             return {"r0": r0, "began": began, "kills": kills, "seen": procs.seen}
         finally:
             procs.kill_all()
+
+
+def sync_every(spec: TrainSpec, peer: dict | None) -> int:
+    """Steps between an entry's syncs (1: a per-step method)."""
+    return (peer or {}).get("sync_every") or spec.lowcomm_config.effective().get("sync_every", 1)
 
 
 def entry_run(entry: str, steps: int, eval_every: int, model: dict) -> tuple[TrainSpec, dict | None]:
@@ -335,10 +338,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                      "time_to_target_s": _seconds_to(faults["rows"], target),
                      "final_val_loss": faults["final_val_loss"], "no_fault_final_val_loss": clean["final_val_loss"],
                      "heal_bytes": faults["heal_bytes"]})
-        every = (peer or {}).get("sync_every") or spec.lowcomm_config.effective().get("sync_every", 1)
         details[entry] = {"no_fault": clean, "faults": faults,
                           "no_fault_time_to_target_s": _seconds_to(clean["rows"], target),
-                          "sync_interval_s": every / clean["steps_per_s"]}
+                          "sync_interval_s": sync_every(spec, peer) / clean["steps_per_s"]}
     with open(out / "faults.csv", "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=COLUMNS)
         w.writeheader()
