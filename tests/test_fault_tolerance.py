@@ -272,7 +272,122 @@ def test_fault_tolerance_settings_are_checked_by_name(monkeypatch):
     with pytest.raises(ConfigError, match="fault_tolerance works with a torch optimizer's step so far: not with "
                                           "deepspeed_config"):
         TrainSpec(deepspeed_config="configs/diloco.json", lowcomm={"method": "diloco", "fault_tolerance": good})
+    with pytest.raises(ConfigError, match=r"lowcomm.method must be one of diloco, dct_diloco, sparseloco, demo, "
+                                          r"adamw with lowcomm.fault_tolerance; got 'mtdao'"):
+        TrainSpec(lowcomm={"method": "mtdao", "fault_tolerance": good})
     from ds_lowcomm.deepspeed.config import split_config
 
-    with pytest.raises(ConfigError, match="lowcomm.fault_tolerance is not supported with DeepSpeed yet"):
-        split_config({"train_batch_size": 2, "lowcomm": {"method": "diloco", "fault_tolerance": good}})
+    base = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
+    assert split_config({**base, "lowcomm": {"method": "demo", "fault_tolerance": good}}).fault_tolerance == \
+        TrainSpec(lowcomm={"method": "diloco", "fault_tolerance": good}).fault_tolerance
+    refused = {  # the DeepSpeed path: what a replica of its own job does not take yet, by name
+        "zero_optimization.stage must be 0, 1 or 2 with lowcomm.fault_tolerance; got 3": {"zero_optimization": {"stage": 3}},
+        "fp16.enabled must be false with lowcomm.fault_tolerance": {"fp16": {"enabled": True}},
+        "lowcomm.fault_tolerance: this job is one replica": {"lowcomm": {"method": "demo", "replica_size": 2}},
+        "lowcomm.fragments must be 1 and lowcomm.sync_delay 0 with lowcomm.fault_tolerance":
+            {"lowcomm": {"method": "diloco", "sync_delay": 2}},
+        "lowcomm.overlap must be false with lowcomm.fault_tolerance": {"lowcomm": {"method": "demo", "overlap": True}},
+        "lowcomm.transport must be torch with lowcomm.fault_tolerance": {"lowcomm": {"method": "demo", "transport": "mpi"}},
+    }
+    for message, extra in refused.items():
+        lowcomm = {"method": "demo", **extra.get("lowcomm", {}), "fault_tolerance": good}
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            split_config({**base, **extra, "lowcomm": lowcomm})
+
+
+# --- each replica its own deepspeed launch (ds_lowcomm/deepspeed/fault_tolerance.py) ------------------
+
+DS_STEPS, DS_SYNC_EVERY, DS_HOLD_AT = 24, 4, 16
+JOINED = "All workers joined - starting quorum"  # torchft's manager, once a replica's ranks all ask for a quorum
+
+
+def _ds_replica(tmp_path, address, replica, out, config, extra=()):
+    """One replica: the deepspeed launcher starting tests/ft_deepspeed_replica.py on 2 ranks, as its
+    own job (its own master port), REPLICA_GROUP_ID and TORCHFT_LIGHTHOUSE as torchft's."""
+    bindir = Path(sys.executable).parent
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "PATH": f"{bindir}:{os.environ['PATH']}",
+           "REPLICA_GROUP_ID": str(replica), "TORCHFT_LIGHTHOUSE": address, "CUDA_VISIBLE_DEVICES": ""}
+    return subprocess.Popen([str(bindir / "deepspeed"), "--num_gpus", "2", "--master_port", str(_free_port()),
+                             str(ROOT / "tests" / "ft_deepspeed_replica.py"), "--deepspeed_config", str(config),
+                             "--steps", str(DS_STEPS), "--step-sleep", "0.05", "--out", str(out), *extra],
+                            cwd=tmp_path, env=env, stdout=open(f"{out}.log", "a"), stderr=subprocess.STDOUT,
+                            start_new_session=True)  # its own process group: killed whole, launcher and ranks
+
+
+def _ds_config(tmp_path, method: str, stage: int) -> Path:
+    extra = {"sync_every": DS_SYNC_EVERY} if method in ("diloco", "dct_diloco", "sparseloco") else {}
+    if method in ("demo", "dct_diloco", "sparseloco"):
+        extra.update(topk=8, chunk=16)
+    config = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10 ** 6,
+              "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}},
+              "scheduler": {"type": "WarmupDecayLR", "params": {"warmup_min_lr": 0, "warmup_max_lr": 3e-3,
+                                                                "warmup_num_steps": 4, "total_num_steps": DS_STEPS}},
+              "zero_optimization": {"stage": stage},
+              "lowcomm": {"method": method, **extra, "fault_tolerance": {
+                  "num_replica_groups": 2, "min_replicas": 1, "timeout_s": 10, "host": "127.0.0.1"}}}
+    path = tmp_path / f"{method}_{stage}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+@pytest.mark.parametrize("method,stage", [("diloco", 2), ("demo", 1)])
+def test_deepspeed_replicas_as_separate_launches_heal_and_agree(tmp_path, method, stage):
+    """Two replicas, each its own `deepspeed` launch of 2 ranks (ZeRO 2 / ZeRO 1 inside), seeded
+    apart. They start from one replica's weights; replica 1 is SIGKILLed whole (launcher and ranks)
+    at step 6 and launched again: replica 0 never stops; every rank of replica 1 heals from its
+    counterpart (the method's partition and state, the engine's position and schedule, the
+    model's weights) and reads on in its own data shard; after each sync from then on all four
+    ranks hold identical weights."""
+    server, address = _lighthouse(min_replicas=1)
+    config = _ds_config(tmp_path, method, stage)
+    hold_file = tmp_path / "restarted_is_up"
+    outs = [tmp_path / "r0", tmp_path / "r1"]
+    procs = [_ds_replica(tmp_path, address, 0, outs[0], config, ("--hold-at", str(DS_HOLD_AT), "--hold-file",
+                                                                  str(hold_file))),
+             _ds_replica(tmp_path, address, 1, outs[1], config)]
+    ranks = lambda out: [Path(f"{out}.rank{k}.jsonl") for k in range(2)]  # noqa: E731
+    try:
+        for path in ranks(outs[1]):
+            _wait_for_step(path, 6, timeout=180)
+        os.killpg(procs[1].pid, signal.SIGKILL)
+        procs[1].wait()
+        for path in ranks(outs[1]):  # the first life's records apart
+            path.rename(f"{path}.first")
+        log = Path(f"{outs[1]}.log")
+        asked = log.read_text(errors="replace").count(JOINED)
+        procs.append(_ds_replica(tmp_path, address, 1, outs[1], config))
+        start = time.time()
+        while log.read_text(errors="replace").count(JOINED) == asked:  # its ranks have asked the lighthouse for a quorum
+            assert time.time() - start < 180 and procs[2].poll() is None, log.read_text()[-3000:]
+            time.sleep(0.05)
+        hold_file.touch()
+        for p in (procs[0], procs[2]):
+            assert p.wait(timeout=300) == 0, Path(f"{outs[0]}.log").read_text()[-3000:]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+        server.shutdown()
+    survivor = [_steps(p) for p in ranks(outs[0])]
+    first = [_steps(Path(f"{p}.first")) for p in ranks(outs[1])]
+    back = [_steps(p) for p in ranks(outs[1])]
+    for records in survivor:
+        assert [r["step"] for r in records] == list(range(1, DS_STEPS + 1))  # never stopped
+        assert records[-1]["heals"] == 0
+    for records in back:
+        assert records[-1]["heals"] == 1 and records[-1]["heal_bytes"] > 0 and records[-1]["step"] == DS_STEPS
+    healed_at = back[0][0]["step"] - 1
+    assert back[1][0]["step"] - 1 == healed_at and 6 <= healed_at <= DS_HOLD_AT + DS_SYNC_EVERY, healed_at
+    by_step = [{r["step"]: r for r in rs} for rs in (*survivor, *back)]
+    sync = DS_SYNC_EVERY if method == "diloco" else 1
+    after = [s for s in range(healed_at + 1, DS_STEPS + 1) if s % sync == 0]
+    assert after and all(len({m[s]["digest"] for m in by_step}) == 1 for s in after)  # all four ranks alike
+    for s in range(healed_at + 1, DS_STEPS + 1):  # the engine's position and schedule, as the survivor's
+        assert by_step[2][s]["lr"] == by_step[0][s]["lr"] and by_step[2][s]["global_samples"] == by_step[0][s]["global_samples"]
+    for k in range(2):  # its own shard, read on: nothing its first life read, nothing the survivor read
+        seen_first = {i for r in first[k] for i in r["samples"]}
+        seen_back = {i for r in back[k] for i in r["samples"]}
+        assert not seen_first & seen_back and not seen_back & {i for r in survivor[k] for i in r["samples"]}
+    starts = {m[1]["digest"] for m in by_step[:2]} | {r["digest"] for r in first[0][:1]} | {r["digest"] for r in first[1][:1]}
+    if method == "demo":  # one step in, seeded apart: every replica started from one replica's weights
+        assert len(starts) == 1, starts

@@ -32,6 +32,7 @@ class SplitConfig:
     zero_stage: int
     activations: ActivationSettings  # lowcomm.activations: codecs between pipeline stages
     replicas: tuple = ()  # lowcomm.replicas: replicas of different shapes (hetero.ReplicaSpec), or ()
+    fault_tolerance: Any = None  # lowcomm.fault_tolerance (FaultToleranceSettings): one replica of several jobs
 
 
 def load_config(config: str | Path | dict) -> dict[str, Any]:
@@ -60,10 +61,12 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
 
         section = dict(section)
         replicas = parse_replicas(section.pop("replicas"))
-    if isinstance(section, dict) and "fault_tolerance" in section:
-        raise ConfigError("lowcomm.fault_tolerance is not supported with DeepSpeed yet (each replica its own "
-                          "deepspeed launch over torchft is being built); the plain torch path has it: README, "
-                          "Live fault tolerance")
+    fault_tolerance = None
+    if isinstance(section, dict) and "fault_tolerance" in section:  # this job is one replica of several, over torchft
+        from ..optim.fault_tolerance import FaultToleranceSettings
+
+        section = dict(section)
+        fault_tolerance = FaultToleranceSettings.from_section(section.pop("fault_tolerance"))
     lowcomm = LowcommConfig.from_dict(section, where="lowcomm")
     stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
     if stage not in (0, 1, 2, 3):
@@ -117,4 +120,24 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
         from .hetero import check_replicas
 
         check_replicas(replicas, lowcomm, stage, replica_size_given)
-    return SplitConfig(lowcomm, ds, optimizer, stage, activations, replicas)
+    if fault_tolerance is not None:
+        _check_fault_tolerance(fault_tolerance, lowcomm, ds, stage, replicas, replica_size_given)
+    return SplitConfig(lowcomm, ds, optimizer, stage, activations, replicas, fault_tolerance)
+
+
+def _check_fault_tolerance(settings, lowcomm, ds: dict, stage: int, replicas, replica_size_given: bool) -> None:
+    """What each replica as its own job over torchft takes (``lowcomm.fault_tolerance``), refused by name."""
+    from ..optim.fault_tolerance import check_method
+
+    where = "lowcomm.fault_tolerance"
+    settings.data_shard(where)  # every replica reads its own shard of the data: replica_id of num_replica_groups
+    check_method(lowcomm.effective())
+    if replicas or replica_size_given:
+        raise ConfigError(f"{where}: this job is one replica (DeepSpeed's whole world); leave lowcomm.replicas and "
+                          "lowcomm.replica_size out (the other replicas are the other jobs at the lighthouse)")
+    if stage not in (0, 1, 2):
+        raise ConfigError(f"zero_optimization.stage must be 0, 1 or 2 with {where}; got {stage} (ZeRO 3's "
+                          "partitioned parameters are not healed from a peer yet)")
+    if (ds.get("fp16") or {}).get("enabled"):
+        raise ConfigError(f"fp16.enabled must be false with {where} (replicas of separate jobs do not agree on "
+                          "a loss-scale overflow yet): use bf16 or fp32")

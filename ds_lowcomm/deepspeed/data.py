@@ -71,7 +71,7 @@ def replica_batch_config(ds: dict[str, Any], topology: ReplicaTopology) -> int:
     if micro < 1 or gas < 1 or tbs != micro * gas * world:
         shown = ", ".join(f"{k} {v}" for k, v in given.items() if v is not None)
         raise ConfigError(
-            f"batch sizes ({shown}) do not fit {world} data-parallel ranks ({topology.num_replicas} replicas x "
+            f"batch sizes ({shown}) do not fit {world} data-parallel ranks ({world // size} replicas x "
             f"{size}{' (lowcomm.replica_size)' if size == topology.replica_size else ' pipelines'}): train_batch_size must equal train_micro_batch_size_per_gpu x "
             f"gradient_accumulation_steps x {world} (as in DeepSpeed, every rank of every replica counts); "
             f"here {micro} x {gas} x {world} = {micro * gas * world} != {tbs}")
@@ -89,7 +89,7 @@ def report_global_batch(engine, topology: ReplicaTopology) -> None:
     """Make ``engine.train_batch_size()`` (and so ``engine.global_samples``, its throughput timer and
     checkpoints) count every replica, as plain DeepSpeed over the whole world does."""
     world, size = topology.data_world, topology.data_per_replica
-    if topology.num_replicas == 1:
+    if world == size:  # one replica (over torchft: each of several jobs is one, and counts them all)
         return
     per_replica = internals.method(engine, internals.TRAIN_BATCH_SIZE, of_class=True)
 
@@ -120,7 +120,7 @@ def patch_world_batch_and_io(engine, topology: ReplicaTopology) -> None:
     """Make ``engine.set_train_batch_size(n)`` and ``engine.deepspeed_io(dataset)`` mean what they
     mean in plain DeepSpeed over the whole world: ``n`` counts every data-parallel rank of every
     replica (DeepSpeed is handed its per-replica share), and the loader shards over every rank."""
-    replicas = topology.num_replicas
+    replicas = topology.data_world // topology.data_per_replica  # over torchft, the other jobs' replicas too
     if replicas == 1 or getattr(engine, "_lowcomm_world_io", False):  # one replica: DeepSpeed's world is the world
         return
     engine._lowcomm_world_io = True

@@ -54,6 +54,7 @@ class LowcommRun:
     user_ledger: ByteLedger = field(default_factory=ByteLedger)  # the user's own calls on deepspeed.comm
     activation_ledger: ByteLedger = field(default_factory=ByteLedger)  # between pipeline stages
     dense_allreduce_bytes_per_step: int = 0  # a dense fp32 all-reduce of the trainable parameters
+    fault_tolerance: Any = None  # lowcomm.fault_tolerance: this replica's FaultTolerance (heals, discarded), or None
 
     @property
     def ledger(self) -> ByteLedger:  # the method's traffic (across replicas)
@@ -64,6 +65,8 @@ class LowcommRun:
         different shapes, a peer replica still waiting for a sync is then told at once that the
         replicas ran different numbers of syncs, instead of at ``timeout_s``; otherwise nothing."""
         self.optimizer.leave_syncs("done", final=True)
+        if self.fault_tolerance is not None:  # this replica leaves the quorum
+            self.fault_tolerance.shutdown()
 
     def ledgers(self) -> dict[str, ByteLedger]:
         """The run's ledgers besides the method's (saved in its checkpoints: checkpoint.py)."""
@@ -94,6 +97,8 @@ class LowcommRun:
             "engine_ledger": engine,
             "user_ledger": user,
             "activation_ledger": activations,
+            **({"fault_tolerance": {"heals": self.fault_tolerance.heals, "discarded": self.fault_tolerance.discarded}}
+               if self.fault_tolerance is not None else {}),
         }
 
     def _per_step(self) -> dict[str, Any]:
@@ -173,16 +178,19 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         internals.put(engine, layout.backward_allreduce_flag(), topology.data_per_replica > 1)
     else:  # the method on ZeRO's flat partitions: parameter pieces, one exchange per step
         zero.install(engine.optimizer, opt, split.zero_stage)
-    layout.connect(engine, opt)  # replicas of different shapes: routes by parameter name
     patch_world_batch_and_io(engine, topology)  # the user's set_train_batch_size and deepspeed_io
     if training_data:
         loader = layout.loader(engine, training_data)
     report_global_batch(engine, topology)
     assert engine.train_batch_size() == global_batch, (engine.train_batch_size(), global_batch)
+    # replicas of different shapes: routes by parameter name; over torchft: the first quorum (a
+    # replica behind the others heals from a live peer here)
+    layout.connect(engine, opt)
     engine_ledger.drop_open_step()  # DeepSpeed's start-up collectives belong to no step
     trainable = sum(internals.get(p, internals.PARAM_DS_NUMEL) if split.zero_stage == 3 else p.numel()
                     for p in model.parameters() if p.requires_grad)  # ZeRO 3: a parameter's whole size
-    run = LowcommRun(split, topology, opt, engine_ledger, user_ledger, dense_allreduce_bytes_per_step=4 * trainable)
+    run = LowcommRun(split, topology, opt, engine_ledger, user_ledger, dense_allreduce_bytes_per_step=4 * trainable,
+                     fault_tolerance=getattr(layout, "fault_tolerance", None))
     if layout.codes_activations():  # activations between stages: counted apart, coded if asked
         install_activation_compression(engine, split.activations, run.activation_ledger)
     engine.lowcomm = run

@@ -214,6 +214,10 @@ TRAIN_BATCH_SIZE = Internal(_ENGINE, "DeepSpeedEngine.train_batch_size", "method
 SET_TRAIN_BATCH_SIZE = Internal(_ENGINE, "DeepSpeedEngine.set_train_batch_size", "method", ("train_batch_size",),
                                 "override", use=_usedata)
 DEEPSPEED_IO = Internal(_ENGINE, "DeepSpeedEngine.deepspeed_io", "method", ("dataset",), "has", use=_usedata)
+_useheal = "heals a restarted replica's position and schedule from a live peer (fault_tolerance.py)"
+ENGINE_POSITION = tuple(Internal(_ENGINE, f"DeepSpeedEngine.{name}", "instance", use=_useheal)
+                        for name in ("global_steps", "global_samples", "micro_steps", "skipped_steps"))
+ENGINE_LR_SCHEDULER = Internal(_ENGINE, "DeepSpeedEngine.lr_scheduler", "instance", use=_useheal)
 GET_BUFFER_NAMES = Internal(_ENGINE, "DeepSpeedEngine._get_buffer_names", "method", (),
                             use="writes the ZeRO 0 export with it (checkpoint.py)")
 GET_SHARED_PARAMS = Internal(_ENGINE, "DeepSpeedEngine._get_shared_params", "method", (),

@@ -24,6 +24,7 @@ import torch.distributed as dist
 
 from ..comm import ByteLedger, ReplicaShard, ReplicaTopology, TorchDistTransport, build_transport
 from ..comm.transport import Transport
+from ..settings import ConfigError
 from . import hetero, internals, pipeline
 from .broadcast import broadcast_initial_state
 from .config import SplitConfig
@@ -168,8 +169,66 @@ class ShapedReplicas(Layout):
                                                   self.place, self.split.lowcomm, self.timeout_s))
 
 
+@dataclass
+class TorchftReplica(Layout):
+    """This job is one replica of several jobs meeting through torchft (``lowcomm.fault_tolerance``;
+    ``fault_tolerance.py``): its whole DeepSpeed world is the replica; the method's cross-replica
+    traffic goes over torchft's process group, rank r of this replica with rank r of the others."""
+
+    fault_tolerance: Any = None  # optim.fault_tolerance.FaultTolerance
+
+    @classmethod
+    def build(cls, split: SplitConfig, model, ledger: ByteLedger) -> "TorchftReplica":
+        import socket
+
+        from ..optim.fault_tolerance import FaultTolerance, replica_store
+
+        from deepspeed.pipe import PipelineModule
+
+        if isinstance(model, PipelineModule):
+            raise ConfigError("lowcomm.fault_tolerance with a PipelineModule: not supported yet (replicas of "
+                              "pipeline stages heal stage by stage, not built); use a plain nn.Module")
+        settings = split.fault_tolerance
+        replica, replicas = settings.data_shard()
+        world, rank = dist.get_world_size(), dist.get_rank()
+        timeout_s = split.lowcomm.comm.timeout_s
+        topology = ReplicaTopology.from_replicas([list(range(world))], data_rank=replica * world + rank,
+                                                 data_world=replicas * world, data_per_replica=world,
+                                                 timeout_s=timeout_s)
+        host = settings.host or socket.gethostname()
+        store, address = None, None
+        if world > 1:  # the replica's managers meet in rank 0's store
+            store, address = replica_store(host, TorchDistTransport(topology.replica_group, ledger=ledger,
+                                                                    timeout_s=timeout_s))
+        ft = FaultTolerance(settings, host=host, rank=rank, world_size=world, store=address, store_server=store)
+        return cls(split, model, topology, ledger, ft)
+
+    def shared_settings(self) -> dict[str, Any]:
+        ft = {f"lowcomm.fault_tolerance.{k}": v for k, v in self.split.fault_tolerance.flat().items() if k != "host"}
+        return {**super().shared_settings(), **ft}
+
+    def transport(self) -> Transport:
+        return self.fault_tolerance.transport
+
+    def connect(self, engine, optimizer) -> None:
+        """Join the replicas' quorum: a replica behind them heals from a live peer here (the
+        method's state, the engine's position and schedule, the model's own tensors)."""
+        from .fault_tolerance import EngineState, ModelWeights
+
+        position = EngineState(engine)
+        self.fault_tolerance.attach(optimizer, position, ModelWeights(self.model, params=self.split.zero_stage > 0),
+                                    after_step=(position.finish_step,))
+
+    def loader(self, engine, training_data):
+        from .fault_tolerance import build_loader
+
+        return build_loader(engine, training_data, self.topology)
+
+
 def choose_layout(split: SplitConfig, model, ledger: ByteLedger) -> Layout:
     """This engine's layout (collective: builds the topology's process groups)."""
+    if split.fault_tolerance is not None:
+        return TorchftReplica.build(split, model, ledger)
     if split.replicas:
         return ShapedReplicas.build(split, model, ledger)
     from deepspeed.pipe import PipelineModule

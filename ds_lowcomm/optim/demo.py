@@ -68,11 +68,11 @@ class DeMo(LowcommOptimizer):
             for p, q, lr, wd in zip(synced, landed, lrs, decays):
                 if q is not None:
                     sign_step_(p, q, lr, wd)
-        elif synced:
+        elif synced or self.fault_tolerance is not None:  # every rank of a replica asks torchft, owning any or not
             ft = self.fault_tolerance
             if ft is not None:  # the momenta as they were, for an exchange that is then discarded
                 self._keep_for_discard(synced)
-            means = self.start_momentum_sync(synced, grads, lrs).wait()
+            means = self.start_momentum_sync(synced, grads, lrs).wait() if synced else []
             if ft is None or ft.commit():
                 for p, q, lr, wd in zip(synced, means, lrs, decays):
                     sign_step_(p, q, lr, wd)

@@ -110,6 +110,28 @@ class FaultToleranceSettings(Settings):
         return int(self.replica_id), self.num_replica_groups
 
 
+SUPPORTED_METHODS = ("diloco", "dct_diloco", "sparseloco", "demo", "adamw")
+
+
+def check_method(effective: Mapping[str, Any], where: str = "lowcomm") -> None:
+    """Refuse, by name and before any work, a method setting live fault tolerance does not support
+    yet (``effective``: the lowcomm section's effective settings)."""
+    method = effective.get("method")
+    if method not in SUPPORTED_METHODS:
+        raise ConfigError(f"{where}.method must be one of {', '.join(SUPPORTED_METHODS)} with {where}.fault_tolerance; "
+                          f"got {method!r} (mtdao's synced moments are not healed and discarded yet)")
+    if effective.get("fragments", 1) != 1 or effective.get("sync_delay", 0) != 0:
+        raise ConfigError(f"{where}.fragments must be 1 and {where}.sync_delay 0 with {where}.fault_tolerance (Streaming "
+                          f"DiLoCo's fragments in flight across a quorum change are not supported yet); got fragments "
+                          f"{effective.get('fragments')}, sync_delay {effective.get('sync_delay')}")
+    if effective.get("overlap"):
+        raise ConfigError(f"{where}.overlap must be false with {where}.fault_tolerance (an exchange in flight across a "
+                          "quorum change is not supported yet)")
+    if effective.get("transport", "torch") != "torch":
+        raise ConfigError(f"{where}.transport must be torch with {where}.fault_tolerance (the exchange runs over "
+                          f"torchft's process group); got {effective.get('transport')!r}")
+
+
 def _cloned(obj: Any) -> Any:
     """A copy of a state dict whose tensors the training loop will not change under a peer's read."""
     if isinstance(obj, torch.Tensor):
@@ -124,7 +146,13 @@ def _cloned(obj: Any) -> Any:
 class FaultTolerance:
     """One replica's membership in the torchft quorum and the transport its method uses."""
 
-    def __init__(self, settings: FaultToleranceSettings, host: str | None = None):
+    def __init__(self, settings: FaultToleranceSettings, host: str | None = None, rank: int = 0, world_size: int = 1,
+                 store: tuple[str, int] | None = None, store_server: Any = None):
+        """``rank``/``world_size``: this process within its replica (a replica of several ranks runs
+        one manager per rank: rank r meets rank r of every other replica, and heals from it);
+        ``store``: the replica's TCPStore (host, port), which rank 0 of a replica of several ranks
+        serves (:func:`replica_store`), and ``store_server`` that store on rank 0 (kept alive here:
+        every quorum's process group meets in it); None: one of its own (a one-rank replica)."""
         settings.validate(WHERE)
         from ..comm.torchft import INTERNALS
 
@@ -136,27 +164,35 @@ class FaultTolerance:
         timeout = timedelta(seconds=settings.timeout_s)
         pg = ProcessGroupGloo(timeout=timeout)
         self.transport = TorchftTransport(pg, timeout_s=settings.timeout_s)
-        self._store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        self.optimizer, self.stateful = None, ()
+        self._store = store_server
+        if store is None:
+            self._store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+            store = (host, self._store.port)
+        self.optimizer, self.stateful, self.after_step = None, (), ()
+        self._mid_step = False  # whether the quorum being taken is inside an optimizer step
         lighthouse = settings.lighthouse if "://" in settings.lighthouse else f"http://{settings.lighthouse}"
         self.manager = Manager(
             pg=pg, min_replica_size=settings.min_replicas, use_async_quorum=False,
             load_state_dict=self._load, state_dict=self._state, replica_id=settings.replica_id,
-            store_addr=host, store_port=self._store.port, rank=0, world_size=1, lighthouse_addr=lighthouse,
+            store_addr=store[0], store_port=store[1], rank=rank, world_size=world_size, lighthouse_addr=lighthouse,
             hostname=host, timeout=timeout, quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
             connect_timeout=timeout, checkpoint_transport=safe_http_transport(timeout, host),
-            # every replica builds the same initial parameters (seeded); a joining one heals instead
+            # not torchft's init_sync: it picks the source replica per rank, and a replica's ranks
+            # would start from different replicas' weights; start_interval broadcasts one's instead
             init_sync=False)
         self.transport.manager = self.manager
         self.heals = 0
         self.discarded = 0
 
     # -- the method ----------------------------------------------------------------------------
-    def attach(self, optimizer, *stateful) -> None:
+    def attach(self, optimizer, *stateful, after_step=()) -> None:
         """Put this replica's quorum into ``optimizer`` (an outer method, demo or adamw, built with
         ``transport=self.transport``) and take the first quorum (a joining replica heals here).
         ``stateful``: more objects with ``state_dict()``/``load_state_dict()`` a joining replica
-        gets from its peer (a learning-rate scheduler: its position; plain data only)."""
+        gets from its peer (a learning-rate scheduler: its position; plain data only).
+        ``after_step``: what the training loop runs after each optimizer step (the scheduler's
+        ``step``). A peer serves its state from inside its optimizer step, before those ran; a
+        replica healed here, outside a step, runs them once, so that it stands where its peer will."""
         from .adamw import AllReduceAdamW
         from .demo import DeMo
         from .outer import OuterLoop
@@ -175,9 +211,7 @@ class FaultTolerance:
                               f"far (not mtdao); got {type(optimizer).__name__}")
         if optimizer.transport is not self.transport:
             raise ConfigError("build the optimizer with transport=fault_tolerance.transport")
-        if optimizer.shard is not None:
-            raise ConfigError("lowcomm.fault_tolerance with replicas of several ranks is not supported yet")
-        self.optimizer, self.stateful = optimizer, stateful
+        self.optimizer, self.stateful, self.after_step = optimizer, stateful, tuple(after_step)
         optimizer.fault_tolerance = self
         self._steps = 0
         self.start_interval(stepped=False)
@@ -199,7 +233,25 @@ class FaultTolerance:
         quorum of the replicas alive now; a replica that is behind heals from a peer here."""
         self._steps += stepped
         self.transport.reset()
-        self.manager.start_quorum(allow_heal=True)
+        self._mid_step = stepped
+        try:
+            self.manager.start_quorum(allow_heal=True)
+        finally:
+            self._mid_step = False
+        if self.manager.current_step() == 0 and self.transport.world_size > 1:
+            self._start_alike()
+
+    def _start_alike(self) -> None:
+        """No sync committed yet (every participant is at torchft's step 0, or it would have healed:
+        so all of them are here): every replica takes the weights of the quorum's first, as
+        DeepSpeed's ranks take rank 0's (replicas seeded apart start alike). A failed broadcast is
+        this round's error: the next sync is discarded where it failed, and a replica left behind
+        heals at the next quorum."""
+        tensors = [*self.optimizer._current_params(),
+                   *(t for obj in self.stateful for t in getattr(obj, "tensors", ()))]
+        with torch.no_grad():
+            for t in tensors:
+                self.transport.broadcast_(t.data, src=0, op="start_alike")
 
     def before_exchange(self) -> None:
         self.transport.reset()
@@ -214,7 +266,8 @@ class FaultTolerance:
     def _state(self) -> dict:
         opt = self.optimizer
         return _cloned({"optimizer": opt.state_dict(), "params": [p for p in opt._current_params()],
-                        "steps": self._steps, "stateful": [obj.state_dict() for obj in self.stateful]})
+                        "steps": self._steps, "stateful": [obj.state_dict() for obj in self.stateful],
+                        "mid_step": self._mid_step})
 
     def _load(self, state: dict) -> None:
         opt = self.optimizer
@@ -229,12 +282,33 @@ class FaultTolerance:
         for obj, saved in zip(self.stateful, state["stateful"]):
             obj.load_state_dict(saved)
         self._steps = int(state["steps"])
+        if state["mid_step"] and not self._mid_step:  # the rest of the peer's step, which it runs after this
+            for finish in self.after_step:
+                finish()
         self.heals += 1
         print(f"ds_lowcomm fault tolerance: replica {self.settings.replica_id} healed from a peer at step "
               f"{self.step}: {nbytes} bytes at {time.time():.3f}", file=sys.stderr, flush=True)
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+
+def replica_store(host: str, transport) -> tuple[Any, tuple[str, int]]:
+    """For a replica of several ranks: rank 0 serves the TCPStore its ranks' torchft managers meet
+    in, and every rank learns its address (collective over ``transport``, the replica's own group).
+    Returns (the store rank 0 must keep alive, or None; (host, port))."""
+    store = None
+    buf = torch.zeros(258, dtype=torch.uint8)
+    if transport.rank == 0:
+        store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
+        name = host.encode()
+        if len(name) > 256:
+            raise ConfigError(f"{WHERE}.host: at most 256 bytes; got {host!r}")
+        buf[:2] = torch.tensor([store.port // 256, store.port % 256], dtype=torch.uint8)
+        buf[2:2 + len(name)] = torch.tensor(list(name), dtype=torch.uint8)
+    transport.broadcast_(buf, src=0, op="fault_tolerance_store")
+    port = int(buf[0]) * 256 + int(buf[1])
+    return store, (bytes(buf[2:].tolist()).rstrip(b"\0").decode(), port)
 
 
 def tensor_bytes(obj: Any) -> int:
@@ -248,4 +322,4 @@ def tensor_bytes(obj: Any) -> int:
     return 0
 
 
-__all__ = ["FaultTolerance", "FaultToleranceSettings", "tensor_bytes"]
+__all__ = ["FaultTolerance", "FaultToleranceSettings", "SUPPORTED_METHODS", "check_method", "replica_store", "tensor_bytes"]

@@ -304,12 +304,13 @@ class OuterLoop(LowcommOptimizer):
 
     def _land(self, fragment: list[torch.Tensor], owned: list[torch.Tensor]) -> None:
         ft = self.fault_tolerance
-        committed = True
         if owned:
             in_flight = self._in_flight.pop(tuple(id(p) for p in fragment), None)
             # After state_dict() (a checkpoint) the landed result waits in the state instead.
             updates = in_flight[1].wait() if in_flight else [self.state[p].pop("landed_update") for p in owned]
-            committed = ft is None or ft.commit()
+        # every rank of a replica asks torchft, its owned parameters or none: the answer is the replica's
+        committed = ft is None or ft.commit()
+        if owned:
             if committed:
                 self._apply_outer(owned, updates)
             else:

@@ -18,7 +18,7 @@ import torch
 
 from ..codec import FLOAT_DTYPES, ActivationSettings
 from ..config import ConfigError, LowcommConfig, check_lr
-from ..optim.fault_tolerance import FaultToleranceSettings
+from ..optim.fault_tolerance import FaultToleranceSettings, check_method
 from .data import MAX_TRAIN_BYTES, MAX_VAL_BYTES
 from .model import GPTConfig
 
@@ -157,6 +157,8 @@ class TrainSpec:
                                   f"{name('resume_from')} (a restarted replica heals from a live peer instead)")
         object.__setattr__(self, "_fault_tolerance", fault_tolerance)
         cfg = LowcommConfig.from_dict(section, where=name("lowcomm"))
+        if fault_tolerance is not None:
+            check_method(cfg.effective(), where=name("lowcomm"))
         check_lr(self.lr, where=name("lr"))
         return cfg
 

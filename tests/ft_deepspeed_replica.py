@@ -1,0 +1,89 @@
+"""One replica of the DeepSpeed live fault-tolerance test (tests/test_fault_tolerance.py), a plain
+DeepSpeed script as a user writes it (ds_lowcomm's initialize, the config's lowcomm section with
+its fault_tolerance, training_data, a scheduler from the config), run under the deepspeed launcher
+as its own job: ``REPLICA_GROUP_ID`` and ``TORCHFT_LIGHTHOUSE`` in the environment say which
+replica it is and where the others are. Each rank writes one JSON line per step to
+``--out``.rank<r>.jsonl."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import deepspeed  # noqa: E402,F401
+import torch  # noqa: E402
+
+import ds_lowcomm.deepspeed as dl  # noqa: E402
+from ds_lowcomm.checkpoint_io import params_digest  # noqa: E402
+
+
+class Regression(torch.utils.data.Dataset):
+    """Sample i: (i, x, y); the index names the sample."""
+
+    def __init__(self, n=4096):
+        g = torch.Generator().manual_seed(0)
+        self.x = torch.randn(n, 16, generator=g)
+        self.y = torch.tanh(self.x @ torch.randn(16, 4, generator=g))
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return i, self.x[i], self.y[i]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--steps", type=int, default=40)
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--hold-at", type=int, default=None, help="at this step, wait for --hold-file to exist")
+    ap.add_argument("--hold-file", default=None)
+    ap.add_argument("--start-file", default=None, help="before initialize, wait for this file to exist")
+    ap.add_argument("--local_rank", type=int, default=-1)
+    ap = deepspeed.add_config_arguments(ap)
+    args = ap.parse_args()
+    rank = int(os.environ["RANK"])
+    out = open(f"{args.out}.rank{rank}.jsonl", "a")
+    out.write(json.dumps({"event": "start", "time": time.time()}) + "\n")
+    out.flush()
+    while args.start_file and not Path(args.start_file).exists():
+        time.sleep(0.05)
+    # seeded by replica and rank: every replica starts from one replica's weights (DeepSpeed's
+    # rank 0's inside it, torchft's first quorum across them)
+    torch.manual_seed(1000 * int(os.environ["REPLICA_GROUP_ID"]) + rank)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+    engine, _, loader, _ = dl.initialize(args=args, model=model, model_parameters=model.parameters(),
+                                         training_data=Regression())
+    ft = engine.lowcomm.fault_tolerance
+    it = iter(loader)
+    while engine.global_steps < args.steps:
+        step = engine.global_steps
+        if step == args.hold_at:  # the test holds the run here until a restarted replica is up
+            while not Path(args.hold_file).exists():
+                time.sleep(0.05)
+        idx, x, y = next(it)
+        loss = torch.nn.functional.mse_loss(engine(x), y)
+        engine.backward(loss)
+        engine.step()
+        opt = engine.lowcomm.optimizer
+        out.write(json.dumps({"step": engine.global_steps, "samples": idx.tolist(), "loss": loss.item(),
+                              "digest": params_digest(model), "heals": ft.heals, "discarded": ft.discarded,
+                              "outer_steps": getattr(opt, "outer_steps", None), "lr": engine.get_lr()[0],
+                              "global_samples": engine.global_samples,
+                              "heal_bytes": opt.ledger.by_op.get("heal", [0, 0, 0])[2], "time": time.time()}) + "\n")
+        out.flush()
+        time.sleep(args.step_sleep)
+    engine.lowcomm.done()
+    out.write(json.dumps({"event": "done", "time": time.time()}) + "\n")
+    out.close()
+
+
+if __name__ == "__main__":
+    main()
