@@ -107,10 +107,17 @@ def _config_file_section(args: argparse.Namespace) -> dict[str, Any] | None:
     return dict(section)
 
 
+def refuse_fault_tolerance(section: dict) -> None:
+    if "fault_tolerance" in section:
+        raise ConfigError("lowcomm.fault_tolerance is not supported with Megatron: its replicas are data-parallel "
+                          "groups of one job (README, Live fault tolerance); use the DeepSpeed or plain torch path")
+
+
 def lowcomm_section(args: argparse.Namespace) -> dict[str, Any] | None:
     """The flat section the arguments give (the file's, then the flags), or None if none is set."""
     section = _config_file_section(args)
     if section is not None:
+        refuse_fault_tolerance(section)
         section.pop("activations", None)  # its own settings: activation_settings(args)
         if not section:
             section = None

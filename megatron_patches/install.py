@@ -225,6 +225,9 @@ def apply(model_chunks, optimizer, config: LowcommConfig | dict | None) -> Megat
     from megatron.core import parallel_state as ps
 
     if not isinstance(config, LowcommConfig):
+        from .args import refuse_fault_tolerance
+
+        refuse_fault_tolerance(config)
         config = LowcommConfig.from_dict(config, where="lowcomm")
     config.validate()
     if isinstance(model_chunks, torch.nn.Module):

@@ -63,7 +63,9 @@ def main() -> None:
             return first(send, out)
 
         ft.transport._all_gather = all_gather_then_exit
-    ft.attach(opt)  # a joining replica heals here
+    # a decaying schedule, stepped after the optimizer: a joining replica heals its position
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.02 * s))
+    ft.attach(opt, sched, after_step=(sched.step,))  # a joining replica heals here
     shard = int(args.replica_id.rsplit("_", 1)[-1])
     while ft.step < args.steps:
         step = ft.step
@@ -76,7 +78,8 @@ def main() -> None:
         opt.zero_grad()
         loss.backward()
         opt.step()
-        out.write(json.dumps({"step": ft.step, "outer_steps": getattr(opt, "outer_steps", None), "loss": float(loss),
+        sched.step()
+        out.write(json.dumps({"step": ft.step, "lr": opt.param_groups[0]["lr"], "outer_steps": getattr(opt, "outer_steps", None), "loss": float(loss),
                               "digest": params_digest(model), "heals": ft.heals, "discarded": ft.discarded,
                               "heal_bytes": opt.ledger.by_op.get("heal", [0, 0, 0])[2],
                               "sent": opt.ledger.sent, "time": time.time()}) + "\n")

@@ -131,6 +131,8 @@ def test_a_killed_replica_restarts_and_heals_while_the_others_train(tmp_path, me
     # at the first quorum after it was up: a sync boundary, by the survivors' hold at the latest
     assert healed_at % (SYNC_EVERY if outer else 1) == 0 and 12 < healed_at <= HOLD_AT + SYNC_EVERY, healed_at
     assert back[-1]["step"] == STEPS and back[-1]["outer_steps"] == survivors[0][-1]["outer_steps"]
+    lrs = {r["step"]: r["lr"] for r in survivors[0]}
+    assert all(r["lr"] == lrs[r["step"]] for r in back)  # the schedule's position healed, step for step
     digests = [_synced(r) for r in (*survivors, back)]
     after_heal = [s for s in digests[2] if s > healed_at]
     assert after_heal and all(digests[0][s] == digests[1][s] == digests[2][s] for s in after_heal)
@@ -293,6 +295,16 @@ def test_fault_tolerance_settings_are_checked_by_name(monkeypatch):
         lowcomm = {"method": "demo", **extra.get("lowcomm", {}), "fault_tolerance": good}
         with pytest.raises(ConfigError, match=re.escape(message)):
             split_config({**base, **extra, "lowcomm": lowcomm})
+    import argparse
+    import tempfile
+
+    from megatron_patches.args import lowcomm_section
+
+    with tempfile.NamedTemporaryFile("w", suffix=".json") as f:  # Megatron's --lowcomm-config: by name too
+        json.dump({"method": "diloco", "fault_tolerance": good}, f)
+        f.flush()
+        with pytest.raises(ConfigError, match="lowcomm.fault_tolerance is not supported with Megatron"):
+            lowcomm_section(argparse.Namespace(lowcomm_config=f.name))
 
 
 # --- each replica its own deepspeed launch (ds_lowcomm/deepspeed/fault_tolerance.py) ------------------

@@ -14,7 +14,9 @@ What it does, in order:
    gradient all-reduce is switched off: the method does all the communication. At ZeRO 1-3 the
    method works on ZeRO's partitions parameter by parameter (``zero.py``). Builds
    DeepSpeed's loader of ``training_data`` sharded over every replica, and makes
-   ``engine.train_batch_size()`` count every replica.
+   ``engine.train_batch_size()`` count every replica. With ``lowcomm.fault_tolerance`` the job is
+   one replica of several jobs meeting through torchft (``fault_tolerance.py``): the method's
+   transport is torchft's, and the first quorum (a heal, for a replica behind) ends ``initialize``.
 4. Patches the engine's ``step`` (ledger step boundaries) and ``save_checkpoint`` /
    ``load_checkpoint`` (one DeepSpeed checkpoint per replica, so every rank's method state is
    kept, plus a ``lowcomm.json`` that refuses a resume with another world size or method; see

@@ -1,9 +1,10 @@
 """Live fault tolerance for the outer-loop methods: replicas as independent jobs that die and
 rejoin while the others keep training, on torchft (``torchft>=0.2.0,<0.3``, the ``ft`` extra).
 
-Each replica is its own job (one process so far) and builds one :class:`FaultTolerance`: a
-torchft ``Manager`` (with the lighthouse's address and this replica's id) over a reconfigurable
-gloo group, and the :class:`~ds_lowcomm.comm.torchft.TorchftTransport` the method exchanges over.
+Each replica is its own job and each of its processes builds one :class:`FaultTolerance`: a
+torchft ``Manager`` (with the lighthouse's address and this replica's id; a replica of several
+ranks runs one per rank, rank r meeting rank r of the others) over a reconfigurable gloo group,
+and the :class:`~ds_lowcomm.comm.torchft.TorchftTransport` the method exchanges over.
 Then :meth:`FaultTolerance.attach` puts it into an outer method (diloco, dct_diloco, sparseloco),
 demo or adamw:
 
@@ -25,10 +26,14 @@ demo or adamw:
 - **Data.** :attr:`FaultTolerance.step` (the replica's steps, restored by the heal) is the
   position in the replica's own data shard: shard by replica id, not by how many are alive.
 
-Not yet: mtdao, demo with overlap, Streaming DiLoCo (fragments > 1 or sync_delay > 0),
-replicas of several ranks, and the DeepSpeed path: refused by name (Megatron's flags have none
-for it). The reference task's training loop reads ``lowcomm.fault_tolerance`` (task/steps.py).
-torchft's lighthouse and transport are unauthenticated: a private network only.
+- **Starting alike.** While no sync has been committed (torchft's step 0), every quorum's
+  replicas take the weights of its first (a broadcast): replicas seeded apart start alike.
+
+Not yet (:func:`check_method` refuses them by name before any work): mtdao, demo with overlap,
+Streaming DiLoCo (fragments > 1 or sync_delay > 0), the MPI transport. The reference task's
+training loop reads ``lowcomm.fault_tolerance`` (task/steps.py), and so does the DeepSpeed glue
+(each replica its own DeepSpeed job: deepspeed/fault_tolerance.py). torchft's lighthouse and
+transport are unauthenticated: a private network only.
 """
 
 from __future__ import annotations

@@ -159,7 +159,7 @@ class TorchStep:
         ft = FaultTolerance(spec.fault_tolerance)
         net, opt, ledger = lowcomm_setup(model, spec, transport=ft.transport)
         step = cls(model, net, opt, ledger, spec, rank, loss, device)
-        ft.attach(opt, step.sched)
+        ft.attach(opt, step.sched, after_step=(step.sched.step,))  # train_step steps the scheduler after opt
         step.fault_tolerance = ft
         step.data_rank, step.data_world = spec.fault_tolerance.data_shard()  # by replica, not by who is alive
         return step
