@@ -6,6 +6,7 @@ FaultTolerance). Writes one JSON line per step to --out."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import sys
@@ -21,6 +22,14 @@ from ds_lowcomm.optim.fault_tolerance import FaultTolerance, FaultToleranceSetti
 from ds_lowcomm.optim.registry import METHOD_CLASSES  # noqa: E402
 
 
+def tensors_digest(tensors) -> str:
+    """What every replica holds alike between syncs (outer methods: the anchors)."""
+    h = hashlib.sha256()
+    for t in tensors:
+        h.update(t.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--lighthouse", required=True)
@@ -29,6 +38,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--sync-every", type=int, default=5)
     ap.add_argument("--step-sleep", type=float, default=0.0)
+    ap.add_argument("--fragments", type=int, default=1, help="Streaming DiLoCo's fragments (outer methods)")
     ap.add_argument("--timeout-s", type=float, default=5.0)
     ap.add_argument("--out", required=True)
     ap.add_argument("--hold-at", type=int, default=None, help="at this step, wait for --hold-file to exist")
@@ -43,12 +53,16 @@ def main() -> None:
                                                timeout_s=args.timeout_s, quorum_timeout_s=120), host="127.0.0.1")
     if args.method == "demo":  # per step: a quorum every step
         opt = METHOD_CLASSES["demo"](model.parameters(), lr=3e-3, transport=ft.transport, topk=8, chunk=8)
+    elif args.method == "mtdao":  # parameters and moments averaged every --sync-every steps
+        opt = METHOD_CLASSES["mtdao"](model.parameters(), lr=1e-2, transport=ft.transport, sync_every=args.sync_every,
+                                      momentum_sync_every=(args.sync_every,), second_moment_sync_every=args.sync_every)
     elif args.method == "adamw":
         opt = METHOD_CLASSES["adamw"](model.parameters(), lr=1e-2, transport=ft.transport)
     else:
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
         extra = {"topk": 8, "chunk": 8} if args.method in ("dct_diloco", "sparseloco") else {}
-        opt = METHOD_CLASSES[args.method](inner, transport=ft.transport, sync_every=args.sync_every, **extra)
+        opt = METHOD_CLASSES[args.method](inner, transport=ft.transport, sync_every=args.sync_every,
+                                          fragments=args.fragments, **extra)
     out = open(args.out, "a")
     out.write(json.dumps({"event": "start", "time": time.time()}) + "\n")
     out.flush()
@@ -81,6 +95,7 @@ def main() -> None:
         sched.step()
         out.write(json.dumps({"step": ft.step, "lr": opt.param_groups[0]["lr"], "outer_steps": getattr(opt, "outer_steps", None), "loss": float(loss),
                               "digest": params_digest(model), "heals": ft.heals, "discarded": ft.discarded,
+                              "anchors": tensors_digest(opt.replica_tensors()),
                               "heal_bytes": opt.ledger.by_op.get("heal", [0, 0, 0])[2],
                               "sent": opt.ledger.sent, "time": time.time()}) + "\n")
         out.flush()

@@ -90,7 +90,8 @@ def _synced(records: list[dict]) -> dict[int, str]:
     return {r["step"]: r["digest"] for r in records if r["step"] % SYNC_EVERY == 0}
 
 
-@pytest.mark.parametrize("method", ["diloco", "demo", "adamw"])  # an outer method, both per-step ones
+# an outer method (and Streaming DiLoCo: 2 fragments, each its own sync and quorum), the per-step ones
+@pytest.mark.parametrize("method", ["diloco", "streaming", "demo", "adamw", "mtdao"])
 def test_a_killed_replica_restarts_and_heals_while_the_others_train(tmp_path, method):
     """3 replicas; replica 2 SIGKILLed at step 12 and started again: replicas 0 and 1 never stop
     (they discard the one sync replica 2 died in, and only that one), replica 2 heals from a live
@@ -100,14 +101,16 @@ def test_a_killed_replica_restarts_and_heals_while_the_others_train(tmp_path, me
     paths = [tmp_path / f"r{i}.jsonl" for i in range(3)]
     hold_file = tmp_path / "restarted_is_up"
     hold = ("--hold-at", str(HOLD_AT), "--hold-file", str(hold_file))
-    procs = _start_together(tmp_path, [((address, i, paths[i], method), {"extra": hold if i < 2 else ()})
+    streaming = method == "streaming"
+    method, fragments = ("diloco", ("--fragments", "2")) if streaming else (method, ())
+    procs = _start_together(tmp_path, [((address, i, paths[i], method), {"extra": (*fragments, *(hold if i < 2 else ()))})
                                        for i in range(3)])
     try:
         _wait_for_step(paths[2], 12)
         procs[2].send_signal(signal.SIGKILL)
         procs[2].wait()
         restarted = tmp_path / "r2_restarted.jsonl"
-        procs.append(_start(address, 2, restarted, method))
+        procs.append(_start(address, 2, restarted, method, extra=fragments))
         start = time.time()
         while not _records(restarted):  # its process is up: it asks for a quorum right after
             assert time.time() - start < 120 and procs[3].poll() is None, "the restarted replica did not start"
@@ -120,23 +123,33 @@ def test_a_killed_replica_restarts_and_heals_while_the_others_train(tmp_path, me
         server.shutdown()
     survivors = [_steps(p) for p in paths[:2]]
     back = _steps(restarted)
-    outer = method not in ("demo", "adamw")  # per-step methods: a quorum, and a sync, every step
+    outer = method not in ("demo", "adamw")  # per-step methods: a quorum, and a sync, every step (mtdao: per sync)
     for records in survivors:
         assert [r["step"] for r in records] == list(range(1, STEPS + 1))  # never stopped, never went back
         assert records[-1]["discarded"] == 1 and records[-1]["heals"] == 0
-        if outer:
+        if outer and method != "mtdao" and not streaming:
             assert records[-1]["outer_steps"] == STEPS // SYNC_EVERY - 1  # one sync of progress lost, no more
     healed_at = back[0]["step"] - 1
     assert back[-1]["heals"] == 1 and back[-1]["heal_bytes"] > 0, back[:2]
     # at the first quorum after it was up: a sync boundary, by the survivors' hold at the latest
-    assert healed_at % (SYNC_EVERY if outer else 1) == 0 and 12 < healed_at <= HOLD_AT + SYNC_EVERY, healed_at
+    syncs = (2, 0) if streaming else (0,)  # fragment 0 syncs at steps 2, 7, 12, ..., fragment 1 at 5, 10, ...
+    assert healed_at % (SYNC_EVERY if outer else 1) in syncs and 12 < healed_at <= HOLD_AT + SYNC_EVERY, healed_at
     assert back[-1]["step"] == STEPS and back[-1]["outer_steps"] == survivors[0][-1]["outer_steps"]
     lrs = {r["step"]: r["lr"] for r in survivors[0]}
     assert all(r["lr"] == lrs[r["step"]] for r in back)  # the schedule's position healed, step for step
+    if streaming:  # a fragment always trains locally: the anchors, every fragment's last sync, agree at every step
+        anchors = [{r["step"]: r["anchors"] for r in rs} for rs in (*survivors, back)]
+        assert all(anchors[0][s] == anchors[1][s] == anchors[2][s] for s in anchors[2])
+        assert len({anchors[0][s] for s in anchors[2]}) > 4  # and they move: fragment by fragment
+        assert sum(r["discarded"] > 0 for r in survivors[0]) and survivors[0][-1]["discarded"] == 1
+        return
     digests = [_synced(r) for r in (*survivors, back)]
     after_heal = [s for s in digests[2] if s > healed_at]
     assert after_heal and all(digests[0][s] == digests[1][s] == digests[2][s] for s in after_heal)
-    assert all(digests[0][s] == digests[1][s] for s in digests[0])  # the survivors agree at every sync
+    # the survivors agree at every sync (mtdao's replicas keep their own values at a discarded one)
+    discarded_at = {b["step"] for a, b in zip(survivors[0], survivors[0][1:]) if b["discarded"] > a["discarded"]}
+    assert len(discarded_at) == 1 and all(digests[0][s] == digests[1][s] for s in digests[0]
+                                          if method != "mtdao" or s not in discarded_at)
     losses = [r["loss"] for r in survivors[0]]
     assert sum(losses[-10:]) < sum(losses[:10]), losses  # it learns
 
@@ -274,9 +287,8 @@ def test_fault_tolerance_settings_are_checked_by_name(monkeypatch):
     with pytest.raises(ConfigError, match="fault_tolerance works with a torch optimizer's step so far: not with "
                                           "deepspeed_config"):
         TrainSpec(deepspeed_config="configs/diloco.json", lowcomm={"method": "diloco", "fault_tolerance": good})
-    with pytest.raises(ConfigError, match=r"lowcomm.method must be one of diloco, dct_diloco, sparseloco, demo, "
-                                          r"adamw with lowcomm.fault_tolerance; got 'mtdao'"):
-        TrainSpec(lowcomm={"method": "mtdao", "fault_tolerance": good})
+    with pytest.raises(ConfigError, match=r"lowcomm.sync_delay must be 0 with lowcomm.fault_tolerance .*got 2"):
+        TrainSpec(lowcomm={"method": "diloco", "sync_every": 8, "fragments": 2, "sync_delay": 2, "fault_tolerance": good})
     from ds_lowcomm.deepspeed.config import split_config
 
     base = {"train_batch_size": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}}}
@@ -286,8 +298,7 @@ def test_fault_tolerance_settings_are_checked_by_name(monkeypatch):
         "zero_optimization.stage must be 0, 1 or 2 with lowcomm.fault_tolerance; got 3": {"zero_optimization": {"stage": 3}},
         "fp16.enabled must be false with lowcomm.fault_tolerance": {"fp16": {"enabled": True}},
         "lowcomm.fault_tolerance: this job is one replica": {"lowcomm": {"method": "demo", "replica_size": 2}},
-        "lowcomm.fragments must be 1 and lowcomm.sync_delay 0 with lowcomm.fault_tolerance":
-            {"lowcomm": {"method": "diloco", "sync_delay": 2}},
+        "lowcomm.sync_delay must be 0 with lowcomm.fault_tolerance": {"lowcomm": {"method": "diloco", "sync_delay": 2}},
         "lowcomm.overlap must be false with lowcomm.fault_tolerance": {"lowcomm": {"method": "demo", "overlap": True}},
         "lowcomm.transport must be torch with lowcomm.fault_tolerance": {"lowcomm": {"method": "demo", "transport": "mpi"}},
     }

@@ -8,15 +8,16 @@ and the :class:`~ds_lowcomm.comm.torchft.TorchftTransport` the method exchanges 
 Then :meth:`FaultTolerance.attach` puts it into an outer method (diloco, dct_diloco, sparseloco),
 demo or adamw:
 
-- **Every sync is a quorum's.** Outer methods: at the start of each interval (before the first
-  step, then right after each sync lands) the replicas that are alive form a quorum; the
-  interval's exchange runs over them and the mean is over them. demo and adamw: the same at
+- **Every sync is a quorum's.** Outer methods and mtdao: at the start of each interval (before
+  the first step, then right after each sync lands) the replicas that are alive form a quorum;
+  the interval's exchange runs over them and the mean is over them. demo and adamw: the same at
   every step.
 - **Every sync is committed or discarded on all replicas alike** (torchft's ``should_commit``): a
   peer that dies or stalls past ``timeout_s`` during the exchange makes it fail, and every
   participant then restores what the exchange changed (error-feedback residuals, DeMo's momenta)
   and, outer methods, sets its parameters back to the anchors (the interval's local progress is
-  lost); demo and adamw skip the step. Never a partial sync applied.
+  lost); demo and adamw skip the step; mtdao's replicas keep their own parameters and moments, as
+  before the sync. Never a partial sync applied.
 - **Healing from a peer.** A new or restarted replica joins at the next quorum and gets the full
   state (parameters, anchors, outer momentum, residuals, the inner optimizer's state, step and sync
   counters: the optimizer's ``state_dict()``) from a live peer through torchft's HTTP checkpoint
@@ -29,8 +30,9 @@ demo or adamw:
 - **Starting alike.** While no sync has been committed (torchft's step 0), every quorum's
   replicas take the weights of its first (a broadcast): replicas seeded apart start alike.
 
-Not yet (:func:`check_method` refuses them by name before any work): mtdao, demo with overlap,
-Streaming DiLoCo (fragments > 1 or sync_delay > 0), the MPI transport. The reference task's
+Streaming DiLoCo's fragments each take a quorum at their own sync. Not yet (:func:`check_method`
+refuses them by name before any work): demo with overlap, a sync_delay > 0 (an exchange in flight
+across a quorum change), the MPI transport. The reference task's
 training loop reads ``lowcomm.fault_tolerance`` (task/steps.py), and so does the DeepSpeed glue
 (each replica its own DeepSpeed job: deepspeed/fault_tolerance.py). torchft's lighthouse and
 transport are unauthenticated: a private network only.
@@ -115,7 +117,7 @@ class FaultToleranceSettings(Settings):
         return int(self.replica_id), self.num_replica_groups
 
 
-SUPPORTED_METHODS = ("diloco", "dct_diloco", "sparseloco", "demo", "adamw")
+SUPPORTED_METHODS = ("diloco", "dct_diloco", "sparseloco", "demo", "adamw", "mtdao")
 
 
 def check_method(effective: Mapping[str, Any], where: str = "lowcomm") -> None:
@@ -124,11 +126,11 @@ def check_method(effective: Mapping[str, Any], where: str = "lowcomm") -> None:
     method = effective.get("method")
     if method not in SUPPORTED_METHODS:
         raise ConfigError(f"{where}.method must be one of {', '.join(SUPPORTED_METHODS)} with {where}.fault_tolerance; "
-                          f"got {method!r} (mtdao's synced moments are not healed and discarded yet)")
-    if effective.get("fragments", 1) != 1 or effective.get("sync_delay", 0) != 0:
-        raise ConfigError(f"{where}.fragments must be 1 and {where}.sync_delay 0 with {where}.fault_tolerance (Streaming "
-                          f"DiLoCo's fragments in flight across a quorum change are not supported yet); got fragments "
-                          f"{effective.get('fragments')}, sync_delay {effective.get('sync_delay')}")
+                          f"got {method!r}")
+    if effective.get("sync_delay", 0) != 0:
+        raise ConfigError(f"{where}.sync_delay must be 0 with {where}.fault_tolerance (a fragment's exchange in flight "
+                          f"across a quorum change is not supported yet; fragments > 1 are); got "
+                          f"{effective.get('sync_delay')}")
     if effective.get("overlap"):
         raise ConfigError(f"{where}.overlap must be false with {where}.fault_tolerance (an exchange in flight across a "
                           "quorum change is not supported yet)")
@@ -200,20 +202,20 @@ class FaultTolerance:
         replica healed here, outside a step, runs them once, so that it stands where its peer will."""
         from .adamw import AllReduceAdamW
         from .demo import DeMo
+        from .mtdao import MTDAO
         from .outer import OuterLoop
 
         if isinstance(optimizer, OuterLoop):
-            streaming = optimizer.settings.streaming
-            if streaming.fragments != 1 or streaming.sync_delay != 0:
-                raise ConfigError("lowcomm.fault_tolerance does not support Streaming DiLoCo yet: "
-                                  "lowcomm.fragments must be 1 and lowcomm.sync_delay 0")
+            if optimizer.settings.streaming.sync_delay != 0:
+                raise ConfigError("lowcomm.sync_delay must be 0 with lowcomm.fault_tolerance (a fragment's exchange "
+                                  "in flight across a quorum change is not supported yet)")
         elif isinstance(optimizer, DeMo):
             if optimizer.settings.overlap:
                 raise ConfigError("lowcomm.fault_tolerance with demo needs lowcomm.overlap false (an exchange in "
                                   "flight across a quorum change is not supported yet)")
-        elif not isinstance(optimizer, AllReduceAdamW):
-            raise ConfigError(f"lowcomm.fault_tolerance works with diloco, dct_diloco, sparseloco, demo and adamw so "
-                              f"far (not mtdao); got {type(optimizer).__name__}")
+        elif not isinstance(optimizer, (AllReduceAdamW, MTDAO)):
+            raise ConfigError(f"lowcomm.fault_tolerance works with {', '.join(SUPPORTED_METHODS)}; got "
+                              f"{type(optimizer).__name__}")
         if optimizer.transport is not self.transport:
             raise ConfigError("build the optimizer with transport=fault_tolerance.transport")
         self.optimizer, self.stateful, self.after_step = optimizer, stateful, tuple(after_step)
@@ -224,12 +226,14 @@ class FaultTolerance:
     @property
     def step(self) -> int:
         """This replica's steps (restored by a heal): where it is in its own data shard."""
+        from .mtdao import MTDAO
         from .outer import OuterLoop
 
         opt = self.optimizer
-        if isinstance(opt, OuterLoop):  # its own counter (a quorum is taken once per interval)
+        key = "local_step" if isinstance(opt, OuterLoop) else "step" if isinstance(opt, MTDAO) else None
+        if key is not None:  # its own counter (a quorum is taken once per sync, not per step)
             params = opt._current_params()
-            return int(opt.state[params[0]].get("local_step", 0)) if params else 0
+            return int(opt.state[params[0]].get(key, 0)) if params else 0
         return self._steps
 
     # -- called by the method --------------------------------------------------------------------

@@ -156,6 +156,10 @@ class MTDAO(LowcommOptimizer):
         due = [name for name, k in self.periods.items() if t % k == 0]
         if not due:
             return
+        ft = self.fault_tolerance
+        if ft is not None:  # what the exchange changes in place, for a sync torchft then discards
+            self._keep_for_discard(params)
+            kept = [p.detach().clone() for p in params]
         tensors, names = [], []
         for name in due:
             for p in params:
@@ -170,6 +174,12 @@ class MTDAO(LowcommOptimizer):
             self._sync_compressed(compressed)
         if pending is not None:
             pending.wait()
+        if ft is not None:
+            if not ft.commit():  # a peer failed during it: every replica keeps its own values, as before it
+                self._restore_discarded(params)
+                for p, before in zip(params, kept):
+                    p.copy_(before)
+            ft.start_interval()  # the next sync's quorum (a joining replica heals)
 
     def _sync_compressed(self, items: list[tuple[torch.Tensor, str, torch.Tensor]]) -> None:
         """Send the change since the last sync plus the unsent remainder; adopt last sync + mean."""
