@@ -185,6 +185,26 @@ def test_a_replica_dying_mid_exchange_and_one_stalling(tmp_path):
     assert max(gaps) < 3.0 + 10, gaps  # the stalled sync waited about timeout_s, not torch's 30 minutes
 
 
+def test_replicas_with_different_settings_refuse_to_start_together(tmp_path):
+    """Two replicas whose sync_every differ (each its own job: no world checks them): at their first
+    quorum both raise, naming the field, before any step."""
+    server, address = _lighthouse()
+    paths = [tmp_path / f"r{i}.jsonl" for i in range(2)]
+    procs = _start_together(tmp_path, [((address, i, paths[i], "diloco"), {"extra": ("--sync-every", str(4 + i))})
+                                       for i in range(2)])
+    try:
+        codes = [p.wait(timeout=120) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+        server.shutdown()
+    for path, code in zip(paths, codes):
+        log = Path(f"{path}.log").read_text()
+        assert code != 0 and not _steps(path), log[-2000:]
+        assert re.search(r"the replicas' settings differ \(lowcomm.sync_every: the quorum's replica 0 has [45], its "
+                         r"replica 1 has [45]\)", log), log[-2000:]
+
+
 class _PickledCall:
     def __reduce__(self):  # loading this with pickle would call os.getpid
         return os.getpid, ()

@@ -148,14 +148,15 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     layout = choose_layout(split, model, engine_ledger)
     topology, timeout_s = layout.topology, layout.timeout_s
     STATE.topology = topology  # data_parallel_rank() / _world_size() for the user's own loaders
-    assert_same_across_ranks(TorchDistTransport(ledger=engine_ledger, timeout_s=timeout_s), {
+    layout.agreed_settings = {
         # flat keys, so that a difference names its field
         **{f"lowcomm.{k}": v for k, v in split.lowcomm.effective().items()},
         **layout.shared_settings(),
         "zero_optimization.stage": split.zero_stage,
         # every replica skips an overflowed step together (overflow.py): one precision everywhere
         **{f"{k}.enabled": bool(split.deepspeed.get(k, {}).get("enabled", False)) for k in ("fp16", "bf16")},
-        **{f"optimizer.params.{k}": v for k, v in split.optimizer.flat().items()}})
+        **{f"optimizer.params.{k}": v for k, v in split.optimizer.flat().items()}}
+    assert_same_across_ranks(TorchDistTransport(ledger=engine_ledger, timeout_s=timeout_s), layout.agreed_settings)
     global_batch = replica_batch_config(split.deepspeed, topology)  # train_batch_size counts every replica
     params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     layout.broadcast_initial_state(params)  # before the optimizer's own check of equal starts

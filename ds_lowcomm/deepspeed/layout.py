@@ -38,6 +38,7 @@ class Layout:
     model: Any
     topology: ReplicaTopology
     ledger: ByteLedger  # DeepSpeed's own traffic and the start-up's (the engine ledger)
+    agreed_settings: dict = None  # what initialize checked every rank agrees on (flat keys)
 
     @property
     def timeout_s(self) -> float | None:
@@ -142,7 +143,7 @@ class ShapedReplicas(Layout):
         hetero.check_model(model, place)
         if place.spec.activations is not None:  # this replica's own codecs between its stages
             split.activations = place.spec.activations
-        return cls(split, model, hetero.topology(place, model, split.lowcomm.comm.timeout_s), ledger, place)
+        return cls(split, model, hetero.topology(place, model, split.lowcomm.comm.timeout_s), ledger, place=place)
 
     def shared_settings(self) -> dict[str, Any]:
         return {"lowcomm.replicas": [spec.describe() for spec in self.split.replicas]}
@@ -201,7 +202,7 @@ class TorchftReplica(Layout):
             store, address = replica_store(host, TorchDistTransport(topology.replica_group, ledger=ledger,
                                                                     timeout_s=timeout_s))
         ft = FaultTolerance(settings, host=host, rank=rank, world_size=world, store=address, store_server=store)
-        return cls(split, model, topology, ledger, ft)
+        return cls(split, model, topology, ledger, fault_tolerance=ft)
 
     def shared_settings(self) -> dict[str, Any]:
         ft = {f"lowcomm.fault_tolerance.{k}": v for k, v in self.split.fault_tolerance.flat().items() if k != "host"}
@@ -216,8 +217,12 @@ class TorchftReplica(Layout):
         from .fault_tolerance import EngineState, ModelWeights
 
         position = EngineState(engine)
+        # what the other replicas must share: this one's agreed settings but its own id, and its batch shape
+        agreed = {k: v for k, v in self.agreed_settings.items() if k != "lowcomm.fault_tolerance.replica_id"}
+        agreed.update(train_micro_batch_size_per_gpu=engine.train_micro_batch_size_per_gpu(),
+                      gradient_accumulation_steps=engine.gradient_accumulation_steps(), replica_ranks=self.topology.world_size)
         self.fault_tolerance.attach(optimizer, position, ModelWeights(self.model, params=self.split.zero_stage > 0),
-                                    after_step=(position.finish_step,))
+                                    after_step=(position.finish_step,), settings=agreed)
 
     def loader(self, engine, training_data):
         from .fault_tolerance import build_loader

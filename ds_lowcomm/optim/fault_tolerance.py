@@ -40,6 +40,7 @@ transport are unauthenticated: a private network only.
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import sys
@@ -50,6 +51,7 @@ from typing import Any, Mapping
 
 import torch
 
+from ..comm.consistency import gather_json, settings_differences
 from ..comm.torchft import TorchftTransport, safe_http_transport
 from ..settings import ConfigError, Settings, check_int, check_positive
 
@@ -192,14 +194,17 @@ class FaultTolerance:
         self.discarded = 0
 
     # -- the method ----------------------------------------------------------------------------
-    def attach(self, optimizer, *stateful, after_step=()) -> None:
+    def attach(self, optimizer, *stateful, after_step=(), settings: Mapping[str, Any] | None = None) -> None:
         """Put this replica's quorum into ``optimizer`` (an outer method, demo or adamw, built with
         ``transport=self.transport``) and take the first quorum (a joining replica heals here).
         ``stateful``: more objects with ``state_dict()``/``load_state_dict()`` a joining replica
         gets from its peer (a learning-rate scheduler: its position; plain data only).
         ``after_step``: what the training loop runs after each optimizer step (the scheduler's
         ``step``). A peer serves its state from inside its optimizer step, before those ran; a
-        replica healed here, outside a step, runs them once, so that it stands where its peer will."""
+        replica healed here, outside a step, runs them once, so that it stands where its peer will.
+        ``settings``: what every replica must agree on (flat keys naming the fields; default: the
+        method's settings), compared across the replicas that start together and with the peer a
+        replica heals from: a difference is an error naming the field, never a silent mix."""
         from .adamw import AllReduceAdamW
         from .demo import DeMo
         from .mtdao import MTDAO
@@ -219,6 +224,8 @@ class FaultTolerance:
         if optimizer.transport is not self.transport:
             raise ConfigError("build the optimizer with transport=fault_tolerance.transport")
         self.optimizer, self.stateful, self.after_step = optimizer, stateful, tuple(after_step)
+        self.agreed = json.loads(json.dumps(dict(settings) if settings is not None else
+                                            {f"lowcomm.{k}": v for k, v in optimizer._record.items()}))
         optimizer.fault_tolerance = self
         self._steps = 0
         self.start_interval(stepped=False)
@@ -256,6 +263,14 @@ class FaultTolerance:
         DeepSpeed's ranks take rank 0's (replicas seeded apart start alike). A failed broadcast is
         this round's error: the next sync is discarded where it failed, and a replica left behind
         heals at the next quorum."""
+        # the replicas that start together agree on their settings (else every one of them raises)
+        everyone = gather_json(self.transport, self.agreed)
+        if self.transport.failed is None:  # a failed gather: this round is discarded, no verdict
+            for replica, theirs in enumerate(everyone[1:], start=1):
+                if theirs != everyone[0]:  # every replica the same verdict
+                    raise ConfigError("lowcomm.fault_tolerance: the replicas' settings differ ("
+                                      + settings_differences(everyone[0], theirs, "the quorum's replica 0 has",
+                                                             f"its replica {replica} has") + ")")
         tensors = [*self.optimizer._current_params(),
                    *(t for obj in self.stateful for t in getattr(obj, "tensors", ()))]
         with torch.no_grad():
@@ -276,9 +291,13 @@ class FaultTolerance:
         opt = self.optimizer
         return _cloned({"optimizer": opt.state_dict(), "params": [p for p in opt._current_params()],
                         "steps": self._steps, "stateful": [obj.state_dict() for obj in self.stateful],
-                        "mid_step": self._mid_step})
+                        "mid_step": self._mid_step, "settings": self.agreed})
 
     def _load(self, state: dict) -> None:
+        if state["settings"] != self.agreed:  # before anything of the peer's is taken
+            raise ConfigError("lowcomm.fault_tolerance: this replica's settings differ from the peer it heals from ("
+                              + settings_differences(state["settings"], self.agreed, "the peer has", "this replica has")
+                              + ")")
         opt = self.optimizer
         nbytes = tensor_bytes(state)
         ledger = opt.ledger.state_dict()  # this replica's own record, not the peer's
