@@ -289,7 +289,11 @@ class FaultTolerance:
     # -- the state a joining replica gets --------------------------------------------------------
     def _state(self) -> dict:
         opt = self.optimizer
-        return _cloned({"optimizer": opt.state_dict(), "params": [p for p in opt._current_params()],
+        params = opt._current_params()
+        anchors = [opt.state[p].get("anchor") for p in params]
+        if all(a is not None and torch.equal(p, a.to(p.dtype)) for p, a in zip(params, anchors)):
+            params = None  # an outer method's quorum follows a sync: the parameters are the anchors, sent once
+        return _cloned({"optimizer": opt.state_dict(), "params": params,
                         "steps": self._steps, "stateful": [obj.state_dict() for obj in self.stateful],
                         "mid_step": self._mid_step, "settings": self.agreed})
 
@@ -305,8 +309,10 @@ class FaultTolerance:
         opt.ledger.load_state_dict(ledger)
         opt.ledger.record("heal", 0, nbytes)
         with torch.no_grad():
-            for p, saved in zip(opt._current_params(), state["params"]):
-                p.copy_(saved)
+            params = opt._current_params()
+            saved = state["params"] or [opt.state[p]["anchor"] for p in params]
+            for p, value in zip(params, saved):
+                p.copy_(value.to(p.dtype))
         for obj, saved in zip(self.stateful, state["stateful"]):
             obj.load_state_dict(saved)
         self._steps = int(state["steps"])
