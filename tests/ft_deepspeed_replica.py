@@ -38,6 +38,19 @@ class Regression(torch.utils.data.Dataset):
         return i, self.x[i], self.y[i]
 
 
+class Pairs(torch.utils.data.Dataset):
+    """(x, y) of each sample: what a pipeline engine's loader hands its first and last stage."""
+
+    def __init__(self, data):
+        self.data = data
+
+    def __len__(self):
+        return len(self.data)
+
+    def __getitem__(self, i):
+        return self.data[i][1:]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--steps", type=int, default=40)
@@ -46,6 +59,7 @@ def main() -> None:
     ap.add_argument("--hold-at", type=int, default=None, help="at this step, wait for --hold-file to exist")
     ap.add_argument("--hold-file", default=None)
     ap.add_argument("--start-file", default=None, help="before initialize, wait for this file to exist")
+    ap.add_argument("--pipeline", action="store_true", help="the model as a PipelineModule of 2 stages")
     ap.add_argument("--local_rank", type=int, default=-1)
     ap = deepspeed.add_config_arguments(ap)
     args = ap.parse_args()
@@ -58,20 +72,31 @@ def main() -> None:
     # seeded by replica and rank: every replica starts from one replica's weights (DeepSpeed's
     # rank 0's inside it, torchft's first quorum across them)
     torch.manual_seed(1000 * int(os.environ["REPLICA_GROUP_ID"]) + rank)
-    model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+    layers = [torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4)]
+    if args.pipeline:  # each rank a stage; the engine reads (x, y) pairs of training_data itself
+        from deepspeed.pipe import PipelineModule
+
+        deepspeed.init_distributed(dist_backend="gloo")
+        model = PipelineModule(layers=layers, num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+        data = Pairs(Regression())
+    else:
+        model, data = torch.nn.Sequential(*layers), Regression()
     engine, _, loader, _ = dl.initialize(args=args, model=model, model_parameters=model.parameters(),
-                                         training_data=Regression())
+                                         training_data=data)
     ft = engine.lowcomm.fault_tolerance
-    it = iter(loader)
+    it = iter(loader) if loader is not None and not args.pipeline else None
     while engine.global_steps < args.steps:
         step = engine.global_steps
         if step == args.hold_at:  # the test holds the run here until a restarted replica is up
             while not Path(args.hold_file).exists():
                 time.sleep(0.05)
-        idx, x, y = next(it)
-        loss = torch.nn.functional.mse_loss(engine(x), y)
-        engine.backward(loss)
-        engine.step()
+        if args.pipeline:
+            idx, loss = torch.tensor([]), engine.train_batch()
+        else:
+            idx, x, y = next(it)
+            loss = torch.nn.functional.mse_loss(engine(x), y)
+            engine.backward(loss)
+            engine.step()
         opt = engine.lowcomm.optimizer
         out.write(json.dumps({"step": engine.global_steps, "samples": idx.tolist(), "loss": loss.item(),
                               "digest": params_digest(model), "heals": ft.heals, "discarded": ft.discarded,

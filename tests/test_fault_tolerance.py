@@ -344,7 +344,7 @@ DS_STEPS, DS_SYNC_EVERY, DS_HOLD_AT = 24, 4, 16
 JOINED = "All workers joined - starting quorum"  # torchft's manager, once a replica's ranks all ask for a quorum
 
 
-def _ds_replica(tmp_path, address, replica, out, config, extra=()):
+def _ds_replica(tmp_path, address, replica, out, config, extra=(), pipeline=False):
     """One replica: the deepspeed launcher starting tests/ft_deepspeed_replica.py on 2 ranks, as its
     own job (its own master port), REPLICA_GROUP_ID and TORCHFT_LIGHTHOUSE as torchft's."""
     bindir = Path(sys.executable).parent
@@ -352,7 +352,8 @@ def _ds_replica(tmp_path, address, replica, out, config, extra=()):
            "REPLICA_GROUP_ID": str(replica), "TORCHFT_LIGHTHOUSE": address, "CUDA_VISIBLE_DEVICES": ""}
     return subprocess.Popen([str(bindir / "deepspeed"), "--num_gpus", "2", "--master_port", str(_free_port()),
                              str(ROOT / "tests" / "ft_deepspeed_replica.py"), "--deepspeed_config", str(config),
-                             "--steps", str(DS_STEPS), "--step-sleep", "0.05", "--out", str(out), *extra],
+                             "--steps", str(DS_STEPS), "--step-sleep", "0.05", "--out", str(out), *extra,
+                             *(("--pipeline",) if pipeline else ())],
                             cwd=tmp_path, env=env, stdout=open(f"{out}.log", "a"), stderr=subprocess.STDOUT,
                             start_new_session=True)  # its own process group: killed whole, launcher and ranks
 
@@ -373,21 +374,22 @@ def _ds_config(tmp_path, method: str, stage: int) -> Path:
     return path
 
 
-@pytest.mark.parametrize("method,stage", [("diloco", 2), ("demo", 1)])
-def test_deepspeed_replicas_as_separate_launches_heal_and_agree(tmp_path, method, stage):
-    """Two replicas, each its own `deepspeed` launch of 2 ranks (ZeRO 2 / ZeRO 1 inside), seeded
-    apart. They start from one replica's weights; replica 1 is SIGKILLed whole (launcher and ranks)
-    at step 6 and launched again: replica 0 never stops; every rank of replica 1 heals from its
-    counterpart (the method's partition and state, the engine's position and schedule, the
-    model's weights) and reads on in its own data shard; after each sync from then on all four
-    ranks hold identical weights."""
+@pytest.mark.parametrize("method,stage,pipeline", [("diloco", 2, False), ("demo", 0, True)])
+def test_deepspeed_replicas_as_separate_launches_heal_and_agree(tmp_path, method, stage, pipeline):
+    """Two replicas, each its own `deepspeed` launch of 2 ranks (diloco: data-parallel at ZeRO 2;
+    demo: a pipeline of 2 stages), seeded apart. They start from one replica's weights; replica 1
+    is SIGKILLed whole (launcher and ranks) at step 6 and launched again: replica 0 never stops;
+    every rank of replica 1 heals from its counterpart (the method's partition or stage and its
+    state, the engine's position and schedule, the model's weights) and reads on in its own data
+    shard; after each sync from then on each rank holds what its counterpart holds (data-parallel:
+    all four ranks alike)."""
     server, address = _lighthouse(min_replicas=1)
     config = _ds_config(tmp_path, method, stage)
     hold_file = tmp_path / "restarted_is_up"
     outs = [tmp_path / "r0", tmp_path / "r1"]
     procs = [_ds_replica(tmp_path, address, 0, outs[0], config, ("--hold-at", str(DS_HOLD_AT), "--hold-file",
-                                                                  str(hold_file))),
-             _ds_replica(tmp_path, address, 1, outs[1], config)]
+                                                                  str(hold_file)), pipeline),
+             _ds_replica(tmp_path, address, 1, outs[1], config, pipeline=pipeline)]
     ranks = lambda out: [Path(f"{out}.rank{k}.jsonl") for k in range(2)]  # noqa: E731
     try:
         for path in ranks(outs[1]):
@@ -398,7 +400,7 @@ def test_deepspeed_replicas_as_separate_launches_heal_and_agree(tmp_path, method
             path.rename(f"{path}.first")
         log = Path(f"{outs[1]}.log")
         asked = log.read_text(errors="replace").count(JOINED)
-        procs.append(_ds_replica(tmp_path, address, 1, outs[1], config))
+        procs.append(_ds_replica(tmp_path, address, 1, outs[1], config, pipeline=pipeline))
         start = time.time()
         while log.read_text(errors="replace").count(JOINED) == asked:  # its ranks have asked the lighthouse for a quorum
             assert time.time() - start < 180 and procs[2].poll() is None, log.read_text()[-3000:]
@@ -424,13 +426,16 @@ def test_deepspeed_replicas_as_separate_launches_heal_and_agree(tmp_path, method
     by_step = [{r["step"]: r for r in rs} for rs in (*survivor, *back)]
     sync = DS_SYNC_EVERY if method == "diloco" else 1
     after = [s for s in range(healed_at + 1, DS_STEPS + 1) if s % sync == 0]
-    assert after and all(len({m[s]["digest"] for m in by_step}) == 1 for s in after)  # all four ranks alike
+    if pipeline:  # each stage as its counterpart (and the stages differ)
+        assert after and all(by_step[k][s]["digest"] == by_step[2 + k][s]["digest"] != by_step[1 - k][s]["digest"]
+                             for s in after for k in range(2))
+    else:
+        assert after and all(len({m[s]["digest"] for m in by_step}) == 1 for s in after)  # all four ranks alike
     for s in range(healed_at + 1, DS_STEPS + 1):  # the engine's position and schedule, as the survivor's
         assert by_step[2][s]["lr"] == by_step[0][s]["lr"] and by_step[2][s]["global_samples"] == by_step[0][s]["global_samples"]
-    for k in range(2):  # its own shard, read on: nothing its first life read, nothing the survivor read
+    for k in range(2 if not pipeline else 0):  # its own shard, read on: nothing its first life read, nor the survivor
         seen_first = {i for r in first[k] for i in r["samples"]}
         seen_back = {i for r in back[k] for i in r["samples"]}
         assert not seen_first & seen_back and not seen_back & {i for r in survivor[k] for i in r["samples"]}
-    starts = {m[1]["digest"] for m in by_step[:2]} | {r["digest"] for r in first[0][:1]} | {r["digest"] for r in first[1][:1]}
-    if method == "demo":  # one step in, seeded apart: every replica started from one replica's weights
-        assert len(starts) == 1, starts
+    # the first step, seeded apart: every replica started from one replica's weights
+    assert first[0][0]["digest"] == survivor[0][0]["digest"] and first[1][0]["digest"] == survivor[1][0]["digest"]

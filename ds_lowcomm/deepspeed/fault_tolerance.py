@@ -56,7 +56,8 @@ class EngineState:
             scheduler.step()
         internals.put(e, _STEPS, internals.get(e, _STEPS) + 1)
         internals.put(e, _SAMPLES, internals.get(e, _SAMPLES) + e.train_batch_size())
-        internals.put(e, _MICRO, internals.get(e, _MICRO) + 1)
+        if not isinstance(e, internals.live(internals.PIPELINE_ENGINE)):  # train_batch does not count micro_steps
+            internals.put(e, _MICRO, internals.get(e, _MICRO) + 1)
 
 
 class ModelWeights:
@@ -104,19 +105,34 @@ class PositionSampler(torch.utils.data.Sampler):
         return iter(mine[start:])
 
 
-def build_loader(engine, training_data, topology):
-    """DeepSpeed's loader of ``training_data`` (``engine.deepspeed_io``: micro batch size, collate_fn,
-    ...) over this replica's shard, read on from the engine's position."""
+def _positioned(engine, training_data, topology, shuffle: bool):
     gas, micro = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
 
     def position() -> int:
         return internals.get(engine, _STEPS) * gas * micro
 
-    sampler = PositionSampler(len(training_data), topology.data_rank, topology.data_world, position)
-    loader = engine.deepspeed_io(training_data, data_sampler=sampler)
+    sampler = PositionSampler(len(training_data), topology.data_rank, topology.data_world, position, shuffle)
     engine.training_data = training_data
+    return engine.deepspeed_io(training_data, data_sampler=sampler)
+
+
+def build_loader(engine, training_data, topology):
+    """DeepSpeed's loader of ``training_data`` (``engine.deepspeed_io``: micro batch size, collate_fn,
+    ...) over this replica's shard, read on from the engine's position."""
+    loader = _positioned(engine, training_data, topology, shuffle=True)
     engine.training_dataloader = loader
     return loader
 
 
-__all__ = ["EngineState", "ModelWeights", "PositionSampler", "build_loader"]
+def build_pipeline_loader(engine, training_data, topology):
+    """A pipeline engine's repeating loader as DeepSpeed builds it (in order, not shuffled; first and
+    last stage), over this pipeline's shard of every replica's, read on from the engine's position
+    (each pass of the repeating loader starts where the engine stands)."""
+    from deepspeed.utils import RepeatingLoader
+
+    engine.set_dataloader(RepeatingLoader(_positioned(engine, training_data, topology, shuffle=False)))
+    first_or_last = engine.is_first_stage() or engine.is_last_stage()
+    return engine.training_dataloader if first_or_last else None
+
+
+__all__ = ["EngineState", "ModelWeights", "PositionSampler", "build_loader", "build_pipeline_loader"]

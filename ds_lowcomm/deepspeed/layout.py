@@ -180,22 +180,29 @@ class TorchftReplica(Layout):
 
     @classmethod
     def build(cls, split: SplitConfig, model, ledger: ByteLedger) -> "TorchftReplica":
+        from deepspeed.pipe import PipelineModule
+
+        replica, replicas = split.fault_tolerance.data_shard()
+        world, timeout_s = dist.get_world_size(), split.lowcomm.comm.timeout_s
+        if isinstance(model, PipelineModule):  # its pipelines (and stages) as one replica
+            topology = pipeline.pipeline_replicas(model, world, split.zero_stage, timeout_s)
+            per = topology.data_per_replica  # the data-parallel ranks are the replica's pipelines
+            topology.data_rank, topology.data_world = replica * per + topology.data_rank, replicas * per
+            return TorchftPipelineReplica._with_manager(split, model, topology, ledger)
+        topology = ReplicaTopology.from_replicas([list(range(world))], data_rank=replica * world + dist.get_rank(),
+                                                 data_world=replicas * world, data_per_replica=world,
+                                                 timeout_s=timeout_s)
+        return cls._with_manager(split, model, topology, ledger)
+
+    @classmethod
+    def _with_manager(cls, split: SplitConfig, model, topology: ReplicaTopology, ledger: ByteLedger):
+        """This rank's torchft manager (rank r meets rank r of every other replica)."""
         import socket
 
         from ..optim.fault_tolerance import FaultTolerance, replica_store
 
-        from deepspeed.pipe import PipelineModule
-
-        if isinstance(model, PipelineModule):
-            raise ConfigError("lowcomm.fault_tolerance with a PipelineModule: not supported yet (replicas of "
-                              "pipeline stages heal stage by stage, not built); use a plain nn.Module")
-        settings = split.fault_tolerance
-        replica, replicas = settings.data_shard()
+        settings, timeout_s = split.fault_tolerance, split.lowcomm.comm.timeout_s
         world, rank = dist.get_world_size(), dist.get_rank()
-        timeout_s = split.lowcomm.comm.timeout_s
-        topology = ReplicaTopology.from_replicas([list(range(world))], data_rank=replica * world + rank,
-                                                 data_world=replicas * world, data_per_replica=world,
-                                                 timeout_s=timeout_s)
         host = settings.host or socket.gethostname()
         store, address = None, None
         if world > 1:  # the replica's managers meet in rank 0's store
@@ -228,6 +235,17 @@ class TorchftReplica(Layout):
         from .fault_tolerance import build_loader
 
         return build_loader(engine, training_data, self.topology)
+
+
+@dataclass
+class TorchftPipelineReplica(TorchftReplica, PipelineReplicas):
+    """A replica of DeepSpeed pipelines over torchft: rank r (a stage of a pipeline) meets the same
+    stage of the same pipeline in every other replica; inside, as :class:`PipelineReplicas`."""
+
+    def loader(self, engine, training_data):
+        from .fault_tolerance import build_pipeline_loader
+
+        return build_pipeline_loader(engine, training_data, self.topology)
 
 
 def choose_layout(split: SplitConfig, model, ledger: ByteLedger) -> Layout:
