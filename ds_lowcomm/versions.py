@@ -32,6 +32,12 @@ SUPPORTED = {
     "deepspeed": ">=0.19.8,<0.20",
     "megatron-core": ">=0.16.1,<0.17",
     "torchft": ">=0.2.0,<0.3",
+    # the frameworks install() serves (checked when it runs, where they are installed): accelerate
+    # and lightning call deepspeed.initialize; transformers only through accelerate (nothing of
+    # its own is touched: its major version)
+    "transformers": ">=5.24,<6",
+    "accelerate": ">=1.15,<1.16",
+    "lightning": ">=2.6.6,<2.7",
 }
 
 ALLOW_ENV = "DS_LOWCOMM_ALLOW_UNSUPPORTED_VERSIONS"

@@ -32,7 +32,7 @@ fi
 
 # Reinstall the package (editable) only when its declared dependencies changed.
 stamp=.venv/.ds_lowcomm-installed
-extras="test,plot,bench,megatron"
+extras="test,plot,bench,megatron,hf"
 if command -v mpirun >/dev/null 2>&1; then
     extras="$extras,mpi"
 fi

@@ -1,6 +1,6 @@
 """Each replica its own DeepSpeed job, meeting the others through torchft (``lowcomm.fault_tolerance``).
 
-The job's DeepSpeed world is one replica (ZeRO 0, 1 or 2 inside it, as usual); the other replicas
+The job's DeepSpeed world is one replica (ZeRO 0, 1 or 2, or pipelines, inside it, as usual); the others
 are other jobs at the same lighthouse. Every rank runs a torchft manager (rank 0's serves the
 replica; ranks meet in a TCPStore rank 0 serves): rank r of each replica exchanges its share with
 rank r of the others over torchft's process group, and a replica joins, dies and rejoins while

@@ -214,6 +214,13 @@ TRAIN_BATCH_SIZE = Internal(_ENGINE, "DeepSpeedEngine.train_batch_size", "method
 SET_TRAIN_BATCH_SIZE = Internal(_ENGINE, "DeepSpeedEngine.set_train_batch_size", "method", ("train_batch_size",),
                                 "override", use=_usedata)
 DEEPSPEED_IO = Internal(_ENGINE, "DeepSpeedEngine.deepspeed_io", "method", ("dataset",), "has", use=_usedata)
+DEEPSPEED_INITIALIZE = Internal("deepspeed", "initialize", "function", (
+    "args", "model", "optimizer", "model_parameters", "training_data", "lr_scheduler", "distributed_port", "mpu",
+    "dist_init_required", "collate_fn", "config", "mesh_param", "config_params"), "override",
+    use="routes it to ds_lowcomm's where the config has a lowcomm section (install.py)")
+GROUPS_MPU = Internal("deepspeed.utils.groups", "mpu", "attribute",
+                     use="refuses a plain engine after a ds_lowcomm one in one process: DeepSpeed keeps the "
+                         "earlier engine's mpu there (install.py)")
 _useheal = "heals a restarted replica's position and schedule from a live peer (fault_tolerance.py)"
 ENGINE_POSITION = tuple(Internal(_ENGINE, f"DeepSpeedEngine.{name}", "instance", use=_useheal)
                         for name in ("global_steps", "global_samples", "micro_steps", "skipped_steps"))
@@ -339,6 +346,7 @@ live = _INTERNALS.live  # (item): the live class / function / attribute item dec
 get = _INTERNALS.get  # (obj, item): obj's instance attribute item; the named error where it is missing
 put = _INTERNALS.put  # (obj, item, value): set it; it must already be there
 method = _INTERNALS.method  # (obj, item, of_class=False): obj's method item, bound; the named error where missing
+check_override = _INTERNALS.check_override  # (item, fn): fn accepts what the framework passes the replaced item
 replace_method = _INTERNALS.replace_method  # (obj, item, fn): fn in place of the method item on this one object
 
 

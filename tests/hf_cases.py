@@ -1,0 +1,71 @@
+"""The Hugging Face Trainer cases of tests/test_hf.py, run in one launch of 2 ranks (each case a
+fresh Trainer and engine in the same processes): examples/hf_trainer.py's run() with the DeepSpeed
+configs below. Rank 0 writes every case's report to argv[1] as JSON."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+import hf_trainer  # noqa: E402  (its import installs ds_lowcomm's route: the one line)
+import torch  # noqa: E402
+from transformers import TrainerCallback  # noqa: E402
+
+import ds_lowcomm.deepspeed as dl  # noqa: E402
+from ds_lowcomm.task.data import ByteCorpus  # noqa: E402
+
+STEPS = 6
+
+
+class StepCounter(TrainerCallback):
+    """The optimizer steps this process ran (a resumed run: only those after the checkpoint)."""
+
+    def __init__(self):
+        self.steps = 0
+
+    def on_step_end(self, args, state, control, **kwargs):
+        self.steps += 1
+
+
+def config(lowcomm=None):
+    base = json.loads((ROOT / "examples" / "hf_trainer.json").read_text())
+    base["optimizer"]["params"]["torch_adam"] = True  # torch's AdamW in plain DeepSpeed too (no op to build)
+    base.pop("lowcomm")
+    return {**base, **({"lowcomm": lowcomm} if lowcomm else {})}
+
+
+def main() -> None:
+    out, work = Path(sys.argv[1]), Path(sys.argv[2])
+    corpus = ByteCorpus(max_train_bytes=1 << 20)
+    kw = dict(steps=STEPS, corpus=corpus, width=32)
+    demo = {"method": "demo", "topk": 16, "chunk": 64}
+    reports = {}
+    # plain DeepSpeed first (DeepSpeed keeps a ds_lowcomm engine's mpu for every later engine: refused)
+    dl.uninstall()  # DeepSpeed's own deepspeed.initialize, untouched
+    reports["plain"] = hf_trainer.run(config(), str(work / "plain2"), **kw)
+    dl.install()
+    reports["plain_installed"] = hf_trainer.run(config(), str(work / "plain1"), **kw)
+    reports["demo"] = hf_trainer.run(config(demo), str(work / "demo"), save_steps=3, **kw)
+    counted = StepCounter()
+    reports["demo_resumed"] = hf_trainer.run(config(demo), str(work / "demo"), resume="checkpoint-3",
+                                             callbacks=[counted], **kw)
+    reports["demo_resumed"]["steps_run"] = counted.steps
+    reports["diloco"] = hf_trainer.run(config({"method": "diloco", "sync_every": 3, "replica_size": 1}),
+                                       str(work / "diloco"), **kw)
+    try:
+        hf_trainer.run(config(), str(work / "plain3"), **kw)
+    except Exception as err:  # noqa: BLE001
+        reports["plain_after_lowcomm"] = f"{type(err).__name__}: {err}"
+    if torch.distributed.get_rank() == 0:
+        out.write_text(json.dumps(reports, default=str))
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+    main()

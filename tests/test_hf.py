@@ -1,0 +1,67 @@
+"""The Hugging Face Trainer through ds_lowcomm.deepspeed.install() (examples/hf_trainer.py: a
+Llama-architecture LlamaForCausalLM of transformers on the reference corpus), 2 ranks under
+torchrun, every case in one launch (tests/hf_cases.py)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' extra)")
+pytest.importorskip("accelerate", reason="accelerate is not installed (the 'hf' extra)")
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def cases(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("hf")
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port", "29541",
+                           str(ROOT / "tests" / "hf_cases.py"), str(tmp / "cases.json"), str(tmp)],
+                          cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
+    return json.loads((tmp / "cases.json").read_text())
+
+
+def test_without_a_lowcomm_section_the_trainer_is_plain_deepspeed(cases):
+    """install() routes a config without the section to DeepSpeed's own initialize: the same
+    losses and parameters, bit for bit, as with DeepSpeed's own; and DeepSpeed's data parallelism
+    (the ranks' parameters alike)."""
+    plain, routed = cases["plain"], cases["plain_installed"]
+    assert routed["losses"] == plain["losses"] and routed["digests"] == plain["digests"]
+    assert len(set(plain["digests"])) == 1 and routed["lowcomm"] is None
+
+
+def test_demo_through_the_trainer(cases):
+    """demo, one rank per replica: the loss falls, the replicas are identical, what crosses between
+    them is demo's sparse payload (no DeepSpeed all-reduce), and resume_from_checkpoint at step 3
+    runs the last 3 steps to the uninterrupted run's parameters."""
+    demo = cases["demo"]
+    assert demo["losses"][-1] < demo["losses"][0] - 0.2 and len(set(demo["digests"])) == 1
+    method = demo["lowcomm"]
+    assert method["engine_bytes_sent_per_step"] == 0 and method["compression_vs_allreduce"] > 100
+    assert method["method_ledger"]["by_op"]["sparse_all_gather"]["calls"] == 6
+    resumed = cases["demo_resumed"]
+    assert resumed["steps_run"] == 3 and resumed["global_step"] == 6
+    assert resumed["digests"] == demo["digests"] and resumed["held_out_loss"] == demo["held_out_loss"]
+
+
+def test_diloco_through_the_trainer(cases):
+    """diloco with sync_every 3 over 6 steps: the replicas identical after the sync at step 6
+    (they trained apart in between: their losses differ from demo's and plain's)."""
+    diloco = cases["diloco"]
+    assert len(set(diloco["digests"])) == 1 and diloco["losses"][-1] < diloco["losses"][0] - 0.2
+    assert diloco["lowcomm"]["method"] == "diloco" and diloco["lowcomm"]["engine_bytes_sent_per_step"] == 0
+    assert diloco["digests"] != cases["plain"]["digests"]
+
+
+def test_a_plain_engine_after_a_lowcomm_one_is_refused(cases):
+    assert cases["plain_after_lowcomm"].startswith("ConfigError: a DeepSpeed config without a lowcomm section, after "
+                                                   "a ds_lowcomm engine in this process")
