@@ -56,6 +56,9 @@ def main() -> None:
     reports["demo_resumed"] = hf_trainer.run(config(demo), str(work / "demo"), resume="checkpoint-3",
                                              callbacks=[counted], **kw)
     reports["demo_resumed"]["steps_run"] = counted.steps
+    own = config(demo)  # no optimizer section: the Trainer builds torch's AdamW (2 groups), ds_lowcomm takes it over
+    del own["optimizer"]
+    reports["demo_trainer_optimizer"] = hf_trainer.run(own, str(work / "demo_own"), **kw)
     reports["diloco"] = hf_trainer.run(config({"method": "diloco", "sync_every": 3, "replica_size": 1}),
                                        str(work / "diloco"), **kw)
     try:

@@ -41,13 +41,16 @@ def test_without_a_lowcomm_section_the_trainer_is_plain_deepspeed(cases):
 
 def test_demo_through_the_trainer(cases):
     """demo, one rank per replica: the loss falls, the replicas are identical, what crosses between
-    them is demo's sparse payload (no DeepSpeed all-reduce), and resume_from_checkpoint at step 3
-    runs the last 3 steps to the uninterrupted run's parameters."""
+    them is demo's sparse payload (no DeepSpeed all-reduce); the Trainer's own optimizer (no
+    optimizer section) gives the same run; resume_from_checkpoint at step 3 runs the last 3 steps
+    to the uninterrupted run's parameters."""
     demo = cases["demo"]
     assert demo["losses"][-1] < demo["losses"][0] - 0.2 and len(set(demo["digests"])) == 1
     method = demo["lowcomm"]
     assert method["engine_bytes_sent_per_step"] == 0 and method["compression_vs_allreduce"] > 100
     assert method["method_ledger"]["by_op"]["sparse_all_gather"]["calls"] == 6
+    # the Trainer's own AdamW (no optimizer section: two parameter groups, its scheduler on them), taken over
+    assert cases["demo_trainer_optimizer"]["digests"] == demo["digests"]
     resumed = cases["demo_resumed"]
     assert resumed["steps_run"] == 3 and resumed["global_step"] == 6
     assert resumed["digests"] == demo["digests"] and resumed["held_out_loss"] == demo["held_out_loss"]
