@@ -28,7 +28,7 @@ from .task.train import train_worker
 from .workers import run_local_workers
 
 # The reference task's recipe per method: learning rate of the per-step (or inner) optimizer
-# and the lowcomm settings. Chosen on this task with 2 workers; see README "Reference results".
+# and the lowcomm settings. Chosen on this task with 2 workers; see docs/results.md.
 RECIPES: dict[str, dict] = {
     "adamw": {"lr": 1e-3, "lowcomm": {"method": "adamw"}},
     # the 900-step sweep of docs/bench/sweep.csv: lr 2e-3 and Psyche's decay 0.995 reach adamw's

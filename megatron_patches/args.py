@@ -110,7 +110,7 @@ def _config_file_section(args: argparse.Namespace) -> dict[str, Any] | None:
 def refuse_fault_tolerance(section: dict) -> None:
     if "fault_tolerance" in section:
         raise ConfigError("lowcomm.fault_tolerance is not supported with Megatron: its replicas are data-parallel "
-                          "groups of one job (README, Live fault tolerance); use the DeepSpeed or plain torch path")
+                          "groups of one job (docs/reliability.md, Live fault tolerance); use the DeepSpeed or plain torch path")
 
 
 def lowcomm_section(args: argparse.Namespace) -> dict[str, Any] | None:

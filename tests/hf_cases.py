@@ -61,6 +61,11 @@ def main() -> None:
     reports["demo_trainer_optimizer"] = hf_trainer.run(own, str(work / "demo_own"), **kw)
     reports["diloco"] = hf_trainer.run(config({"method": "diloco", "sync_every": 3, "replica_size": 1}),
                                        str(work / "diloco"), **kw)
+    # the README's command, as written there (its script's main() with its arguments: 20 steps, 64 wide)
+    sys.argv = ["hf_trainer.py", "--deepspeed", str(ROOT / "examples" / "hf_trainer.json"), "--out", str(work / "readme")]
+    hf_trainer.main()
+    if torch.distributed.get_rank() == 0:
+        reports["readme"] = json.loads((work / "readme" / "report.json").read_text())
     try:
         hf_trainer.run(config(), str(work / "plain3"), **kw)
     except Exception as err:  # noqa: BLE001

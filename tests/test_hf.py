@@ -68,3 +68,47 @@ def test_diloco_through_the_trainer(cases):
 def test_a_plain_engine_after_a_lowcomm_one_is_refused(cases):
     assert cases["plain_after_lowcomm"].startswith("ConfigError: a DeepSpeed config without a lowcomm section, after "
                                                    "a ds_lowcomm engine in this process")
+
+
+def test_the_readme_command(cases):
+    """The README's HF Trainer command (its script and arguments, in the same launch): 20 steps of
+    demo on the 64-wide Llama; the loss falls and the replicas agree."""
+    readme = cases["readme"]
+    assert readme["global_step"] == 20 and readme["lowcomm"]["method"] == "demo"
+    assert readme["losses"][-1] < readme["losses"][0] - 0.5 and len(set(readme["digests"])) == 1
+
+
+
+def test_lightning_stops_at_its_cuda_check():
+    """Lightning's DeepSpeedStrategy runs on CUDA GPUs only: on this CPU machine a Trainer with the
+    strategy (its config carrying a lowcomm section, ds_lowcomm installed) stops at Lightning's own
+    check, before deepspeed.initialize; the rest is to be checked on a GPU (docs/frameworks.md)."""
+    pl = pytest.importorskip("lightning.pytorch")
+    import torch
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    import ds_lowcomm.deepspeed as dl
+
+    class Regression(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(4, 1)
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-3)
+
+    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
+    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 0},
+              "lowcomm": {"method": "demo", "topk": 4, "chunk": 4}}
+    dl.install()
+    try:
+        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=DeepSpeedStrategy(config=config), max_steps=1,
+                             logger=False, enable_checkpointing=False, enable_progress_bar=False)
+        with pytest.raises(RuntimeError, match="The DeepSpeed strategy is only supported on CUDA GPUs"):
+            trainer.fit(Regression(), torch.utils.data.DataLoader(data, batch_size=4))
+    finally:
+        dl.uninstall()

@@ -14,7 +14,7 @@ faults:
   with torchft's own logic (its HTTP checkpoint transport, advertising the test host's address
   and loading tensors and plain data only, as ds_lowcomm's: torchft's advertises the hostname,
   which a test host cannot reach);
-- ``restart``: today's stop-and-restart elastic path (README, "Lost workers"), diloco in one world
+- ``restart``: today's stop-and-restart elastic path (docs/reliability.md, "Lost workers"), diloco in one world
   checkpointing at every sync: a dead worker stops every rank, and all restart from the last
   checkpoint (what ``torchrun --max-restarts`` does: its agent stops the others when one fails).
 
@@ -119,8 +119,10 @@ class Processes:
 
     def tail(self, i: int | None = None) -> str:
         """Worker ``i``'s latest log's end; None: every exited worker's."""
-        if i is not None:
-            return self.procs[i].log.read_text(errors="replace")[-3000:]
+        if i is not None:  # from its last traceback, if any (torchft's logging follows it)
+            text = self.procs[i].log.read_text(errors="replace")
+            at = text.rfind("Traceback (most recent call last)")
+            return text[at:][:6000] if at >= 0 else text[-3000:]
         return "\n".join(f"worker {j} exited with {p.returncode}:\n{self.tail(j)}"
                          for j, p in self.procs.items() if p.poll() is not None)
 

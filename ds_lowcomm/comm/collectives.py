@@ -170,7 +170,8 @@ class SparseAllGather:
         return Pending(lambda: self._decode(gathered.wait(), buffers), None)
 
     def _decode(self, rows: torch.Tensor, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        keep = settle_health(rows[:, -1] == 1, self.transport, self.op)
+        # a failed exchange (a torchft peer died in it) gathered no rows: decode nothing (it is discarded)
+        keep = [] if self.transport.failed is not None else settle_health(rows[:, -1] == 1, self.transport, self.op)
         start = time.perf_counter()
         weights = self.weights
         if len(keep) < rows.shape[0] and keep:

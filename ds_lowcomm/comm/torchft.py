@@ -73,7 +73,9 @@ class TorchftTransport(Transport):
         if self.failed is not None or (self.manager is not None and self.manager.errored() is not None):
             # This replica already failed in this round (a collective, or its heal): it sends
             # nothing, so the others' collective fails too and every replica discards the sync
-            # (a replica whose heal failed must not contribute its stale state).
+            # (a replica whose heal failed must not contribute its stale state). Nothing arrives
+            # either: ``failed`` says so to whoever would read the buffers.
+            self.failed = self.failed or self.manager.errored()
             return lambda: None
         try:
             work = issue()

@@ -53,6 +53,9 @@ class Transport:
     rank: int
     world_size: int
     ledger: ByteLedger
+    # The first error of the current exchange where a transport lets one fail without raising
+    # (torchft's: the exchange is discarded on every replica): its buffers hold no data to decode.
+    failed: Exception | None = None
     device: torch.device  # where this transport's buffers must live
     nonfinite: str = "skip"  # a rank with NaN/inf to send: "skip" it in that exchange, or "raise" (collectives.py)
     # lowcomm.timeout_s: seconds a collective may wait for a peer; None: the backend's own limit

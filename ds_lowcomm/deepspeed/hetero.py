@@ -144,7 +144,7 @@ class ReplicaPlace:
     specs: tuple[ReplicaSpec, ...]
     # Engine steps (train_batch() calls) this replica runs per sync across replicas: its
     # inner_steps, else lowcomm.sync_every (1 for the per-step methods). Every replica must run the
-    # same number of syncs, so a script runs syncs x steps_per_sync steps on each (README).
+    # same number of syncs, so a script runs syncs x steps_per_sync steps on each (docs/deepspeed.md).
     steps_per_sync: int = 1
 
     @property
