@@ -112,3 +112,22 @@ def test_lightning_stops_at_its_cuda_check():
             trainer.fit(Regression(), torch.utils.data.DataLoader(data, batch_size=4))
     finally:
         dl.uninstall()
+
+
+def test_accelerate_launch_reaches_ds_lowcomm_and_stops_on_a_cpu_machine(tmp_path):
+    """`accelerate launch --use_deepspeed` of examples/accelerate_user.py (2 ranks): on a machine
+    without GPUs Accelerate's state counts one process per rank (it sets DeepSpeed's process group
+    up on GPUs only), so its DeepSpeed config says train_batch_size 8 for 2 ranks of 8 each. The
+    call reaches ds_lowcomm's initialize (install() routed it) and stops there, naming the batch
+    sizes: where Accelerate's DeepSpeed path stops on CPU (docs/frameworks.md); the rest is for a GPU."""
+    env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    proc = subprocess.run([str(Path(sys.executable).parent / "accelerate"), "launch", "--num_processes", "2",
+                           "--main_process_port", "29542", "--use_deepspeed", "--deepspeed_config_file",
+                           str(ROOT / "examples" / "accelerate_user.json"), str(ROOT / "examples" / "accelerate_user.py"),
+                           "--out", str(tmp_path), "--steps", "8"],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode != 0
+    assert ("ConfigError: batch sizes (train_batch_size 8, train_micro_batch_size_per_gpu 8, gradient_accumulation_steps"
+            " 1) do not fit 2 data-parallel ranks") in proc.stdout + proc.stderr, (proc.stdout[-2000:], proc.stderr[-3000:])
+    assert "ds_lowcomm/deepspeed/install.py" in proc.stdout + proc.stderr  # by install()'s route

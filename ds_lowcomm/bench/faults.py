@@ -140,7 +140,11 @@ def run_replicas(net: TestNetwork, spec: TrainSpec, peer: dict | None, kill_ever
     """``net.hosts`` replicas over torchft (``peer`` None: ds_lowcomm's method, else torchft's
     DiLoCo), replica k > 0 killed and restarted under the schedule; replica 0's results."""
     n = net.hosts
-    with tempfile.TemporaryDirectory(prefix="dslc-faults-") as tmp_dir:
+    # DSLC_FAULTS_KEEP=1: the workers' and the lighthouse's logs stay (a temporary folder named on stderr)
+    keep = os.environ.get("DSLC_FAULTS_KEEP") == "1"
+    with tempfile.TemporaryDirectory(prefix="dslc-faults-", delete=not keep) as tmp_dir:
+        if keep:
+            print(f"faults: logs in {tmp_dir}", file=sys.stderr, flush=True)
         tmp = Path(tmp_dir)
         lighthouse_log = open(tmp / "lighthouse.txt", "w")
         lighthouse_bin = str(Path(sys.executable).parent / "torchft_lighthouse")
