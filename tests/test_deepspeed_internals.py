@@ -138,7 +138,7 @@ def test_the_deepspeed_version_is_checked_first(internals, monkeypatch):
 
 # Public DeepSpeed the glue imports directly; every other DeepSpeed name goes through internals.py.
 PUBLIC_IMPORTS = {"deepspeed": None, "deepspeed.pipe": {"PipelineModule"}, "deepspeed.accelerator": {"get_accelerator"},
-                  "deepspeed.runtime.pipe.engine": {"PipelineEngine"}}
+                  "deepspeed.runtime.pipe.engine": {"PipelineEngine"}, "deepspeed.utils": {"RepeatingLoader"}}
 NOT_DEEPSPEED = {"_getframe", "_get_default_group"}  # sys's and torch's
 
 

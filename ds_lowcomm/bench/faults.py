@@ -32,6 +32,7 @@ seconds to compare with. Needs root (network namespaces).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import csv
 import dataclasses
 import json
@@ -52,6 +53,7 @@ COLUMNS = ["entry", "kill_every_s", "kills", "survivor_steps_per_s", "no_fault_s
            "final_val_loss", "no_fault_final_val_loss", "heal_bytes"]
 ENTRIES = ("diloco", "demo", "sparseloco", "torchft_diloco", "restart")
 LIGHTHOUSE_PORT = 29510
+JOIN_TIMEOUT_MS = 10_000
 HEALED = re.compile(r"healed from a peer at step (\d+): (\d+) bytes at ([0-9.]+)")
 PROGRESS = re.compile(r"\] step\s+(\d+)/\d+\s+train \S+\s+val (\S+)")
 _port = 29900
@@ -142,14 +144,21 @@ def run_replicas(net: TestNetwork, spec: TrainSpec, peer: dict | None, kill_ever
     n = net.hosts
     # DSLC_FAULTS_KEEP=1: the workers' and the lighthouse's logs stay (a temporary folder named on stderr)
     keep = os.environ.get("DSLC_FAULTS_KEEP") == "1"
-    with tempfile.TemporaryDirectory(prefix="dslc-faults-", delete=not keep) as tmp_dir:
+    folder = contextlib.nullcontext(tempfile.mkdtemp(prefix="dslc-faults-")) if keep else \
+        tempfile.TemporaryDirectory(prefix="dslc-faults-")
+    with folder as tmp_dir:
         if keep:
             print(f"faults: logs in {tmp_dir}", file=sys.stderr, flush=True)
         tmp = Path(tmp_dir)
         lighthouse_log = open(tmp / "lighthouse.txt", "w")
         lighthouse_bin = str(Path(sys.executable).parent / "torchft_lighthouse")
+        # join timeout 10 s, above a sync interval (about 7 s here): a quorum waits for a replica that
+        # is alive (heartbeating) but not there yet. At 1 s, a replica a restart had slowed by more
+        # than that missed its peers' quorum, the next one formed without another, and the three
+        # never met again: two-member quorums in turn, one replica healing at every sync (measured).
+        # A dead replica stops heartbeating: it is not waited for past the 2 s heartbeat timeout.
         lighthouse = subprocess.Popen(net.command(0, [lighthouse_bin, "--bind", f"0.0.0.0:{LIGHTHOUSE_PORT}",
-                                                      "--min_replicas", "1", "--join_timeout_ms", "1000",
+                                                      "--min_replicas", "1", "--join_timeout_ms", str(JOIN_TIMEOUT_MS),
                                                       "--heartbeat_timeout_ms", "2000"]),
                                       stdout=lighthouse_log, stderr=subprocess.STDOUT)
         address = f"{net.address(0)}:{LIGHTHOUSE_PORT}"
