@@ -22,20 +22,8 @@ import torch  # noqa: E402
 import ds_lowcomm.deepspeed as dl  # noqa: E402
 from ds_lowcomm.checkpoint_io import params_digest  # noqa: E402
 
-
-class Regression(torch.utils.data.Dataset):
-    """Sample i: (i, x, y); the index names the sample."""
-
-    def __init__(self, n=4096):
-        g = torch.Generator().manual_seed(0)
-        self.x = torch.randn(n, 16, generator=g)
-        self.y = torch.tanh(self.x @ torch.randn(16, 4, generator=g))
-
-    def __len__(self):
-        return len(self.x)
-
-    def __getitem__(self, i):
-        return i, self.x[i], self.y[i]
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+from deepspeed_user import Regression  # noqa: E402  (sample i: (i, x, y))
 
 
 class Pairs(torch.utils.data.Dataset):
@@ -78,9 +66,9 @@ def main() -> None:
 
         deepspeed.init_distributed(dist_backend="gloo")
         model = PipelineModule(layers=layers, num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
-        data = Pairs(Regression())
+        data = Pairs(Regression(4096))
     else:
-        model, data = torch.nn.Sequential(*layers), Regression()
+        model, data = torch.nn.Sequential(*layers), Regression(4096)
     engine, _, loader, _ = dl.initialize(args=args, model=model, model_parameters=model.parameters(),
                                          training_data=data)
     ft = engine.lowcomm.fault_tolerance
