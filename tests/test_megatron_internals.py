@@ -32,7 +32,7 @@ def test_supported_ranges_equal_pyproject_pins():
     for line in [*project["dependencies"], *(d for ds in project["optional-dependencies"].values() for d in ds)]:
         req = Requirement(line)
         pins.setdefault(req.name, []).append(req.specifier)
-    assert set(SUPPORTED) == {"deepspeed", "megatron-core", "torchft"}
+    assert set(SUPPORTED) == {"deepspeed", "megatron-core", "torchft", "transformers", "accelerate", "lightning"}
     for name, spec in SUPPORTED.items():
         assert pins.get(name), f"pyproject.toml does not pin {name}"
         for pinned in pins[name]:
