@@ -26,12 +26,12 @@ STEPS, SYNC_EVERY = 40, 5
 HOLD_AT = 25  # the survivors wait there until the restarted replica's process is up (imports take seconds)
 
 
-def _lighthouse(min_replicas=2):
+def _lighthouse(min_replicas=2, join_timeout_ms=1000):
     from torchft.coordination import LighthouseServer
 
-    # A dead replica's heartbeats stop: it leaves the next quorum after 2 s; a quorum waits 1 s for
-    # the last one's members before going on without them.
-    server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=1000,
+    # A dead replica's heartbeats stop: it leaves the next quorum after 2 s; a quorum waits
+    # join_timeout_ms for a heartbeating replica that has not asked yet before going on without it.
+    server = LighthouseServer(bind="[::]:0", min_replicas=min_replicas, join_timeout_ms=join_timeout_ms,
                               heartbeat_timeout_ms=2000)
     return server, "127.0.0.1:" + server.address().rsplit(":", 1)[1]
 
@@ -383,15 +383,23 @@ def test_deepspeed_replicas_as_separate_launches_heal_and_agree(tmp_path, method
     state, the engine's position and schedule, the model's weights) and reads on in its own data
     shard; after each sync from then on each rank holds what its counterpart holds (data-parallel:
     all four ranks alike)."""
-    server, address = _lighthouse(min_replicas=1)
+    # min_replicas 1: the survivor goes on alone; the first quorum waits up to 20 s for a replica
+    # whose manager is up (heartbeating) but slower to ask (deepspeed.initialize under load)
+    server, address = _lighthouse(min_replicas=1, join_timeout_ms=20_000)
     config = _ds_config(tmp_path, method, stage)
-    hold_file = tmp_path / "restarted_is_up"
+    hold_file, go = tmp_path / "restarted_is_up", tmp_path / "go"
     outs = [tmp_path / "r0", tmp_path / "r1"]
+    start = ("--start-file", str(go))
     procs = [_ds_replica(tmp_path, address, 0, outs[0], config, ("--hold-at", str(DS_HOLD_AT), "--hold-file",
-                                                                  str(hold_file)), pipeline),
-             _ds_replica(tmp_path, address, 1, outs[1], config, pipeline=pipeline)]
+                                                                  str(hold_file), *start), pipeline),
+             _ds_replica(tmp_path, address, 1, outs[1], config, start, pipeline=pipeline)]
     ranks = lambda out: [Path(f"{out}.rank{k}.jsonl") for k in range(2)]  # noqa: E731
     try:
+        begin = time.time()  # every rank of both replicas up (imports done) before either initializes
+        while not all(_records(p) for out in outs for p in ranks(out)):
+            assert time.time() - begin < 240 and all(p.poll() is None for p in procs), "a replica did not start"
+            time.sleep(0.05)
+        go.touch()
         for path in ranks(outs[1]):
             _wait_for_step(path, 6, timeout=180)
         os.killpg(procs[1].pid, signal.SIGKILL)
