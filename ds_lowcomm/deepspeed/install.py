@@ -30,9 +30,6 @@ from typing import Any
 from ..settings import ConfigError
 from . import internals
 
-_OPTIMIZERS = {"AdamW": "AdamW", "Adam": "Adam"}  # torch's classes taken over, and the config type each becomes
-
-
 def install() -> None:
     """Route ``deepspeed.initialize`` through ds_lowcomm where the config has a ``"lowcomm"``
     section (idempotent). Call it once per process, before the framework initialises DeepSpeed."""
@@ -118,7 +115,7 @@ def _lowcomm_initialize(config: dict, kwargs: dict):
             raise ConfigError("optimizer: the config has an \"optimizer\" section and the framework passed its own "
                               f"{name} too; keep one")
         d = optimizer.defaults
-        config["optimizer"] = {"type": _OPTIMIZERS[name], "params": {
+        config["optimizer"] = {"type": name, "params": {  # torch's AdamW or Adam: the config type of that name
             "lr": d["lr"], "betas": list(d["betas"]), "eps": d["eps"], "weight_decay": d["weight_decay"]}}
         for key, refused in (("amsgrad", True), ("maximize", True)):
             if d.get(key) == refused:

@@ -24,7 +24,6 @@ import torch.distributed as dist
 
 from ..comm import ByteLedger, ReplicaShard, ReplicaTopology, TorchDistTransport, build_transport
 from ..comm.transport import Transport
-from ..settings import ConfigError
 from . import hetero, internals, pipeline
 from .broadcast import broadcast_initial_state
 from .config import SplitConfig

@@ -205,22 +205,7 @@ class FaultTolerance:
         ``settings``: what every replica must agree on (flat keys naming the fields; default: the
         method's settings), compared across the replicas that start together and with the peer a
         replica heals from: a difference is an error naming the field, never a silent mix."""
-        from .adamw import AllReduceAdamW
-        from .demo import DeMo
-        from .mtdao import MTDAO
-        from .outer import OuterLoop
-
-        if isinstance(optimizer, OuterLoop):
-            if optimizer.settings.streaming.sync_delay != 0:
-                raise ConfigError("lowcomm.sync_delay must be 0 with lowcomm.fault_tolerance (a fragment's exchange "
-                                  "in flight across a quorum change is not supported yet)")
-        elif isinstance(optimizer, DeMo):
-            if optimizer.settings.overlap:
-                raise ConfigError("lowcomm.fault_tolerance with demo needs lowcomm.overlap false (an exchange in "
-                                  "flight across a quorum change is not supported yet)")
-        elif not isinstance(optimizer, (AllReduceAdamW, MTDAO)):
-            raise ConfigError(f"lowcomm.fault_tolerance works with {', '.join(SUPPORTED_METHODS)}; got "
-                              f"{type(optimizer).__name__}")
+        check_method(optimizer._record)  # the same rules the config's check applied, on what was built
         if optimizer.transport is not self.transport:
             raise ConfigError("build the optimizer with transport=fault_tolerance.transport")
         self.optimizer, self.stateful, self.after_step = optimizer, stateful, tuple(after_step)
@@ -332,17 +317,10 @@ def replica_store(host: str, transport) -> tuple[Any, tuple[str, int]]:
     in, and every rank learns its address (collective over ``transport``, the replica's own group).
     Returns (the store rank 0 must keep alive, or None; (host, port))."""
     store = None
-    buf = torch.zeros(258, dtype=torch.uint8)
     if transport.rank == 0:
         store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-        name = host.encode()
-        if len(name) > 256:
-            raise ConfigError(f"{WHERE}.host: at most 256 bytes; got {host!r}")
-        buf[:2] = torch.tensor([store.port // 256, store.port % 256], dtype=torch.uint8)
-        buf[2:2 + len(name)] = torch.tensor(list(name), dtype=torch.uint8)
-    transport.broadcast_(buf, src=0, op="fault_tolerance_store")
-    port = int(buf[0]) * 256 + int(buf[1])
-    return store, (bytes(buf[2:].tolist()).rstrip(b"\0").decode(), port)
+    host, port = gather_json(transport, [host, store.port] if store is not None else None)[0]  # rank 0's
+    return store, (host, port)
 
 
 def tensor_bytes(obj: Any) -> int:
