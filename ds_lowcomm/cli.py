@@ -33,6 +33,11 @@ def _parser() -> argparse.ArgumentParser:
                    help="> 0: each method through DeepSpeed's pipeline engine, the GPT in this many stages, one "
                         "pipeline per replica (--workers: a multiple of it; --batch: per pipeline)")
     c.add_argument("--config", default=None, help="JSON/YAML overrides: {method: {lr: .., lowcomm: {...}}}")
+    p = sub.add_parser("plan", help="predict each method's bytes, step time, memory and speed-up for a model, "
+                                    "cluster and link (ds_lowcomm/plan.py)")
+    from .plan import add_arguments
+
+    add_arguments(p)
     return parser
 
 
@@ -43,6 +48,10 @@ def main(argv: list[str] | None = None) -> int:
             from .compare import run_compare
 
             run_compare(args)
+        elif args.command == "plan":
+            from .plan import run_plan
+
+            run_plan(args)
     except ConfigError as err:
         print(f"ds-lowcomm: configuration error: {err}", file=sys.stderr)
         return 2

@@ -54,7 +54,7 @@ def llama(width: int, layers: int) -> LlamaForCausalLM:
 
 def run(deepspeed_config, out: str, steps: int = 20, save_steps: int = 0, resume: str | None = None, width: int = 64,
         layers: int = 2, seq: int = 128, batch: int = 8, lr: float = 3e-3, corpus: ByteCorpus | None = None,
-        callbacks=None) -> dict:
+        callbacks=None, eval_windows: int = 64) -> dict:
     """Train with the Trainer (``deepspeed_config``: a path or a dict) and report what happened
     (every rank's parameter digest; the method's bytes where the config has a lowcomm section)."""
     corpus = corpus or ByteCorpus()
@@ -66,7 +66,7 @@ def run(deepspeed_config, out: str, steps: int = 20, save_steps: int = 0, resume
         save_steps=save_steps or 500, report_to=[], seed=0, data_seed=0, dataloader_drop_last=True,
         use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
     trainer = Trainer(model=model, args=training, train_dataset=Windows(corpus.train, seq),
-                      eval_dataset=Windows(corpus.val, seq, limit=64), callbacks=callbacks)
+                      eval_dataset=Windows(corpus.val, seq, limit=eval_windows), callbacks=callbacks)
     result = trainer.train(resume_from_checkpoint=os.path.join(out, resume) if resume else None)
     held_out = trainer.evaluate()["eval_loss"]
     engine = trainer.model_wrapped

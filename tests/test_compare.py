@@ -1,13 +1,21 @@
 """The main job end to end at tiny size: real worker processes, real corpus, files a user reads."""
 
 import csv
+import json
+import math
 import subprocess
 import sys
+
+import pytest
+
+from ds_lowcomm import plan as planner
 
 REQUIRED = ["method", "workers", "steps", "final_train_loss", "final_val_loss", "bytes_sent_per_worker", "wall_s"]
 
 
-def test_compare_writes_results_and_plot(tmp_path):
+@pytest.fixture(scope="module")
+def compare_run(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("compare")
     out = tmp_path / "run"
     _write_overrides(tmp_path / "over.json")
     proc = subprocess.run(
@@ -18,6 +26,11 @@ def test_compare_writes_results_and_plot(tmp_path):
         capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
+    return out, proc
+
+
+def test_compare_writes_results_and_plot(compare_run):
+    out, proc = compare_run
     assert "[demo] step     6/6" in proc.stdout  # progress is shown
     rows = list(csv.DictReader(open(out / "results.csv")))
     assert [r["method"] for r in rows] == ["adamw", "demo", "diloco", "dct_diloco", "sparseloco", "mtdao"]
@@ -39,10 +52,30 @@ def test_compare_writes_results_and_plot(tmp_path):
     assert len(history) == 6 * 2  # two evaluations per method
 
 
+def test_the_planner_bytes_are_the_ledgers(compare_run):
+    """ds-lowcomm plan's bytes per sync (from the codec's wire format and the dense syncs' layout)
+    are what each method's ledger counted in the run, op by op: int8 (demo), bf16 (dct_diloco),
+    2-bit (sparseloco), fp16 (mtdao's compressed sync) values and the dense fp32 syncs."""
+    out, _ = compare_run
+    shapes = planner.gpt_shapes(n_layer=1, n_embd=32, vocab=256, seq_len=32)
+    for row in json.loads((out / "results.json").read_text()):
+        assert row["num_params"] == sum(math.prod(s) for s in shapes)
+        every, messages = planner.sync_messages(row["method"], row["settings"], shapes)
+        syncs = 6 // every
+        ledger = {op: v for op, v in row["ledger"]["by_op"].items() if op != "setup"}
+        planned = {}
+        for m in messages:
+            calls, sent = planned.get(m.op, (0, 0))
+            planned[m.op] = (calls + syncs, sent + syncs * m.nbytes)
+        assert {op: (v["calls"], v["sent"]) for op, v in ledger.items()} == planned, row["method"]
+
+
 def _write_overrides(path):
-    # diloco family: sync every 3 steps so that 6 steps hold two outer syncs
+    # diloco family: sync every 3 steps so that 6 steps hold two outer syncs; mtdao's compressed
+    # sync (fp16 values) for the planner's check
     path.write_text('{"diloco": {"lowcomm": {"sync_every": 3}}, "dct_diloco": {"lowcomm": {"sync_every": 3}}, '
-                    '"sparseloco": {"lowcomm": {"sync_every": 3}}, "mtdao": {"lowcomm": {"sync_every": 3}}}')
+                    '"sparseloco": {"lowcomm": {"sync_every": 3}}, "mtdao": {"lowcomm": {"sync_every": 3, '
+                    '"sync_codec": "topk", "value_dtype": "fp16", "topk": 4, "chunk": 8}}}')
     return True
 
 

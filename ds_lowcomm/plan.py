@@ -1,0 +1,334 @@
+"""``ds-lowcomm plan``: what each method costs and buys for a given model, cluster and link.
+
+For a model (its parameter shapes: a preset, or the reference GPT / a Llama of given size), a
+number of replicas joined by a link (rate, one-way latency), the GPUs in each replica and their
+ZeRO stage, and the step's compute time, per method:
+
+- bytes each worker sends per sync and per step, from the codec's own wire format (the
+  :class:`~ds_lowcomm.codec.SparseSpec` of every tensor the method exchanges, plus the health flag
+  byte; dense syncs: the flat tensors and their one-byte health all-gather), in the ledger's
+  convention (``comm/ledger.py``: an all-gather of P bytes counts P sent; an all-reduce of N
+  bytes counts N);
+- communication seconds per step: each collective as gloo runs it between replicas (a ring:
+  all-gather n-1 rounds of P bytes, all-reduce 2(n-1) rounds of N/n), each round one link latency
+  plus its bytes, with Ethernet/IP/TCP framing, over the link's rate;
+- codec seconds per step (encode and decode of every exchanged element at a throughput measured
+  by ``python -m ds_lowcomm.bench codec``; the default is stated as such);
+- the method's optimizer state per GPU, and its addition over adamw's, at the ZeRO stage and
+  ``state_dtype`` (ZeRO 1-3 partition the optimizer state over the replica's GPUs);
+- the comm/compute ratio (adamw's communication over the compute), and the predicted speed-up in
+  time to a target loss against adamw: adamw's step time over (the method's step time x its
+  steps-to-target ratio). The ratios default to those measured on the reference task
+  (docs/benchmarks.md, "A fair fight") and are an input.
+
+Assumptions, stated where they matter: one replica's GPUs each exchange their own shard (1/G of
+the elements) with their counterparts in the other replicas, so a worker's bytes are the model's
+over G (exact at G = 1; within the codec's per-tensor rounding above); traffic inside a replica
+is on its fast fabric and not counted; a method's syncs are not overlapped with compute unless
+its settings overlap them (demo ``overlap``, streaming ``sync_delay``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from .codec import SparseSpec
+from .compare import RECIPES
+from .optim.registry import METHODS, LowcommConfig
+from .settings import ConfigError
+
+# Ethernet (14 + 4 FCS + 8 preamble + 12 gap are below tc: 14 counted), IPv4 20, TCP 32 (timestamps):
+# a 1500-byte MTU carries 1448 bytes of payload in a 1514-byte frame, which a shaper counts.
+WIRE_OVERHEAD = 1514 / 1448
+
+# The codec's throughput (GB/s of fp32 input through encode + decode, one rank), measured with
+# ``python -m ds_lowcomm.bench codec`` (docs/bench/codec.csv, codec-h100.csv): 1024x1024, chunk 16.
+CODEC_GBPS = {"cpu": (0.544, "one CPU thread, 2026-11-25 (docs/bench/codec.csv)"),
+              "gpu": (5.24, "one H100, 2026-11-24 (docs/bench/codec-h100.csv)")}
+
+# Steps to the target over adamw's own, measured on the reference task (2 hosts): adamw and demo
+# against the tuned adamw's loss (docs/bench/time_to_loss.csv, "A fair fight": 240 and 260 steps);
+# the outer methods were not run there, so theirs are against the untuned adamw's target
+# (docs/bench/time_to_loss_issue17.csv: adamw 225, diloco 285, dct_diloco 330, sparseloco 345,
+# mtdao 360), where demo's was 195/225: likely optimistic for them. An input: --steps-ratio.
+STEPS_RATIO = {"adamw": 1.0, "demo": 260 / 240, "diloco": 285 / 225, "dct_diloco": 330 / 225,
+               "sparseloco": 345 / 225, "mtdao": 360 / 225}
+STEPS_RATIO_SOURCE = {"adamw": "definition", "demo": "time_to_loss.csv (tuned adamw's target)",
+                      **{m: "time_to_loss_issue17.csv (untuned adamw's target)"
+                         for m in ("diloco", "dct_diloco", "sparseloco", "mtdao")}}
+
+
+# -- the model's shapes ---------------------------------------------------------------------------
+def gpt_shapes(n_layer: int, n_embd: int, vocab: int = 256, seq_len: int = 128) -> list[tuple[int, ...]]:
+    """The reference GPT's parameters (ds_lowcomm/task/model.py: tied embeddings, biases), in order."""
+    d = n_embd
+    block = [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
+    return [(vocab, d), (seq_len, d), *block * n_layer, (d,), (d,)]
+
+
+def llama_shapes(hidden: int, layers: int, ffn: int, vocab: int, heads: int, kv_heads: int,
+                 tied: bool = False) -> list[tuple[int, ...]]:
+    """A Llama's parameters (transformers' LlamaForCausalLM: no biases, RMSNorm weights)."""
+    hd = hidden // heads
+    layer = [(hidden * 1, hidden), (kv_heads * hd, hidden), (kv_heads * hd, hidden), (hidden, hidden),
+             (ffn, hidden), (ffn, hidden), (hidden, ffn), (hidden,), (hidden,)]
+    return [(vocab, hidden), *layer * layers, (hidden,), *([] if tied else [(vocab, hidden)])]
+
+
+# name -> (shapes, what it is)
+MODELS: dict[str, tuple] = {
+    "reference": (lambda: gpt_shapes(2, 128), "the reference GPT (2 layers, 128 wide, byte vocabulary)"),
+    "gpt-125m": (lambda: gpt_shapes(12, 768, 50257, 1024), "GPT-2 small shapes (12 x 768, vocab 50257)"),
+    "gpt-350m": (lambda: gpt_shapes(24, 1024, 50257, 1024), "GPT-2 medium shapes (24 x 1024, vocab 50257)"),
+    "llama-1b": (lambda: llama_shapes(2048, 16, 8192, 128256, 32, 8, tied=True), "Llama 3.2 1B shapes"),
+    "llama-8b": (lambda: llama_shapes(4096, 32, 14336, 128256, 32, 8), "Llama 3.1 8B shapes"),
+    "llama-70b": (lambda: llama_shapes(8192, 80, 28672, 128256, 64, 8), "Llama 3.1 70B shapes"),
+}
+
+
+def model_shapes(model: str) -> list[tuple[int, ...]]:
+    if model not in MODELS:
+        raise ConfigError(f"plan: model must be one of {', '.join(MODELS)}; got {model!r}")
+    return MODELS[model][0]()
+
+
+# -- inputs ---------------------------------------------------------------------------------------
+@dataclass
+class PlanInputs:
+    model: str = "llama-8b"
+    replicas: int = 2
+    gpus_per_replica: int = 1
+    zero_stage: int = 1
+    link_gbit: float = 10.0  # between replicas, each worker's own
+    latency_ms: float = 1.0  # one way
+    compute_s: float = 1.0  # one step's forward and backward (and local update), without communication
+    grad_bytes: int = 4  # bytes per element of what adamw and diloco's dense syncs send (fp32: 4, bf16: 2)
+    param_bytes: int = 4  # bytes per element of the parameters (the inner AdamW's state follows them)
+    device: str = "gpu"  # which measured codec throughput is the default
+    codec_gbps: float | None = None  # GB/s of fp32 elements through encode + decode; None: the device's default
+    methods: dict[str, dict] = field(default_factory=lambda: {m: dict(RECIPES[m]["lowcomm"]) for m in RECIPES})
+    steps_ratio: dict[str, float] = field(default_factory=lambda: dict(STEPS_RATIO))
+
+    def validate(self) -> None:
+        def positive(name, value, integer=False):
+            if (not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0
+                    or (integer and not isinstance(value, int)) or not math.isfinite(value)):
+                raise ConfigError(f"plan: {name} must be a positive {'integer' if integer else 'number'}; got {value!r}")
+
+        model_shapes(self.model)
+        for name in ("replicas", "gpus_per_replica"):
+            positive(name, getattr(self, name), integer=True)
+        for name in ("link_gbit", "compute_s"):
+            positive(name, getattr(self, name))
+        if self.codec_gbps is not None:
+            positive("codec_gbps", self.codec_gbps)
+        if not isinstance(self.latency_ms, (int, float)) or self.latency_ms < 0:
+            raise ConfigError(f"plan: latency_ms must be >= 0; got {self.latency_ms!r}")
+        if self.zero_stage not in (0, 1, 2, 3):
+            raise ConfigError(f"plan: zero_stage must be one of 0, 1, 2, 3; got {self.zero_stage!r}")
+        for name in ("grad_bytes", "param_bytes"):
+            if getattr(self, name) not in (2, 4):
+                raise ConfigError(f"plan: {name} must be 2 (bf16/fp16) or 4 (fp32); got {getattr(self, name)!r}")
+        if self.device not in CODEC_GBPS:
+            raise ConfigError(f"plan: device must be one of {', '.join(CODEC_GBPS)}; got {self.device!r}")
+        unknown = [m for m in self.methods if m not in METHODS]
+        if unknown or not self.methods:
+            raise ConfigError(f"plan: methods must name some of {', '.join(METHODS)}; got {', '.join(unknown) or 'none'}")
+        for m, ratio in self.steps_ratio.items():
+            positive(f"steps_ratio.{m}", ratio)
+
+
+# -- what a method sends --------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Message:
+    """One collective of a sync: ``kind`` "all_gather" or "all_reduce", ``nbytes`` as the ledger
+    counts them sent per worker, and how many elements the codec encodes and decodes for it."""
+
+    op: str
+    kind: str
+    nbytes: int
+    codec_elements: int = 0
+
+
+def sparse_message(op: str, shapes, codec: dict) -> Message:
+    specs = [SparseSpec.build(s, chunk=codec["chunk"], topk=codec["topk"], value_dtype=codec["value_dtype"],
+                              transform=codec.get("transform", "dct")) for s in shapes]
+    return Message(op, "all_gather", sum(s.nbytes for s in specs) + 1, sum(math.prod(s) for s in shapes))
+
+
+def dense_messages(op: str, elements: int, nbytes_per: int) -> list[Message]:
+    """A dense mean: its one-byte health all-gather beside one all-reduce (one dtype)."""
+    return [Message(f"{op}_health", "all_gather", 1), Message(op, "all_reduce", elements * nbytes_per)]
+
+
+def sync_messages(method: str, settings: dict, shapes, grad_bytes: int = 4,
+                  param_bytes: int = 4) -> tuple[int, list[Message]]:
+    """(steps between syncs, the messages of one sync) for ``method`` with ``settings`` (the
+    effective flat settings) over tensors of ``shapes`` (one worker's)."""
+    elements = sum(math.prod(s) for s in shapes)
+    if method == "adamw":
+        return 1, dense_messages("all_reduce", elements, grad_bytes)
+    if method == "demo":
+        return 1, [sparse_message("sparse_all_gather", shapes, settings)]
+    state = {"fp32": 4, "bf16": 2, "fp16": 2}[settings.get("state_dtype", "fp32")]
+    if method == "diloco":
+        return settings["sync_every"], dense_messages("outer_all_reduce", elements, state)
+    if method in ("dct_diloco", "sparseloco"):
+        return settings["sync_every"], [sparse_message("outer_sparse_all_gather", shapes, settings)]
+    if method == "mtdao":
+        periods = {"param": settings["sync_every"], "v": settings["second_moment_sync_every"] or settings["sync_every"],
+                   **{f"u{j}": k for j, k in enumerate(settings["momentum_sync_every"]
+                                                     or (settings["sync_every"],) * len(settings["momentum_betas"]))}}
+        if len(set(periods.values())) != 1:
+            raise ConfigError("plan: mtdao with different periods per state is not modelled; give one sync_every")
+        names = list(periods)
+        if settings["sync_codec"] == "dense":  # everything due at once: one flat all-reduce per dtype
+            groups: dict[int, int] = {}
+            for name in names:  # the parameters in their own dtype, the moments in state_dtype
+                size = param_bytes if name == "param" else state
+                groups[size] = groups.get(size, 0) + elements * size
+            return settings["sync_every"], [Message("mtdao_all_reduce_health", "all_gather", 1),
+                                            *(Message("mtdao_all_reduce", "all_reduce", n) for n in groups.values())]
+        # topk: everything but v compressed in one all-gather; v dense
+        compressed = [s for name in names if name != "v" for s in shapes]
+        return settings["sync_every"], [*dense_messages("mtdao_all_reduce", elements, state),
+                                        sparse_message("mtdao_sparse_all_gather", compressed, settings)]
+    raise ConfigError(f"plan: method must be one of {', '.join(METHODS)}; got {method!r}")
+
+
+def state_bytes_per_element(method: str, settings: dict, param_bytes: int = 4) -> float:
+    """Bytes of optimizer state per parameter element (scalars such as step counters left out)."""
+    state = {"fp32": 4, "bf16": 2, "fp16": 2}[settings.get("state_dtype", "fp32")]
+    if method == "adamw":
+        return 2 * param_bytes  # exp_avg, exp_avg_sq in the parameters' dtype
+    if method == "demo":
+        return state  # the momentum
+    if method == "mtdao":
+        moments = len(settings["momentum_betas"])
+        extra = 2 * 4 * (1 + moments) if settings["sync_codec"] == "topk" else 0  # synced + unsent, fp32
+        return state * (moments + 1) + extra
+    outer = settings.get("outer_optimizer", "sgd")
+    outer_state = (state if settings.get("outer_momentum", 0.0) else 0) if outer == "sgd" else 2 * state
+    residual = state if method in ("dct_diloco", "sparseloco") else 0
+    return 2 * param_bytes + state + outer_state + residual  # inner AdamW, anchor, outer optimizer, residual
+
+
+# -- the time model -------------------------------------------------------------------------------
+def message_seconds(msg: Message, replicas: int, rate_bits: float, latency_s: float) -> float:
+    """One collective between ``replicas`` workers as a ring: all-gather n-1 rounds of the whole
+    payload, all-reduce 2(n-1) rounds of 1/n of it; each round a latency plus its framed bytes."""
+    n = replicas
+    if n == 1:
+        return 0.0
+    if msg.kind == "all_gather":
+        rounds, per_round = n - 1, msg.nbytes
+    else:
+        rounds, per_round = 2 * (n - 1), msg.nbytes / n
+    return rounds * (latency_s + per_round * WIRE_OVERHEAD * 8 / rate_bits)
+
+
+def plan_method(method: str, inputs: PlanInputs, shapes=None) -> dict[str, Any]:
+    shapes = shapes if shapes is not None else model_shapes(inputs.model)
+    raw = {**inputs.methods.get(method, {}), "method": method}
+    settings = LowcommConfig.from_dict(raw, where=f"plan.methods.{method}").effective()
+    g = inputs.gpus_per_replica
+    every, messages = sync_messages(method, settings, shapes, inputs.grad_bytes, inputs.param_bytes)
+    elements = sum(math.prod(s) for s in shapes)
+    # one worker's share: the model's bytes over its replica's G workers
+    sync_bytes = sum(m.nbytes for m in messages)
+    per_worker_sync = sync_bytes / g if g > 1 else sync_bytes
+    rate, latency = inputs.link_gbit * 1e9, inputs.latency_ms / 1e3
+    comm_sync = sum(message_seconds(dataclasses.replace(m, nbytes=m.nbytes / g if g > 1 else m.nbytes),
+                                    inputs.replicas, rate, latency) for m in messages)
+    gbps = inputs.codec_gbps or CODEC_GBPS[inputs.device][0]
+    codec_sync = sum(m.codec_elements for m in messages) / g * 4 / (gbps * 1e9)
+    overlapped = bool(settings.get("overlap")) or bool(settings.get("sync_delay"))
+    comm_step, codec_step = comm_sync / every, codec_sync / every
+    exposed = max(0.0, comm_step - inputs.compute_s) if overlapped else comm_step
+    step_s = inputs.compute_s + codec_step + exposed
+    state = state_bytes_per_element(method, settings, inputs.param_bytes) * elements
+    per_gpu = state / g if inputs.zero_stage >= 1 else state
+    return {"method": method, "sync_every": every, "bytes_per_sync": per_worker_sync,
+            "bytes_per_step": per_worker_sync / every, "messages_per_sync": len(messages),
+            "comm_s_per_step": comm_step, "codec_s_per_step": codec_step, "step_s": step_s,
+            "state_bytes_per_gpu": per_gpu, "parameters": elements, "settings": settings}
+
+
+def plan(inputs: PlanInputs) -> dict[str, Any]:
+    """Every method of ``inputs.methods`` (and adamw, the baseline) -> the table's rows."""
+    inputs.validate()
+    shapes = model_shapes(inputs.model)
+    methods = list(dict.fromkeys(["adamw", *inputs.methods]))
+    rows = {m: plan_method(m, inputs, shapes) for m in methods}
+    base = rows["adamw"]
+    for m, row in rows.items():
+        ratio = inputs.steps_ratio.get(m)
+        row["added_state_bytes_per_gpu"] = row["state_bytes_per_gpu"] - base["state_bytes_per_gpu"]
+        row["steps_ratio"] = ratio
+        row["steps_ratio_source"] = STEPS_RATIO_SOURCE.get(m) if ratio == STEPS_RATIO.get(m) else "given"
+        row["speedup_vs_adamw"] = base["step_s"] / (ratio * row["step_s"]) if ratio else None
+    return {"inputs": dataclasses.asdict(inputs), "parameters": base["parameters"],
+            "comm_compute_ratio": base["comm_s_per_step"] / inputs.compute_s,
+            "codec_gbps": inputs.codec_gbps or CODEC_GBPS[inputs.device][0],
+            "codec_default": None if inputs.codec_gbps else CODEC_GBPS[inputs.device][1],
+            "rows": [rows[m] for m in methods]}
+
+
+def format_table(result: dict) -> str:
+    i = result["inputs"]
+    lines = [f"{i['model']} ({result['parameters'] / 1e6:,.1f}M parameters), {i['replicas']} replicas x "
+             f"{i['gpus_per_replica']} GPUs, ZeRO {i['zero_stage']}, {i['link_gbit']:g} Gbit/s, "
+             f"{i['latency_ms']:g} ms, compute {i['compute_s']:g} s/step; comm/compute ratio "
+             f"{result['comm_compute_ratio']:.2f}; codec {result['codec_gbps']:g} GB/s"
+             + (f" ({result['codec_default']})" if result["codec_default"] else ""),
+             f"{'method':<11} {'H':>4} {'MB/sync':>10} {'MB/step':>10} {'comm s':>8} {'codec s':>8} {'step s':>8} "
+             f"{'+state GB':>9} {'steps x':>7} {'speed-up':>8}"]
+    for r in result["rows"]:
+        lines.append(f"{r['method']:<11} {r['sync_every']:>4} {r['bytes_per_sync'] / 1e6:>10.3f} "
+                     f"{r['bytes_per_step'] / 1e6:>10.4f} {r['comm_s_per_step']:>8.4f} {r['codec_s_per_step']:>8.4f} "
+                     f"{r['step_s']:>8.4f} {r['added_state_bytes_per_gpu'] / 1e9:>9.2f} "
+                     f"{r['steps_ratio'] or float('nan'):>7.2f} {r['speedup_vs_adamw'] or float('nan'):>8.2f}")
+    return "\n".join(lines)
+
+
+def add_arguments(p) -> None:
+    d = PlanInputs()
+    p.add_argument("--model", default=d.model, help=f"one of {', '.join(MODELS)}")
+    p.add_argument("--replicas", type=int, default=d.replicas)
+    p.add_argument("--gpus-per-replica", type=int, default=d.gpus_per_replica)
+    p.add_argument("--zero-stage", type=int, default=d.zero_stage)
+    p.add_argument("--link-gbit", type=float, default=d.link_gbit, help="Gbit/s between replicas, per worker")
+    p.add_argument("--latency-ms", type=float, default=d.latency_ms, help="one-way, between replicas")
+    p.add_argument("--compute-s", type=float, default=d.compute_s, help="one step's compute, no communication")
+    p.add_argument("--grad-bytes", type=int, default=d.grad_bytes, help="4 (fp32) or 2 (bf16) per dense element")
+    p.add_argument("--param-bytes", type=int, default=d.param_bytes)
+    p.add_argument("--device", default=d.device, help="whose measured codec throughput is the default: gpu, cpu")
+    p.add_argument("--codec-gbps", type=float, default=None, help="your `bench codec` figure (GB/s)")
+    p.add_argument("--methods", default=",".join(RECIPES), help="comma list; settings: the compare recipes")
+    p.add_argument("--config", default=None, help="JSON {method: {lowcomm settings}} over the recipes")
+    p.add_argument("--steps-ratio", default=None, help="JSON {method: steps to target over adamw's}")
+    p.add_argument("--json", default=None, help="also write the result here")
+
+
+def run_plan(args) -> dict:
+    methods = {m.strip(): dict(RECIPES[m.strip()]["lowcomm"]) if m.strip() in RECIPES else {}
+               for m in args.methods.split(",") if m.strip()}
+    if args.config:
+        for m, over in json.loads(open(args.config).read()).items():
+            methods.setdefault(m, {}).update(over)
+    ratio = dict(STEPS_RATIO)
+    if args.steps_ratio:
+        ratio.update(json.loads(args.steps_ratio))
+    inputs = PlanInputs(args.model, args.replicas, args.gpus_per_replica, args.zero_stage, args.link_gbit,
+                        args.latency_ms, args.compute_s, args.grad_bytes, args.param_bytes, args.device,
+                        args.codec_gbps, methods, ratio)
+    result = plan(inputs)
+    print(format_table(result))
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1, default=str)
+    return result

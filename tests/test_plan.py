@@ -1,0 +1,113 @@
+"""The planner (ds_lowcomm/plan.py): its shapes are the models', its memory figure the optimizer
+state the methods really hold, its inputs checked. Its bytes against the ledger of real runs:
+tests/test_compare.py (the compare run of every method)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from ds_lowcomm import plan as planner
+from ds_lowcomm.compare import RECIPES
+from ds_lowcomm.optim.registry import LowcommConfig, build_optimizer
+from ds_lowcomm.settings import ConfigError
+from ds_lowcomm.task.model import GPT, GPTConfig
+
+
+def test_the_reference_gpt_shapes_are_the_models():
+    for n_layer, n_embd, vocab, seq in ((2, 128, 256, 128), (1, 32, 256, 32), (12, 768, 50257, 1024)):
+        with torch.device("meta"):
+            model = GPT(GPTConfig(vocab_size=vocab, seq_len=seq, n_layer=n_layer, n_head=4, n_embd=n_embd))
+        assert [tuple(p.shape) for p in model.parameters()] == planner.gpt_shapes(n_layer, n_embd, vocab, seq)
+
+
+def test_the_llama_shapes_are_transformers():
+    transformers = pytest.importorskip("transformers", reason="transformers is not installed (the 'hf' extra)")
+    for name, kw in (("llama-8b", dict(hidden_size=4096, num_hidden_layers=32, intermediate_size=14336,
+                                       num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=False)),
+                     ("llama-1b", dict(hidden_size=2048, num_hidden_layers=16, intermediate_size=8192,
+                                       num_attention_heads=32, num_key_value_heads=8, tie_word_embeddings=True))):
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(transformers.LlamaConfig(vocab_size=128256, **kw))
+        shapes = [tuple(p.shape) for p in model.parameters()]
+        assert sorted(shapes) == sorted(planner.model_shapes(name)), name
+    assert abs(sum(math.prod(s) for s in planner.model_shapes("llama-8b")) - 8.03e9) < 0.01e9
+
+
+@pytest.fixture(scope="module")
+def one_rank_world(tmp_path_factory):
+    """A real gloo group of one rank in this process (its collectives run; nothing to send to)."""
+    if dist.is_initialized():
+        yield
+        return
+    store = tmp_path_factory.mktemp("store") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("method,extra", [
+    ("adamw", {}), ("demo", {}), ("demo", {"state_dtype": "bf16"}), ("diloco", {}),
+    ("diloco", {"outer_optimizer": "adam"}), ("dct_diloco", {}), ("sparseloco", {}), ("mtdao", {}),
+    ("mtdao", {"sync_codec": "topk", "topk": 8, "chunk": 8})])
+def test_the_memory_figure_is_the_optimizer_state(one_rank_world, method, extra):
+    """The planner's state bytes per element x the model's elements = the tensors the method holds
+    after a sync (its own state and, for the outer methods, the inner AdamW's and the outer
+    optimizer's), step counters left out."""
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_embd=32, seq_len=32))
+    raw = {**RECIPES[method]["lowcomm"], **extra, "method": method}
+    if "sync_every" in raw:
+        raw["sync_every"] = 2
+    cfg = LowcommConfig.from_dict(raw)
+    opt = build_optimizer(cfg, model.parameters(), lr=1e-3)
+    x = torch.randint(0, 256, (2, 33))
+    for _ in range(3):  # past a sync
+        loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    held = 0
+    states = [opt.state, *([opt.inner.state] if hasattr(opt, "inner") else [])]
+    for state in states:
+        for per_param in state.values():
+            held += sum(t.numel() * t.element_size() for t in dict(per_param).values()
+                        if isinstance(t, torch.Tensor) and t.dim() > 0)
+    elements = sum(p.numel() for p in model.parameters())
+    assert planner.state_bytes_per_element(method, cfg.effective()) * elements == held
+
+
+def test_bad_inputs_name_the_field():
+    for change, field in ((dict(model="gpt-9"), "model"), (dict(replicas=0), "replicas"),
+                          (dict(link_gbit=-1.0), "link_gbit"), (dict(compute_s=0), "compute_s"),
+                          (dict(zero_stage=4), "zero_stage"), (dict(methods={"lamb": {}}), "methods"),
+                          (dict(grad_bytes=3), "grad_bytes"), (dict(latency_ms=-1), "latency_ms")):
+        with pytest.raises(ConfigError, match=field):
+            planner.plan(planner.PlanInputs(**change))
+    with pytest.raises(ConfigError, match="topk"):  # a method's own settings, checked as the config's
+        planner.plan(planner.PlanInputs(methods={"demo": {"topk": 0}}))
+
+
+def test_the_plan_command_writes_its_table_and_json(tmp_path, capsys):
+    from ds_lowcomm.cli import main
+
+    assert main(["plan", "--model", "llama-8b", "--replicas", "4", "--gpus-per-replica", "8", "--link-gbit", "1",
+                 "--compute-s", "2", "--json", str(tmp_path / "plan.json")]) == 0
+    out = capsys.readouterr().out
+    result = json.loads((tmp_path / "plan.json").read_text())
+    rows = {r["method"]: r for r in result["rows"]}
+    assert "llama-8b" in out and set(rows) == set(RECIPES)
+    # adamw's comm: a ring all-reduce of fp32 gradients, 2(n-1) rounds of 1/n, over 1 Gbit/s
+    grads = 4 * result["parameters"] / 8
+    expect = 6 * (1e-3 + grads / 4 * planner.WIRE_OVERHEAD * 8 / 1e9)
+    assert rows["adamw"]["comm_s_per_step"] == pytest.approx(expect, rel=1e-3)
+    # the methods that send less are faster per step than adamw at this link, and the outer ones add state
+    assert all(rows[m]["step_s"] < rows["adamw"]["step_s"] for m in ("demo", "diloco", "sparseloco"))
+    assert rows["diloco"]["added_state_bytes_per_gpu"] == pytest.approx(2 * 4 * result["parameters"] / 8)
+    assert main(["plan", "--replicas", "0"]) == 2
