@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import math
 from pathlib import Path
 
 from .. import plan as planner
@@ -111,9 +112,79 @@ def main(argv: list[str] | None = None) -> list[dict]:
               f"{r['predicted_step_s']:.4f} ({r['predicted_step_s'] / r['measured_step_s'] - 1:+.1%})  bytes "
               + (f"{measured:,.0f} -> {r['predicted_bytes_per_step']:,.0f} "
                  f"({r['predicted_bytes_per_step'] / measured - 1:+.2%})" if measured else "not recorded"))
+    table = table_rows()
+    with open(out / "plan_table.csv", "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=TABLE_COLUMNS)
+        w.writeheader()
+        w.writerows(table)
+    plot_speedup(out / "plan_speedup.png")
     print(f"{len(rows)} rows: step within {STEP_WITHIN:.0%}: {len(rows) - len(step_misses)}; bytes within "
           f"{BYTES_WITHIN:.1%}: {len(with_bytes) - len(byte_misses)} of {len(with_bytes)}")
     return rows
+
+
+# The published table (docs/benchmarks.md): each model on REPLICAS replicas of GPUS GPUs (H100s at
+# MFU of their 989 TFLOP/s bf16 peak, TOKENS tokens per GPU per step), the replicas joined by links
+# of RATES Gbit/s per replica, which its GPUs share (each worker 1/GPUS of it), LATENCY_MS one way;
+# adamw all-reduces bf16 gradients (DeepSpeed's bf16 default: the strong baseline), the methods
+# keep their fp32 state and fp32 master weights.
+TABLE_MODELS = {"llama-1b": (8, 1), "llama-8b": (8, 1), "llama-70b": (64, 3)}  # model -> (GPUs per replica, ZeRO)
+REPLICAS, TOKENS, MFU, PEAK, LATENCY_MS, RATES = 4, 16384, 0.4, 989e12, 10.0, (1.0, 10.0, 100.0)
+TABLE_COLUMNS = ["model", "parameters", "gpus_per_replica", "zero_stage", "link_gbit", "method", "compute_s",
+                 "comm_compute_ratio", "bytes_per_step", "step_s", "steps_ratio", "speedup_vs_adamw",
+                 "added_state_gb_per_gpu"]
+
+
+def table_rows() -> list[dict]:
+    rows = []
+    for model, (gpus, zero) in TABLE_MODELS.items():
+        params = sum(math.prod(s) for s in planner.model_shapes(model))
+        compute = 6 * params * TOKENS / (MFU * PEAK)
+        for rate in RATES:
+            result = planner.plan(planner.PlanInputs(model=model, replicas=REPLICAS, gpus_per_replica=gpus,
+                                                     zero_stage=zero, link_gbit=rate / gpus, latency_ms=LATENCY_MS,
+                                                     compute_s=compute, device="gpu", grad_bytes=2))
+            for r in result["rows"]:
+                rows.append({"model": model, "parameters": params, "gpus_per_replica": gpus, "zero_stage": zero,
+                             "link_gbit": rate, "method": r["method"], "compute_s": compute,
+                             "comm_compute_ratio": result["comm_compute_ratio"], "bytes_per_step": r["bytes_per_step"],
+                             "step_s": r["step_s"], "steps_ratio": r["steps_ratio"],
+                             "speedup_vs_adamw": r["speedup_vs_adamw"],
+                             "added_state_gb_per_gpu": r["added_state_bytes_per_gpu"] / 1e9})
+    return rows
+
+
+def plot_speedup(path: Path, model: str = "llama-8b") -> None:
+    """Speed-up in time to target against the link rate, per method, for one model of the table."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    gpus, zero = TABLE_MODELS[model]
+    params = sum(math.prod(s) for s in planner.model_shapes(model))
+    compute = 6 * params * TOKENS / (MFU * PEAK)
+    rates = [10 ** (x / 8) for x in range(-8, 25)]  # 0.1 .. 1000 Gbit/s per replica
+    curves: dict[str, list[float]] = {}
+    for rate in rates:
+        result = planner.plan(planner.PlanInputs(model=model, replicas=REPLICAS, gpus_per_replica=gpus,
+                                                 zero_stage=zero, link_gbit=rate / gpus, latency_ms=LATENCY_MS,
+                                                 compute_s=compute, device="gpu", grad_bytes=2))
+        for r in result["rows"]:
+            curves.setdefault(r["method"], []).append(r["speedup_vs_adamw"])
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for method, ys in curves.items():
+        ax.plot(rates, ys, label=method)
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("link between replicas (Gbit/s per replica)")
+    ax.set_ylabel("predicted speed-up in time to target vs adamw")
+    ax.set_title(f"ds-lowcomm plan: {model}, {REPLICAS} replicas x {gpus} H100s (docs/planning.md)", fontsize=10)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":
