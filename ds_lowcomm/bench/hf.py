@@ -41,16 +41,20 @@ COLUMNS = ["entry", "link", "steps", "held_out_loss", "bytes_sent_per_worker", "
 TARGET_RATIO = 100.0
 
 
-def entry_config(entry: str) -> tuple[dict, float]:
+def entry_config(entry: str, override: dict | None = None) -> tuple[dict, float]:
     """The entry's DeepSpeed config (examples/hf_trainer.json's, its "auto" values the Trainer's)
-    and learning rate."""
+    and learning rate: the compare recipe's (plain DeepSpeed: adamw's), ``override``
+    ({"lr": .., "lowcomm": {..}}) over it."""
+    override = override or {}
     config = json.loads((EXAMPLES / "hf_trainer.json").read_text())
     config.pop("lowcomm")
     config["optimizer"]["params"]["torch_adam"] = True  # torch's AdamW in plain DeepSpeed too (no op to build on CPU)
+    recipe = RECIPES["adamw" if entry == "deepspeed" else entry]
+    lr = override.get("lr", recipe["lr"])
     if entry == "deepspeed":
-        return config, RECIPES["adamw"]["lr"]
-    recipe = RECIPES[entry]
-    return {**config, "lowcomm": {**copy.deepcopy(recipe["lowcomm"]), "replica_size": 1}}, recipe["lr"]
+        return config, lr
+    lowcomm = {**copy.deepcopy(recipe["lowcomm"]), "replica_size": 1, **override.get("lowcomm", {})}
+    return {**config, "lowcomm": lowcomm}, lr
 
 
 def worker(job_path: str) -> None:
@@ -85,8 +89,8 @@ def worker(job_path: str) -> None:
     os._exit(0)
 
 
-def run_entry(net: TestNetwork, entry: str, args, port: int) -> dict:
-    config, lr = entry_config(entry)
+def run_entry(net: TestNetwork, entry: str, args, port: int, override: dict | None = None) -> dict:
+    config, lr = entry_config(entry, override)
     with tempfile.TemporaryDirectory(prefix="dslc-hf-") as tmp:
         job = {"config": config, "out": tmp, "steps": args.steps, "width": args.width, "layers": args.layers,
                "seq": args.seq, "batch": args.batch, "lr": lr, "eval_windows": args.eval_windows}
@@ -118,7 +122,8 @@ def run_entry(net: TestNetwork, entry: str, args, port: int) -> dict:
     return {"entry": entry, "held_out_loss": r0["held_out_loss"], "losses": r0["losses"],
             "wire_bytes_sent": [r["wire_bytes_sent"] for r in reports], "train_s": [r["train_s"] for r in reports],
             "ledger_bytes_sent": ledger.get("bytes_sent"), "lowcomm": r0.get("lowcomm"),
-            "replicas_identical": len(set(r0["digests"])) == 1, "parameters": r0["parameters"]}
+            "replicas_identical": len(set(r0["digests"])) == 1, "parameters": r0["parameters"], "lr": lr,
+            "config": config}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -134,7 +139,10 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--batch", type=int, default=8, help="sequences per replica per step")
     ap.add_argument("--eval-windows", type=int, default=256, help="held-out sequences")
     ap.add_argument("--timeout", type=float, default=3600.0, help="seconds per run")
+    ap.add_argument("--config", default=None,
+                    help='JSON file {entry: {"lr": .., "lowcomm": {..}}} over the recipes (plain DeepSpeed: "deepspeed")')
     args = ap.parse_args(argv)
+    overrides = json.loads(Path(args.config).read_text()) if args.config else {}
     entries = [e.strip() for e in args.entries.split(",") if e.strip()]
     links = [x.strip() for x in args.links.split(",") if x.strip()]
     bad = [e for e in entries if e not in ENTRIES] + [x for x in links if x not in LINKS]
@@ -152,7 +160,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with TestNetwork(2, shape) as net:
             for entry in entries:
                 port += 1
-                run = run_entry(net, entry, args, port)
+                run = run_entry(net, entry, args, port, overrides.get(entry))
                 runs[f"{entry}@{link}"] = run
                 rows.append({"entry": entry, "link": link, "steps": args.steps, "held_out_loss": run["held_out_loss"],
                              "bytes_sent_per_worker": int(max(run["wire_bytes_sent"])),
