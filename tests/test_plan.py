@@ -111,3 +111,33 @@ def test_the_plan_command_writes_its_table_and_json(tmp_path, capsys):
     assert all(rows[m]["step_s"] < rows["adamw"]["step_s"] for m in ("demo", "diloco", "sparseloco"))
     assert rows["diloco"]["added_state_bytes_per_gpu"] == pytest.approx(2 * 4 * result["parameters"] / 8)
     assert main(["plan", "--replicas", "0"]) == 2
+
+
+def test_the_check_against_the_measurements_holds_its_bytes():
+    """bench plan_check over the committed network measurements: every row's bytes per step within
+    0.5% of the ledger's (docs/planning.md); the step times are reported there, not asserted."""
+    from pathlib import Path
+
+    from ds_lowcomm.bench.plan_check import BYTES_WITHIN, network_rows
+
+    bench = Path(__file__).resolve().parents[1] / "docs" / "bench"
+    rows = network_rows(bench / "network-2h.csv") + network_rows(bench / "network-4h.csv")
+    assert len(rows) == 24
+    for r in rows:
+        assert abs(r["predicted_bytes_per_step"] / r["measured_bytes_per_step"] - 1) <= BYTES_WITHIN, r
+
+
+def test_the_hf_benchmark_configs_and_verdict():
+    """bench hf: plain DeepSpeed's config has no lowcomm section; a method's is its compare recipe
+    with one rank per replica, overrides on top; the verdict compares bytes at plain DeepSpeed's loss."""
+    from ds_lowcomm.bench.hf import entry_config, target_verdict
+
+    plain, lr = entry_config("deepspeed")
+    assert "lowcomm" not in plain and lr == RECIPES["adamw"]["lr"]
+    demo, lr = entry_config("demo", {"lr": 4e-3, "lowcomm": {"decay": 0.999}})
+    assert lr == 4e-3 and demo["lowcomm"] == {**RECIPES["demo"]["lowcomm"], "replica_size": 1, "decay": 0.999}
+    rows = [{"entry": "deepspeed", "link": "x", "held_out_loss": 2.0, "bytes_sent_per_worker": 1000},
+            {"entry": "demo", "link": "x", "held_out_loss": 1.99, "bytes_sent_per_worker": 10},
+            {"entry": "diloco", "link": "x", "held_out_loss": 2.01, "bytes_sent_per_worker": 1}]
+    verdict = target_verdict(rows)["per_link"]["x"]
+    assert verdict["reach"] == {"demo": 100.0} and verdict["met"]
