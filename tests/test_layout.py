@@ -21,6 +21,7 @@ LAYERS = {
     "ds_lowcomm.workers": 5,
     "ds_lowcomm.compare": 5,
     "ds_lowcomm.cli": 5,
+    "ds_lowcomm.plan": 5,  # the planner: reads the codec, the methods' settings and the compare recipes
     "ds_lowcomm.bench": 5,
     "launch": 6,
 }
