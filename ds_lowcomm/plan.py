@@ -45,10 +45,14 @@ from .settings import ConfigError
 # a 1500-byte MTU carries 1448 bytes of payload in a 1514-byte frame, which a shaper counts.
 WIRE_OVERHEAD = 1514 / 1448
 
-# The codec's throughput (GB/s of fp32 input through encode + decode, one rank), measured with
-# ``python -m ds_lowcomm.bench codec`` (docs/bench/codec.csv, codec-h100.csv): 1024x1024, chunk 16.
-CODEC_GBPS = {"cpu": (0.544, "one CPU thread, 2026-11-25 (docs/bench/codec.csv)"),
-              "gpu": (5.24, "one H100, 2026-11-24 (docs/bench/codec-h100.csv)")}
+# The codec's throughput (GB/s of fp32 elements through encode + decode, one rank). CPU: in
+# training, demo's recipe on the 101M-parameter GPT, 2 workers on 2 cores (``python -m
+# ds_lowcomm.bench plan_scale``: 52 ns an element; 7x below the isolated codec benchmark's 0.544 GB/s
+# for one 1024x1024 tensor). GPU: the isolated codec benchmark on one H100 (docs/bench/codec-h100.csv,
+# 1024x1024, chunk 16): no in-training GPU figure yet, and the CPU's gap suggests it is optimistic.
+CODEC_GBPS = {"cpu": (0.0768, "CPU, in training at 101M parameters, 2026-11-26 (docs/bench/plan_scale.csv)"),
+              "gpu": (5.24, "one H100, isolated codec benchmark, 2026-11-24 (docs/bench/codec-h100.csv): "
+                            "likely optimistic, see docs/planning.md")}
 
 # Steps to the target over adamw's own, measured on the reference task (2 hosts): adamw and demo
 # against the tuned adamw's loss (docs/bench/time_to_loss.csv, "A fair fight": 240 and 260 steps);
