@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import csv
 import json
 import os
 import subprocess
@@ -32,6 +31,7 @@ import time
 from pathlib import Path
 
 from ..compare import RECIPES
+from .codec import write_csv
 from .netns import TestNetwork, check_can_create
 from .runs import LINKS, effective_shape
 
@@ -168,10 +168,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 print(f"{link:<9} {entry:<11} held-out {run['held_out_loss']:.4f}  bytes/worker "
                       f"{rows[-1]['bytes_sent_per_worker']:>12,}  step {rows[-1]['step_s']:.3f} s  "
                       f"identical {run['replicas_identical']}", flush=True)
-    with open(out / "hf.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / "hf.csv", rows, COLUMNS)
     verdict = target_verdict(rows)
     print(verdict["summary"], flush=True)
     (out / "hf.json").write_text(json.dumps({"args": vars(args), "rows": rows, "target": verdict, "runs": runs},

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from .. import plan as planner
 from ..compare import RECIPES
+from .codec import write_csv
 from .netns import rate_bits
 from .runs import LINKS
 
@@ -99,10 +100,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             *time_to_loss_rows(bench / "time_to_loss.csv")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "plan_check.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / "plan_check.csv", rows, COLUMNS)
     step_misses = [r for r in rows if abs(r["predicted_step_s"] / r["measured_step_s"] - 1) > STEP_WITHIN]
     with_bytes = [r for r in rows if r["measured_bytes_per_step"]]
     byte_misses = [r for r in with_bytes if abs(r["predicted_bytes_per_step"] / r["measured_bytes_per_step"] - 1) > BYTES_WITHIN]
@@ -113,10 +111,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
               + (f"{measured:,.0f} -> {r['predicted_bytes_per_step']:,.0f} "
                  f"({r['predicted_bytes_per_step'] / measured - 1:+.2%})" if measured else "not recorded"))
     table = table_rows()
-    with open(out / "plan_table.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=TABLE_COLUMNS)
-        w.writeheader()
-        w.writerows(table)
+    write_csv(out / "plan_table.csv", table, TABLE_COLUMNS)
     plot_speedup(out / "plan_speedup.png")
     print(f"{len(rows)} rows: step within {STEP_WITHIN:.0%}: {len(rows) - len(step_misses)}; bytes within "
           f"{BYTES_WITHIN:.1%}: {len(with_bytes) - len(byte_misses)} of {len(with_bytes)}")

@@ -10,7 +10,6 @@ beside the planner's added optimizer state. Single-threaded workers.
 from __future__ import annotations
 
 import argparse
-import csv
 import math
 import resource
 from pathlib import Path
@@ -21,6 +20,7 @@ from ..task.model import GPTConfig
 from ..task.spec import TrainSpec
 from ..task.train import train_worker
 from ..workers import run_local_workers
+from .codec import write_csv
 
 METHODS = ("adamw", "demo", "diloco", "dct_diloco", "sparseloco", "mtdao")
 COLUMNS = ["method", "width", "parameters", "syncs", "measured_bytes_per_sync", "predicted_bytes_per_sync",
@@ -80,10 +80,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   f"+{r['predicted_added_state_mb']:6.0f})", flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    with open(out / "plan_scale.csv", "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=COLUMNS)
-        w.writeheader()
-        w.writerows(rows)
+    write_csv(out / "plan_scale.csv", rows, COLUMNS)
     return rows
 
 
