@@ -53,13 +53,15 @@ def one_rank_world(tmp_path_factory):
 
 
 @pytest.mark.parametrize("method,extra", [
-    ("adamw", {}), ("demo", {}), ("demo", {"state_dtype": "bf16"}), ("diloco", {}),
-    ("diloco", {"outer_optimizer": "adam"}), ("dct_diloco", {}), ("sparseloco", {}), ("mtdao", {}),
+    ("adamw", {}), ("demo", {}), ("demo", {"state_dtype": "bf16"}), ("demo", {"value_dtype": "sign"}),
+    ("demo", {"value_dtype": "fp32"}), ("diloco", {}), ("diloco", {"outer_optimizer": "adam"}), ("dct_diloco", {}),
+    ("dct_diloco", {"value_dtype": "fp16"}), ("sparseloco", {}), ("mtdao", {}),
     ("mtdao", {"sync_codec": "topk", "topk": 8, "chunk": 8})])
 def test_the_memory_figure_is_the_optimizer_state(one_rank_world, method, extra):
     """The planner's state bytes per element x the model's elements = the tensors the method holds
     after a sync (its own state and, for the outer methods, the inner AdamW's and the outer
-    optimizer's), step counters left out."""
+    optimizer's), step counters left out; and its bytes per sync are the ledger's, op by op (every
+    value format: sign and sparse fp32 here, the others also in test_compare.py's 2-rank run)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_embd=32, seq_len=32))
     raw = {**RECIPES[method]["lowcomm"], **extra, "method": method}
@@ -81,6 +83,14 @@ def test_the_memory_figure_is_the_optimizer_state(one_rank_world, method, extra)
                         if isinstance(t, torch.Tensor) and t.dim() > 0)
     elements = sum(p.numel() for p in model.parameters())
     assert planner.state_bytes_per_element(method, cfg.effective()) * elements == held
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    every, messages = planner.sync_messages(method, cfg.effective(), shapes)
+    planned = {}
+    for m in messages:
+        calls, sent = planned.get(m.op, (0, 0))
+        planned[m.op] = (calls + 3 // every, sent + 3 // every * m.nbytes)
+    counted = {op: (calls, sent) for op, (calls, sent, _) in opt.ledger.by_op.items() if op != "setup"}
+    assert counted == planned
 
 
 def test_bad_inputs_name_the_field():
