@@ -36,8 +36,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from .codec import SparseSpec
+from .codec import FLOAT_DTYPES, SparseSpec
 from .compare import RECIPES
+from .optim.mtdao import MTDAOSettings
 from .optim.registry import METHODS, LowcommConfig
 from .settings import ConfigError
 
@@ -169,6 +170,21 @@ def dense_messages(op: str, elements: int, nbytes_per: int) -> list[Message]:
     return [Message(f"{op}_health", "all_gather", 1), Message(op, "all_reduce", elements * nbytes_per)]
 
 
+def _state_bytes(settings: dict) -> int:
+    """Bytes per element of the method's state (its ``state_dtype``)."""
+    return FLOAT_DTYPES[settings.get("state_dtype", "fp32")].itemsize
+
+
+def planned_ledger(method: str, settings: dict, shapes, steps: int) -> dict[str, tuple[int, int]]:
+    """What a run of ``steps`` steps records in its ledger per op (start-up left out): (calls, bytes sent)."""
+    every, messages = sync_messages(method, settings, shapes)
+    out: dict[str, tuple[int, int]] = {}
+    for m in messages:
+        calls, sent = out.get(m.op, (0, 0))
+        out[m.op] = (calls + steps // every, sent + steps // every * m.nbytes)
+    return out
+
+
 def sync_messages(method: str, settings: dict, shapes, grad_bytes: int = 4,
                   param_bytes: int = 4) -> tuple[int, list[Message]]:
     """(steps between syncs, the messages of one sync) for ``method`` with ``settings`` (the
@@ -178,15 +194,13 @@ def sync_messages(method: str, settings: dict, shapes, grad_bytes: int = 4,
         return 1, dense_messages("all_reduce", elements, grad_bytes)
     if method == "demo":
         return 1, [sparse_message("sparse_all_gather", shapes, settings)]
-    state = {"fp32": 4, "bf16": 2, "fp16": 2}[settings.get("state_dtype", "fp32")]
+    state = _state_bytes(settings)
     if method == "diloco":
         return settings["sync_every"], dense_messages("outer_all_reduce", elements, state)
     if method in ("dct_diloco", "sparseloco"):
         return settings["sync_every"], [sparse_message("outer_sparse_all_gather", shapes, settings)]
     if method == "mtdao":
-        periods = {"param": settings["sync_every"], "v": settings["second_moment_sync_every"] or settings["sync_every"],
-                   **{f"u{j}": k for j, k in enumerate(settings["momentum_sync_every"]
-                                                     or (settings["sync_every"],) * len(settings["momentum_betas"]))}}
+        periods = MTDAOSettings.from_flat(settings, where="plan").periods()  # the method's own schedule
         if len(set(periods.values())) != 1:
             raise ConfigError("plan: mtdao with different periods per state is not modelled; give one sync_every")
         names = list(periods)
@@ -206,7 +220,7 @@ def sync_messages(method: str, settings: dict, shapes, grad_bytes: int = 4,
 
 def state_bytes_per_element(method: str, settings: dict, param_bytes: int = 4) -> float:
     """Bytes of optimizer state per parameter element (scalars such as step counters left out)."""
-    state = {"fp32": 4, "bf16": 2, "fp16": 2}[settings.get("state_dtype", "fp32")]
+    state = _state_bytes(settings)
     if method == "adamw":
         return 2 * param_bytes  # exp_avg, exp_avg_sq in the parameters' dtype
     if method == "demo":

@@ -60,14 +60,8 @@ def test_the_planner_bytes_are_the_ledgers(compare_run):
     shapes = planner.gpt_shapes(n_layer=1, n_embd=32, vocab=256, seq_len=32)
     for row in json.loads((out / "results.json").read_text()):
         assert row["num_params"] == sum(math.prod(s) for s in shapes)
-        every, messages = planner.sync_messages(row["method"], row["settings"], shapes)
-        syncs = 6 // every
-        ledger = {op: v for op, v in row["ledger"]["by_op"].items() if op != "setup"}
-        planned = {}
-        for m in messages:
-            calls, sent = planned.get(m.op, (0, 0))
-            planned[m.op] = (calls + syncs, sent + syncs * m.nbytes)
-        assert {op: (v["calls"], v["sent"]) for op, v in ledger.items()} == planned, row["method"]
+        ledger = {op: (v["calls"], v["sent"]) for op, v in row["ledger"]["by_op"].items() if op != "setup"}
+        assert ledger == planner.planned_ledger(row["method"], row["settings"], shapes, steps=6), row["method"]
 
 
 def _write_overrides(path):

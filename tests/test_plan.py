@@ -84,13 +84,8 @@ def test_the_memory_figure_is_the_optimizer_state(one_rank_world, method, extra)
     elements = sum(p.numel() for p in model.parameters())
     assert planner.state_bytes_per_element(method, cfg.effective()) * elements == held
     shapes = [tuple(p.shape) for p in model.parameters()]
-    every, messages = planner.sync_messages(method, cfg.effective(), shapes)
-    planned = {}
-    for m in messages:
-        calls, sent = planned.get(m.op, (0, 0))
-        planned[m.op] = (calls + 3 // every, sent + 3 // every * m.nbytes)
     counted = {op: (calls, sent) for op, (calls, sent, _) in opt.ledger.by_op.items() if op != "setup"}
-    assert counted == planned
+    assert counted == planner.planned_ledger(method, cfg.effective(), shapes, steps=3)
 
 
 def test_bad_inputs_name_the_field():

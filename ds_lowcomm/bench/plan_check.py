@@ -130,15 +130,21 @@ TABLE_COLUMNS = ["model", "parameters", "gpus_per_replica", "zero_stage", "link_
                  "added_state_gb_per_gpu"]
 
 
+def table_plan(model: str, rate: float) -> dict:
+    """The planner's result for one model of the table at ``rate`` Gbit/s per replica."""
+    gpus, zero = TABLE_MODELS[model]
+    params = sum(math.prod(s) for s in planner.model_shapes(model))
+    return planner.plan(planner.PlanInputs(model=model, replicas=REPLICAS, gpus_per_replica=gpus, zero_stage=zero,
+                                           link_gbit=rate / gpus, latency_ms=LATENCY_MS,
+                                           compute_s=6 * params * TOKENS / (MFU * PEAK), device="gpu", grad_bytes=2))
+
+
 def table_rows() -> list[dict]:
     rows = []
     for model, (gpus, zero) in TABLE_MODELS.items():
-        params = sum(math.prod(s) for s in planner.model_shapes(model))
-        compute = 6 * params * TOKENS / (MFU * PEAK)
         for rate in RATES:
-            result = planner.plan(planner.PlanInputs(model=model, replicas=REPLICAS, gpus_per_replica=gpus,
-                                                     zero_stage=zero, link_gbit=rate / gpus, latency_ms=LATENCY_MS,
-                                                     compute_s=compute, device="gpu", grad_bytes=2))
+            result = table_plan(model, rate)
+            params, compute = result["parameters"], result["inputs"]["compute_s"]
             for r in result["rows"]:
                 rows.append({"model": model, "parameters": params, "gpus_per_replica": gpus, "zero_stage": zero,
                              "link_gbit": rate, "method": r["method"], "compute_s": compute,
@@ -156,16 +162,10 @@ def plot_speedup(path: Path, model: str = "llama-8b") -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    gpus, zero = TABLE_MODELS[model]
-    params = sum(math.prod(s) for s in planner.model_shapes(model))
-    compute = 6 * params * TOKENS / (MFU * PEAK)
     rates = [10 ** (x / 8) for x in range(-8, 25)]  # 0.1 .. 1000 Gbit/s per replica
     curves: dict[str, list[float]] = {}
     for rate in rates:
-        result = planner.plan(planner.PlanInputs(model=model, replicas=REPLICAS, gpus_per_replica=gpus,
-                                                 zero_stage=zero, link_gbit=rate / gpus, latency_ms=LATENCY_MS,
-                                                 compute_s=compute, device="gpu", grad_bytes=2))
-        for r in result["rows"]:
+        for r in table_plan(model, rate)["rows"]:
             curves.setdefault(r["method"], []).append(r["speedup_vs_adamw"])
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for method, ys in curves.items():
@@ -174,7 +174,7 @@ def plot_speedup(path: Path, model: str = "llama-8b") -> None:
     ax.set_yscale("log")
     ax.set_xlabel("link between replicas (Gbit/s per replica)")
     ax.set_ylabel("predicted speed-up in time to target vs adamw")
-    ax.set_title(f"ds-lowcomm plan: {model}, {REPLICAS} replicas x {gpus} H100s (docs/planning.md)", fontsize=10)
+    ax.set_title(f"ds-lowcomm plan: {model}, {REPLICAS} replicas x {TABLE_MODELS[model][0]} H100s (docs/planning.md)", fontsize=10)
     ax.grid(True, which="both", alpha=0.3)
     ax.legend()
     fig.tight_layout()
