@@ -6,6 +6,7 @@ import os
 import sys
 
 import numpy as np
+import pytest
 import torch
 
 from ds_lowcomm.checkpoint_io import params_digest  # noqa: F401 (the library's; tests import it from here)
@@ -47,10 +48,45 @@ def _build_deepspeed_comm_op() -> None:
         build_shm_op()
 
 
+def _remove_unmapped_deepspeed_buffers() -> None:
+    """DeepSpeed's CPU comm op, under its launcher, makes a 69 MB shared-memory buffer per rank and
+    never unlinks it. ds_lowcomm's own engines unlink theirs once mapped; plain DeepSpeed's (the
+    baselines) and those of processes a test killed stay in /dev/shm, that is in RAM: about 3 GB
+    over a run of the suite, and a CI run on a machine full of a session's leftovers was killed for
+    memory. Remove every such buffer no live process maps."""
+    import glob
+
+    buffers = set(glob.glob("/dev/shm/deepspeed_allreduce_buffer_*"))
+    if not buffers:
+        return
+    mapped = set()
+    for maps in glob.glob("/proc/[0-9]*/maps"):
+        try:
+            with open(maps) as f:
+                mapped.update(line.split()[-1] for line in f if "/dev/shm/deepspeed_allreduce_buffer_" in line)
+        except OSError:  # the process ended, or is not ours to read
+            continue
+    for path in buffers - mapped:
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            pass
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_shared_memory():
+    yield
+    _remove_unmapped_deepspeed_buffers()
+
+
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the DeepSpeed tests set it
 _clear_stale_extension_locks()
 _build_deepspeed_comm_op()
+
+
+def pytest_sessionstart(session):
+    _remove_unmapped_deepspeed_buffers()  # an earlier run's (in pytest only: workers import this module too)
 
 
 def tiny_model():

@@ -1,5 +1,6 @@
 """Every method through real DeepSpeed engines (ZeRO 0/1/2, replicas, bf16), real processes, gloo."""
 
+import glob
 import json
 import math
 import os
@@ -301,6 +302,8 @@ def test_user_script_under_the_deepspeed_launcher(tmp_path):
                            "--steps", "20", "--out", "report.json"],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=400)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-4000:])
+    # DeepSpeed's CPU shared-memory buffers (69 MB a rank) are unlinked once mapped, not left in RAM
+    assert not glob.glob("/dev/shm/deepspeed_allreduce_buffer_*_29533_*")
     r = json.loads((tmp_path / "report.json").read_text())
     assert not set(r["first_batches"][0]) & set(r["first_batches"][1])  # every rank its own shard
     assert r["train_batch_size"] == 32  # micro 8 x accumulation 2 x 2 ranks, as in plain DeepSpeed

@@ -140,7 +140,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if args is not None and getattr(args, "deepspeed_config", None) is not None:
         args = argparse.Namespace(**{**vars(args), "deepspeed_config": None})  # the config goes by dict
     # Also when torch.distributed is already up: DeepSpeed then wraps the existing group.
-    deepspeed.init_distributed(dist_backend=_default_backend())
+    internals.init_distributed(_default_backend())  # and frees DeepSpeed's shared-memory name
     engine_ledger, user_ledger = ByteLedger(), ByteLedger()
     count_deepspeed_collectives(engine_ledger, user_ledger)
 
@@ -229,13 +229,11 @@ def replica_layout(config) -> hetero.ReplicaPlace:
     ``hetero.py``). Call it before building the model: it checks the layout against the world size
     and makes DeepSpeed see this replica's ranks as its world."""
     internals.ensure_checked()  # a supported deepspeed, its private internals as declared, before touching any
-    import deepspeed
-
     split = split_config(load_config(config))
     if not split.replicas:
         raise ConfigError("replica_layout: the config has no lowcomm.replicas (replicas of one shape need no "
                           "layout call: lowcomm.replica_size)")
-    deepspeed.init_distributed(dist_backend=_default_backend())
+    internals.init_distributed(_default_backend())  # and frees DeepSpeed's shared-memory name
     # Before any rank enters its replica: a rank with another layout would wait in other groups.
     assert_same_across_ranks(TorchDistTransport(timeout_s=split.lowcomm.comm.timeout_s),
                              {"lowcomm.replicas": [spec.describe() for spec in split.replicas]})

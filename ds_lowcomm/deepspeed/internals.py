@@ -282,6 +282,14 @@ BF16_OPTIMIZER = Internal(_BF16, "BF16_Optimizer", "class", use="agrees the bf16
 BF16_GRADS_FOR_NORM = Internal(_BF16, "BF16_Optimizer.get_grads_for_norm", "method", ("for_clipping",), "override",
                                use="agrees the bf16 skip of a step over every replica (overflow.py)")
 
+# --- DeepSpeed's CPU shared-memory all-reduce (init_distributed below) -------------------------------------
+SHM_COMM_OP = Internal(_BACKEND, "TorchBackend.shm_comm_op", "instance",
+                       use="unlinks its shared-memory buffer's name once every rank has mapped it (init_distributed)")
+# The name DeepSpeed's CPU comm op (ops/csrc/cpu/comm/shm.cpp, shm_initialize) gives each rank's buffer
+# when every rank is on one host. A name, not Python: the check above cannot see it; if DeepSpeed
+# renames it, init_distributed finds no such file and unlinks nothing.
+SHM_BUFFER_NAME = "deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
+
 
 def _collect(values) -> tuple[Internal, ...]:
     out: dict[str, Internal] = {}
@@ -432,3 +440,35 @@ def unknown_group_method(real, name: str) -> FrameworkInternalsError:
 __all__ = ["COPIED", "DISTRIBUTION", "FrameworkInternalsError", "GROUP_METHODS", "ITEMS", "LOOKED_UP", "backend",
            "backend_signature", "ensure_checked", "get", "grid", "live", "method", "problems", "put", "replace_backend",
            "replace_method"]
+
+
+# --- init_distributed ---------------------------------------------------------------------------------------
+_shm_released = False
+
+
+def init_distributed(dist_backend: str) -> None:
+    """``deepspeed.init_distributed``, then this rank's shared-memory buffer unlinked (every rank calls it).
+
+    On the CPU accelerator with every rank on one host, DeepSpeed maps a 69 MB shared-memory
+    all-reduce buffer per rank (:data:`SHM_BUFFER_NAME`) and never unlinks it: each launch on a new
+    port left its buffers in /dev/shm, that is in RAM, until the machine restarts (a CI run of this
+    suite leaked 15 GB and was killed for memory). Each rank returns from DeepSpeed's set-up only
+    after mapping every peer's buffer, so after one barrier the names can go: the mappings live on
+    until the processes exit, and the memory goes with them, however they exit."""
+    import os
+
+    import deepspeed
+    import torch.distributed as dist
+
+    global _shm_released
+    deepspeed.init_distributed(dist_backend=dist_backend)
+    if _shm_released or get(real_backend(), SHM_COMM_OP) is None:  # the same on every rank
+        return
+    dist.barrier()
+    name = SHM_BUFFER_NAME.format(uid=os.getuid(), addr=os.environ.get("MASTER_ADDR", ""),
+                                  port=os.environ.get("MASTER_PORT", ""), rank=dist.get_rank())
+    try:
+        os.unlink(os.path.join("/dev/shm", name))
+    except FileNotFoundError:  # ranks on several hosts: DeepSpeed made no buffer
+        pass
+    _shm_released = True
