@@ -138,6 +138,9 @@ def _check_supported(model_chunks, optimizer, cfg: LowcommConfig) -> None:
         raise ConfigError("lowcomm.overlap must be false with Megatron-Core: DeMo's exchange already runs in "
                           "Megatron's bucket-level gradient sync (overlap_grad_reduce overlaps it with the "
                           "backward pass); allowed: false")
+    if cfg.method == "demo" and cfg.settings.update != "sign":
+        raise ConfigError(f"lowcomm.update {cfg.settings.update!r} is not supported with Megatron-Core yet (its "
+                          "inner optimizer steps along the exchanged mean by sign); allowed: sign")
     if ps.get_context_parallel_world_size() != 1:
         raise ConfigError("Megatron-Core with context parallelism > 1 is not supported by ds_lowcomm yet")
     if len(model_chunks) != 1:

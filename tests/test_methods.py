@@ -30,6 +30,7 @@ def _jobs(world):
                  ("sync_dct_diloco", _sync_schedule_worker, ("dct_diloco",)),
                  ("dct_lossless", _dct_lossless_worker, ()), ("bf16_state", _bf16_state_worker, ()),
                  ("demo_sign", _demo_sign_worker, ()), ("demo_overlap", _demo_worker, (5, True)),
+                 ("demo_adam", _demo_worker, (5, False, "adam")), ("demo_normalized", _demo_worker, (5, False, "normalized")),
                  ("zero_first", _zero_first_gradients_worker, ()),  # these two build groups of their own
                  ("nonfinite", _nonfinite_worker, ())]
     return jobs
@@ -54,10 +55,10 @@ def launches():
 DEMO = dict(lr=0.01, decay=0.9, topk=8, chunk=8, weight_decay=0.1)
 
 
-def _demo_worker(rank, world, steps, overlap=False):
+def _demo_worker(rank, world, steps, overlap=False, update="sign"):
     model = tiny_model()
     initial = [p.detach().clone() for p in model.parameters()]
-    opt = DeMo(model.parameters(), **DEMO, overlap=overlap)
+    opt = DeMo(model.parameters(), **DEMO, overlap=overlap, update=update, beta2=0.9)
     grads = []
     for s in range(steps):
         tiny_loss(model, rank, s).backward()
@@ -111,11 +112,14 @@ def _block_dct(x, plan, inverse=False):
     return from_blocks(torch.as_tensor(out), plan).numpy()
 
 
-def _replay_demo(initial, grads_by_rank, delayed=False):
-    """DeMo from its definition; ``delayed``: each step moves along the previous step's exchange."""
+def _replay_demo(initial, grads_by_rank, delayed=False, update="sign"):
+    """DeMo from its definition; ``delayed``: each step moves along the previous step's exchange;
+    ``update``: the step along the exchanged mean q, sign(q) (DeMo's), Adam's q / sqrt(v) with v
+    the bias-corrected running mean of q^2 (beta2 0.9), or q / rms(q)."""
     world, steps = len(grads_by_rank), len(grads_by_rank[0])
     params = [p.double().numpy().copy() for p in initial]
     moms = [[np.zeros_like(p) for p in params] for _ in range(world)]
+    second = [np.zeros_like(p) for p in params]
     lr, beta, wd = DEMO["lr"], DEMO["decay"], DEMO["weight_decay"]
     landed = [None] * len(params)
     for s in range(steps):
@@ -137,7 +141,14 @@ def _replay_demo(initial, grads_by_rank, delayed=False):
                 m -= _block_dct(kept_t, plan, inverse=True)
                 total += kept_t
                 count += kept_t != 0
-            direction = np.sign(_block_dct(total / np.maximum(count, 1), plan, inverse=True))
+            q = _block_dct(total / np.maximum(count, 1), plan, inverse=True)
+            if update == "adam":
+                second[i] = 0.9 * second[i] + 0.1 * q * q
+                direction = q / (np.sqrt(second[i] / (1 - 0.9 ** (s + 1))) + 1e-12)
+            elif update == "normalized":
+                direction = q / np.sqrt(np.mean(q * q))
+            else:
+                direction = np.sign(q)
             if delayed:
                 direction, landed[i] = landed[i], direction
             if direction is not None:
@@ -160,6 +171,18 @@ def test_demo_matches_single_process_replay_and_replicas_agree(world, launches):
         assert r["steps"] == 5
         assert r["by_op"]["sparse_all_gather"] == {
             "calls": 5, "sent": 5 * r["payload"], "received": 5 * (world - 1) * r["payload"]}
+
+
+@pytest.mark.parametrize("update", ["adam", "normalized"])
+def test_demo_update_rules_match_the_replay(update, launches):
+    """The other steps along the exchanged mean: the replay's, replicas bit-identical, and not sign's."""
+    results = launches(2, f"demo_{update}")
+    assert len({r["digest"] for r in results}) == 1
+    replay = _replay_demo(results[0]["initial"], [r["grads"] for r in results], update=update)
+    for got, want in zip(results[0]["final"], replay):
+        np.testing.assert_allclose(got.double().numpy(), want, atol=1e-5)
+    signs = _replay_demo(results[0]["initial"], [r["grads"] for r in results])
+    assert max(np.abs(g.double().numpy() - u).max() for g, u in zip(results[0]["final"], signs)) > 1e-3
 
 
 def test_demo_overlap_steps_along_the_previous_exchange(launches):

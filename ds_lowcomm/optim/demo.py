@@ -14,9 +14,17 @@ import torch
 
 from ..codec import CodecSettings
 from ..comm import Pending, ReplicaShard, Transport
-from ..settings import check_bool, check_fraction
+from ..settings import check_bool, check_choice, check_fraction, check_positive
 from .adamw import AdamSettings
 from .base import LowcommOptimizer, StatefulSettings
+
+
+# How the parameters move along q, the exchanged mean of the momenta's components (the same on
+# every rank): "sign", DeMo's (every element by lr); "adam", q / (sqrt(v) + eps) with v a
+# bias-corrected running mean of q * q (each element by its own signal-to-noise: an AdamW-style
+# second moment on the decoded momentum); "normalized", q / rms(q) per tensor (q's shape kept, the
+# same mean step size as sign's).
+UPDATES = ("sign", "adam", "normalized")
 
 
 @dataclass(frozen=True)
@@ -26,11 +34,19 @@ class DeMoSettings(StatefulSettings):
     # Start each step's exchange without waiting for it and step along it one step later, so the
     # all-gather runs during the next forward/backward (a one-step-delayed update).
     overlap: bool = False
+    update: str = "sign"
+    beta2: float = 0.999  # update "adam": the decay of v
+    # update "adam": q carries the lr (DeMo folds it into the momentum), so q and sqrt(v) are about
+    # lr x a gradient, 1e-7 and up; eps only keeps 0 / 0 at 0
+    eps: float = 1e-12
 
     def check(self, where: str) -> None:
         super().check(where)
         check_fraction(where, "decay", self.decay)
         check_bool(where, "overlap", self.overlap)
+        check_choice(where, "update", self.update, UPDATES)
+        check_fraction(where, "beta2", self.beta2)
+        check_positive(where, "eps", self.eps)
 
 
 class DeMo(LowcommOptimizer):
@@ -40,8 +56,8 @@ class DeMo(LowcommOptimizer):
     def __init__(self, params, lr: float = 4e-4, *, weight_decay: float = 0.0, settings: DeMoSettings | None = None,
                  transport: Transport | None = None, shard: ReplicaShard | None = None, ledger_steps: bool = True,
                  **flat_settings):
-        """``flat_settings``: decay, topk, chunk, value_dtype, transform, average, state_dtype
-        (or one ``settings=DeMoSettings(...)``)."""
+        """``flat_settings``: decay, topk, chunk, value_dtype, transform, average, state_dtype, overlap,
+        update, beta2, eps (or one ``settings=DeMoSettings(...)``)."""
         settings = self.resolve_settings(settings, flat_settings)
         hyper = AdamSettings.from_flat({"lr": lr, "weight_decay": weight_decay}, where="DeMo")
         super().__init__(params, dict(lr=hyper.lr, weight_decay=hyper.weight_decay))
@@ -67,7 +83,7 @@ class DeMo(LowcommOptimizer):
             self._in_flight = (tuple(id(p) for p in synced), self.start_momentum_sync(synced, grads, lrs))
             for p, q, lr, wd in zip(synced, landed, lrs, decays):
                 if q is not None:
-                    sign_step_(p, q, lr, wd)
+                    self._step_along(p, q, lr, wd)
         elif synced or self.fault_tolerance is not None:  # every rank of a replica asks torchft, owning any or not
             ft = self.fault_tolerance
             if ft is not None:  # the momenta as they were, for an exchange that is then discarded
@@ -75,12 +91,35 @@ class DeMo(LowcommOptimizer):
             means = self.start_momentum_sync(synced, grads, lrs).wait() if synced else []
             if ft is None or ft.commit():
                 for p, q, lr, wd in zip(synced, means, lrs, decays):
-                    sign_step_(p, q, lr, wd)
+                    self._step_along(p, q, lr, wd)
             else:  # a peer failed during it: every replica skips this step alike
                 self._restore_discarded(synced)
         self._share(params)
         if self.fault_tolerance is not None:
             self.fault_tolerance.start_interval()  # the next step's quorum (a joining replica heals)
+
+    def _step_along(self, p: torch.Tensor, q: torch.Tensor, lr: float, weight_decay: float) -> None:
+        """Move ``p`` along the exchanged mean ``q`` by the settings' ``update`` rule."""
+        rule = self.settings.update
+        if rule == "sign":
+            sign_step_(p, q, lr, weight_decay)
+            return
+        if rule == "adam":
+            state = self.state[p]
+            if "direction_sq" not in state:
+                state["direction_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
+                state["update_steps"] = 0
+            v, beta2 = state["direction_sq"], self.settings.beta2
+            state["update_steps"] += 1
+            q = q.to(v.dtype)
+            v.mul_(beta2).addcmul_(q, q, value=1.0 - beta2)
+            direction = q / ((v / (1.0 - beta2 ** state["update_steps"])).sqrt_() + self.settings.eps)
+        else:  # normalized
+            q = q.float()
+            direction = q / q.square().mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
+        if weight_decay:
+            p.mul_(1.0 - lr * weight_decay)
+        p.add_(direction.to(p.dtype), alpha=-lr)
 
     def _land_in_flight(self, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """overlap: the means of the exchange started at the previous step (None before the first
