@@ -31,6 +31,7 @@ def _jobs(world):
                  ("dct_lossless", _dct_lossless_worker, ()), ("bf16_state", _bf16_state_worker, ()),
                  ("demo_sign", _demo_sign_worker, ()), ("demo_overlap", _demo_worker, (5, True)),
                  ("demo_adam", _demo_worker, (5, False, "adam")), ("demo_normalized", _demo_worker, (5, False, "normalized")),
+                 ("demo_outer", _demo_worker, (5, False, "sign", 0.8)),
                  ("zero_first", _zero_first_gradients_worker, ()),  # these two build groups of their own
                  ("nonfinite", _nonfinite_worker, ())]
     return jobs
@@ -55,10 +56,10 @@ def launches():
 DEMO = dict(lr=0.01, decay=0.9, topk=8, chunk=8, weight_decay=0.1)
 
 
-def _demo_worker(rank, world, steps, overlap=False, update="sign"):
+def _demo_worker(rank, world, steps, overlap=False, update="sign", mean_momentum=0.0):
     model = tiny_model()
     initial = [p.detach().clone() for p in model.parameters()]
-    opt = DeMo(model.parameters(), **DEMO, overlap=overlap, update=update, beta2=0.9)
+    opt = DeMo(model.parameters(), **DEMO, overlap=overlap, update=update, beta2=0.9, mean_momentum=mean_momentum)
     grads = []
     for s in range(steps):
         tiny_loss(model, rank, s).backward()
@@ -112,14 +113,16 @@ def _block_dct(x, plan, inverse=False):
     return from_blocks(torch.as_tensor(out), plan).numpy()
 
 
-def _replay_demo(initial, grads_by_rank, delayed=False, update="sign"):
+def _replay_demo(initial, grads_by_rank, delayed=False, update="sign", mean_momentum=0.0):
     """DeMo from its definition; ``delayed``: each step moves along the previous step's exchange;
     ``update``: the step along the exchanged mean q, sign(q) (DeMo's), Adam's q / sqrt(v) with v
-    the bias-corrected running mean of q^2 (beta2 0.9), or q / rms(q)."""
+    the bias-corrected running mean of q^2 (beta2 0.9), or q / rms(q); ``mean_momentum`` b: q is
+    first replaced by q + b * u, u the running sum u = b * u + q."""
     world, steps = len(grads_by_rank), len(grads_by_rank[0])
     params = [p.double().numpy().copy() for p in initial]
     moms = [[np.zeros_like(p) for p in params] for _ in range(world)]
     second = [np.zeros_like(p) for p in params]
+    outer = [np.zeros_like(p) for p in params]
     lr, beta, wd = DEMO["lr"], DEMO["decay"], DEMO["weight_decay"]
     landed = [None] * len(params)
     for s in range(steps):
@@ -142,6 +145,8 @@ def _replay_demo(initial, grads_by_rank, delayed=False, update="sign"):
                 total += kept_t
                 count += kept_t != 0
             q = _block_dct(total / np.maximum(count, 1), plan, inverse=True)
+            outer[i] = mean_momentum * outer[i] + q
+            q = q + mean_momentum * outer[i]
             if update == "adam":
                 second[i] = 0.9 * second[i] + 0.1 * q * q
                 direction = q / (np.sqrt(second[i] / (1 - 0.9 ** (s + 1))) + 1e-12)
@@ -173,12 +178,15 @@ def test_demo_matches_single_process_replay_and_replicas_agree(world, launches):
             "calls": 5, "sent": 5 * r["payload"], "received": 5 * (world - 1) * r["payload"]}
 
 
-@pytest.mark.parametrize("update", ["adam", "normalized"])
-def test_demo_update_rules_match_the_replay(update, launches):
+@pytest.mark.parametrize("job,update,mean_momentum", [("demo_adam", "adam", 0.0),
+                                                        ("demo_normalized", "normalized", 0.0),
+                                                        ("demo_outer", "sign", 0.8)])
+def test_demo_update_rules_match_the_replay(job, update, mean_momentum, launches):
     """The other steps along the exchanged mean: the replay's, replicas bit-identical, and not sign's."""
-    results = launches(2, f"demo_{update}")
+    results = launches(2, job)
     assert len({r["digest"] for r in results}) == 1
-    replay = _replay_demo(results[0]["initial"], [r["grads"] for r in results], update=update)
+    replay = _replay_demo(results[0]["initial"], [r["grads"] for r in results], update=update,
+                          mean_momentum=mean_momentum)
     for got, want in zip(results[0]["final"], replay):
         np.testing.assert_allclose(got.double().numpy(), want, atol=1e-5)
     signs = _replay_demo(results[0]["initial"], [r["grads"] for r in results])

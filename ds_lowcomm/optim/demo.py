@@ -35,6 +35,11 @@ class DeMoSettings(StatefulSettings):
     # all-gather runs during the next forward/backward (a one-step-delayed update).
     overlap: bool = False
     update: str = "sign"
+    # A running sum u = mean_momentum * u + q of the exchanged means (the same on every rank), and
+    # the step taken along q + mean_momentum * u (Nesterov's form) instead of q. Each step's q holds
+    # only that step's top-k components; u keeps the recent steps' too, a denser direction for no
+    # bytes. 0: q alone (DeMo's).
+    mean_momentum: float = 0.0
     beta2: float = 0.999  # update "adam": the decay of v
     # update "adam": q carries the lr (DeMo folds it into the momentum), so q and sqrt(v) are about
     # lr x a gradient, 1e-7 and up; eps only keeps 0 / 0 at 0
@@ -45,6 +50,7 @@ class DeMoSettings(StatefulSettings):
         check_fraction(where, "decay", self.decay)
         check_bool(where, "overlap", self.overlap)
         check_choice(where, "update", self.update, UPDATES)
+        check_fraction(where, "mean_momentum", self.mean_momentum)
         check_fraction(where, "beta2", self.beta2)
         check_positive(where, "eps", self.eps)
 
@@ -57,7 +63,7 @@ class DeMo(LowcommOptimizer):
                  transport: Transport | None = None, shard: ReplicaShard | None = None, ledger_steps: bool = True,
                  **flat_settings):
         """``flat_settings``: decay, topk, chunk, value_dtype, transform, average, state_dtype, overlap,
-        update, beta2, eps (or one ``settings=DeMoSettings(...)``)."""
+        update, mean_momentum, beta2, eps (or one ``settings=DeMoSettings(...)``)."""
         settings = self.resolve_settings(settings, flat_settings)
         hyper = AdamSettings.from_flat({"lr": lr, "weight_decay": weight_decay}, where="DeMo")
         super().__init__(params, dict(lr=hyper.lr, weight_decay=hyper.weight_decay))
@@ -99,8 +105,16 @@ class DeMo(LowcommOptimizer):
             self.fault_tolerance.start_interval()  # the next step's quorum (a joining replica heals)
 
     def _step_along(self, p: torch.Tensor, q: torch.Tensor, lr: float, weight_decay: float) -> None:
-        """Move ``p`` along the exchanged mean ``q`` by the settings' ``update`` rule."""
-        rule = self.settings.update
+        """Move ``p`` along the exchanged mean ``q`` (with ``mean_momentum``, along q + beta * u)
+        by the settings' ``update`` rule."""
+        rule, beta = self.settings.update, self.settings.mean_momentum
+        if beta:
+            state = self.state[p]
+            if "mean_momentum" not in state:
+                state["mean_momentum"] = torch.zeros_like(p, dtype=self.state_dtype)
+            u = state["mean_momentum"]
+            u.mul_(beta).add_(q.to(u.dtype))
+            q = q.to(u.dtype).add(u, alpha=beta)
         if rule == "sign":
             sign_step_(p, q, lr, weight_decay)
             return
