@@ -269,7 +269,8 @@ def _refusal_worker(rank, world):
              "per_token_loss": (dict(per_token=True), {"method": "adamw"}),
              "mpi": ({}, {"method": "diloco", "transport": "mpi"}),
              "two_chunks": ({}, {"method": "demo"}),
-             "demo_overlap": ({}, {"method": "demo", "overlap": True})}
+             "demo_overlap": ({}, {"method": "demo", "overlap": True}),
+             "demo_adam": ({}, {"method": "demo", "update": "adam"})}
     for name, (kwargs, lowcomm) in cases.items():
         try:
             model, opt = build(**kwargs)
@@ -298,6 +299,7 @@ def test_unsupported_megatron_features_are_refused_clearly():
     assert "lowcomm.transport" in errors["mpi"]
     assert "virtual pipeline" in errors["two_chunks"]
     assert "lowcomm.overlap must be false" in errors["demo_overlap"]
+    assert "lowcomm.update 'adam' is not supported with Megatron-Core" in errors["demo_adam"]
     nan = "found NaN in local grad norm for bucket #0 in backward pass before data-parallel communication"
     for name in ("nan_stock", "nan_demo", "nan_demo_overlap", "nan_diloco", "nan_diloco_overlap"):
         assert errors[name].startswith("RuntimeError: Rank ") and nan in errors[name], (name, errors[name])

@@ -81,7 +81,10 @@ def model_of(args) -> dict:
 # sets it (4 fragments, each landing 4 inner steps after it is sent).
 # demo_recipe: demo at its recipe under another name, for a run where "demo" takes a sweep's
 # configuration (time_to_loss --from-sweep) and the recipe is shown beside it.
-VARIANTS = {"diloco_streaming": ("diloco", {"fragments": 4, "sync_delay": 4}), "demo_recipe": ("demo", {})}
+# demo_topk2: the recipe keeping 2 of each 8x8 block's 64 DCT components (issue 32's exploration:
+# the steps to the target least spread over seeds, at twice the bytes).
+VARIANTS = {"diloco_streaming": ("diloco", {"fragments": 4, "sync_delay": 4}), "demo_recipe": ("demo", {}),
+            "demo_topk2": ("demo", {"topk": 2})}
 
 
 def method_spec(method: str, steps: int, eval_every: int, **model) -> TrainSpec:
