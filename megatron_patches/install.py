@@ -141,6 +141,9 @@ def _check_supported(model_chunks, optimizer, cfg: LowcommConfig) -> None:
     if cfg.method == "demo" and cfg.settings.update != "sign":
         raise ConfigError(f"lowcomm.update {cfg.settings.update!r} is not supported with Megatron-Core yet (its "
                           "inner optimizer steps along the exchanged mean by sign); allowed: sign")
+    if cfg.method == "demo" and cfg.settings.mean_momentum:
+        raise ConfigError(f"lowcomm.mean_momentum {cfg.settings.mean_momentum!r} is not supported with Megatron-Core "
+                          "yet (its inner optimizer steps along the exchanged mean alone); allowed: 0")
     if ps.get_context_parallel_world_size() != 1:
         raise ConfigError("Megatron-Core with context parallelism > 1 is not supported by ds_lowcomm yet")
     if len(model_chunks) != 1:
