@@ -116,9 +116,8 @@ class DeMo(LowcommOptimizer):
             u.mul_(beta).add_(q.to(u.dtype))
             q = q.to(u.dtype).add(u, alpha=beta)
         if rule == "sign":
-            sign_step_(p, q, lr, weight_decay)
-            return
-        if rule == "adam":
+            direction = q.sign()
+        elif rule == "adam":
             state = self.state[p]
             if "direction_sq" not in state:
                 state["direction_sq"] = torch.zeros_like(p, dtype=self.state_dtype)
@@ -131,9 +130,7 @@ class DeMo(LowcommOptimizer):
         else:  # normalized
             q = q.float()
             direction = q / q.square().mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
-        if weight_decay:
-            p.mul_(1.0 - lr * weight_decay)
-        p.add_(direction.to(p.dtype), alpha=-lr)
+        descend_(p, direction, lr, weight_decay)
 
     def _land_in_flight(self, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """overlap: the means of the exchange started at the previous step (None before the first
@@ -183,8 +180,13 @@ class DeMo(LowcommOptimizer):
         return self._sync_for(list(params), "sparse_all_gather").start(momenta, self._healthy() and finite)
 
 
-def sign_step_(p: torch.Tensor, direction: torch.Tensor, lr: float, weight_decay: float) -> None:
-    """DeMo's parameter update: decoupled weight decay, then a step of ``lr`` along the sign."""
+def descend_(p: torch.Tensor, direction: torch.Tensor, lr: float, weight_decay: float) -> None:
+    """Decoupled weight decay, then a step of ``lr`` along ``direction``."""
     if weight_decay:
         p.mul_(1.0 - lr * weight_decay)
-    p.add_(direction.sign().to(p.dtype), alpha=-lr)
+    p.add_(direction.to(p.dtype), alpha=-lr)
+
+
+def sign_step_(p: torch.Tensor, direction: torch.Tensor, lr: float, weight_decay: float) -> None:
+    """DeMo's parameter update: a step along the sign of ``direction``."""
+    descend_(p, direction.sign(), lr, weight_decay)
