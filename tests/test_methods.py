@@ -11,7 +11,9 @@ from ds_lowcomm.codec import ChunkPlan, topk_count
 from ds_lowcomm.codec.dct import from_blocks, to_blocks
 from ds_lowcomm.comm import TorchDistTransport
 from ds_lowcomm.workers import run_local_workers
+from ds_lowcomm.config import ConfigError
 from ds_lowcomm.optim import DCTDiLoCo, DeMo, DiLoCo
+from ds_lowcomm.optim.demo import muon_param_groups, orthogonalize
 
 from .conftest import dct_by_definition, params_digest, tiny_batch, tiny_loss, tiny_model
 
@@ -31,6 +33,7 @@ def _jobs(world):
                  ("dct_lossless", _dct_lossless_worker, ()), ("bf16_state", _bf16_state_worker, ()),
                  ("demo_sign", _demo_sign_worker, ()), ("demo_overlap", _demo_worker, (5, True)),
                  ("demo_adam", _demo_worker, (5, False, "adam")), ("demo_normalized", _demo_worker, (5, False, "normalized")),
+                 ("demo_muon", _demo_worker, (5, False, "muon")),
                  ("demo_outer", _demo_worker, (5, False, "sign", 0.8)),
                  ("zero_first", _zero_first_gradients_worker, ()),  # these two build groups of their own
                  ("nonfinite", _nonfinite_worker, ())]
@@ -59,7 +62,10 @@ DEMO = dict(lr=0.01, decay=0.9, topk=8, chunk=8, weight_decay=0.1)
 def _demo_worker(rank, world, steps, overlap=False, update="sign", mean_momentum=0.0):
     model = tiny_model()
     initial = [p.detach().clone() for p in model.parameters()]
-    opt = DeMo(model.parameters(), **DEMO, overlap=overlap, update=update, beta2=0.9, mean_momentum=mean_momentum)
+    params = model.parameters()
+    if update == "muon":  # the last layer in a group of its own rule, sign (MUON_RULES)
+        params = [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters()), "update": "sign"}]
+    opt = DeMo(params, **DEMO, overlap=overlap, update=update, beta2=0.9, mean_momentum=mean_momentum)
     grads = []
     for s in range(steps):
         tiny_loss(model, rank, s).backward()
@@ -113,10 +119,28 @@ def _block_dct(x, plan, inverse=False):
     return from_blocks(torch.as_tensor(out), plan).numpy()
 
 
+def _orthogonalized(q):
+    """Muon's direction from its definition: q as a (rows, rest) matrix over its Frobenius norm, 5
+    steps of X <- aX + (b XX^T + c (XX^T)^2) X on the wide orientation, times sqrt(max(rows, cols))."""
+    x = q.reshape(q.shape[0], -1)
+    tall = x.shape[0] > x.shape[1]
+    x = (x.T if tall else x) / np.linalg.norm(x)
+    for _ in range(5):
+        gram = x @ x.T
+        x = 3.4445 * x + (-4.7750 * gram + 2.0315 * gram @ gram) @ x
+    return ((x.T if tall else x) * np.sqrt(max(x.shape))).reshape(q.shape)
+
+
+# The demo_muon job's rule per parameter (tiny_model's weight, bias, weight, bias): the first
+# layer by the settings' muon (its bias: sign, being 1-D), the last layer's group by sign.
+MUON_RULES = ["muon", "muon", "sign", "sign"]
+
+
 def _replay_demo(initial, grads_by_rank, delayed=False, update="sign", mean_momentum=0.0):
     """DeMo from its definition; ``delayed``: each step moves along the previous step's exchange;
     ``update``: the step along the exchanged mean q, sign(q) (DeMo's), Adam's q / sqrt(v) with v
-    the bias-corrected running mean of q^2 (beta2 0.9), or q / rms(q); ``mean_momentum`` b: q is
+    the bias-corrected running mean of q^2 (beta2 0.9), q / rms(q), or Muon's (the parameters
+    MUON_RULES names, the others sign); ``mean_momentum`` b: q is
     first replaced by q + b * u, u the running sum u = b * u + q."""
     world, steps = len(grads_by_rank), len(grads_by_rank[0])
     params = [p.double().numpy().copy() for p in initial]
@@ -152,6 +176,8 @@ def _replay_demo(initial, grads_by_rank, delayed=False, update="sign", mean_mome
                 direction = q / (np.sqrt(second[i] / (1 - 0.9 ** (s + 1))) + 1e-12)
             elif update == "normalized":
                 direction = q / np.sqrt(np.mean(q * q))
+            elif update == "muon" and MUON_RULES[i] == "muon" and q.ndim >= 2:
+                direction = _orthogonalized(q)
             else:
                 direction = np.sign(q)
             if delayed:
@@ -180,6 +206,7 @@ def test_demo_matches_single_process_replay_and_replicas_agree(world, launches):
 
 @pytest.mark.parametrize("job,update,mean_momentum", [("demo_adam", "adam", 0.0),
                                                         ("demo_normalized", "normalized", 0.0),
+                                                        ("demo_muon", "muon", 0.0),
                                                         ("demo_outer", "sign", 0.8)])
 def test_demo_update_rules_match_the_replay(job, update, mean_momentum, launches):
     """The other steps along the exchanged mean: the replay's, replicas bit-identical, and not sign's."""
@@ -191,6 +218,34 @@ def test_demo_update_rules_match_the_replay(job, update, mean_momentum, launches
         np.testing.assert_allclose(got.double().numpy(), want, atol=1e-5)
     signs = _replay_demo(results[0]["initial"], [r["grads"] for r in results])
     assert max(np.abs(g.double().numpy() - u).max() for g, u in zip(results[0]["final"], signs)) > 1e-3
+
+
+def test_muon_direction_is_near_the_polar_factor():
+    """update "muon": q's orthogonal polar factor U V^T (from an SVD), scaled to RMS 1; the 5
+    Newton-Schulz steps leave every singular value within [0.6, 1.25] of it (Muon's design)."""
+    g = torch.Generator().manual_seed(3)
+    for shape in [(24, 40), (40, 24), (8, 3, 5)]:
+        q = torch.randn(*shape, generator=g, dtype=torch.float64)
+        got = orthogonalize(q).double().reshape(shape[0], -1)
+        u, _, vt = torch.linalg.svd(q.reshape(shape[0], -1), full_matrices=False)
+        polar = (u @ vt) * max(got.shape) ** 0.5
+        cosine = (got * polar).sum() / (got.norm() * polar.norm())
+        assert cosine > 0.97, (shape, cosine)
+        sv = torch.linalg.svdvals(got / max(got.shape) ** 0.5)
+        assert 0.6 < sv.min() and sv.max() < 1.25, (shape, sv)
+        np.testing.assert_allclose(orthogonalize(q.float()).numpy(), _orthogonalized(q.numpy()), atol=1e-4)
+
+
+def test_muon_param_groups_step_embeddings_by_sign():
+    model = torch.nn.ModuleDict({"tok": torch.nn.Embedding(10, 6), "proj": torch.nn.Linear(6, 6)})
+    model["head"] = torch.nn.Linear(6, 10, bias=False)
+    model["head"].weight = model["tok"].weight  # tied: once, with the embeddings
+    groups = muon_param_groups(model)
+    assert [[id(p) for p in g["params"]] for g in groups] == [
+        [id(model["proj"].weight), id(model["proj"].bias)], [id(model["tok"].weight)]]
+    assert "update" not in groups[0] and groups[1]["update"] == "sign"
+    with pytest.raises(ConfigError, match="update must be one of sign, adam, normalized, muon; got 'bogus'"):
+        DeMo([{"params": list(model["proj"].parameters()), "update": "bogus"}], lr=0.01)
 
 
 def test_demo_overlap_steps_along_the_previous_exchange(launches):

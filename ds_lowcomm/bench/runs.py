@@ -83,8 +83,10 @@ def model_of(args) -> dict:
 # configuration (time_to_loss --from-sweep) and the recipe is shown beside it.
 # demo_topk2: the recipe keeping 2 of each 8x8 block's 64 DCT components (issue 32's exploration:
 # the steps to the target least spread over seeds, at twice the bytes).
+# demo_muon: the recipe stepping along Muon's orthogonalised q (embeddings by sign), issue 32's
+# fewest steps.
 VARIANTS = {"diloco_streaming": ("diloco", {"fragments": 4, "sync_delay": 4}), "demo_recipe": ("demo", {}),
-            "demo_topk2": ("demo", {"topk": 2})}
+            "demo_topk2": ("demo", {"topk": 2}), "demo_muon": ("demo", {"update": "muon"})}
 
 
 def method_spec(method: str, steps: int, eval_every: int, **model) -> TrainSpec:

@@ -23,8 +23,11 @@ from .base import LowcommOptimizer, StatefulSettings
 # every rank): "sign", DeMo's (every element by lr); "adam", q / (sqrt(v) + eps) with v a
 # bias-corrected running mean of q * q (each element by its own signal-to-noise: an AdamW-style
 # second moment on the decoded momentum); "normalized", q / rms(q) per tensor (q's shape kept, the
-# same mean step size as sign's).
-UPDATES = ("sign", "adam", "normalized")
+# same mean step size as sign's); "muon", q orthogonalised (DeMo v2's Muon option; see
+# orthogonalize) for tensors of 2 or more dimensions, sign's step for the others. A param group may
+# name its own rule (its "update" key, as torch groups set their own lr): muon_param_groups gives
+# embeddings sign's step, as Muon is run.
+UPDATES = ("sign", "adam", "normalized", "muon")
 
 
 @dataclass(frozen=True)
@@ -71,7 +74,7 @@ class DeMo(LowcommOptimizer):
 
     def _update(self, params):
         owned = {id(p) for p in self._owned(params)}
-        synced, grads, lrs, decays = [], [], [], []
+        synced, grads, lrs, decays, rules = [], [], [], [], []
         for group in self.param_groups:
             for p in group["params"]:
                 if not p.requires_grad or not p.numel():  # frozen or empty: not decayed, not exchanged (as _current_params)
@@ -82,32 +85,38 @@ class DeMo(LowcommOptimizer):
                 grads.append(p.grad)  # a parameter without a gradient still takes part in the exchange
                 lrs.append(group["lr"])
                 decays.append(group["weight_decay"])
+                rules.append(group.get("update", self.settings.update))
         if synced and self.settings.overlap:
             # Step along the exchange started one step ago (landed meanwhile, or landing now),
             # then start this step's: it travels while the caller runs the next forward/backward.
             landed = self._land_in_flight(synced)
             self._in_flight = (tuple(id(p) for p in synced), self.start_momentum_sync(synced, grads, lrs))
-            for p, q, lr, wd in zip(synced, landed, lrs, decays):
+            for p, q, lr, wd, rule in zip(synced, landed, lrs, decays, rules):
                 if q is not None:
-                    self._step_along(p, q, lr, wd)
+                    self._step_along(p, q, lr, wd, rule)
         elif synced or self.fault_tolerance is not None:  # every rank of a replica asks torchft, owning any or not
             ft = self.fault_tolerance
             if ft is not None:  # the momenta as they were, for an exchange that is then discarded
                 self._keep_for_discard(synced)
             means = self.start_momentum_sync(synced, grads, lrs).wait() if synced else []
             if ft is None or ft.commit():
-                for p, q, lr, wd in zip(synced, means, lrs, decays):
-                    self._step_along(p, q, lr, wd)
+                for p, q, lr, wd, rule in zip(synced, means, lrs, decays, rules):
+                    self._step_along(p, q, lr, wd, rule)
             else:  # a peer failed during it: every replica skips this step alike
                 self._restore_discarded(synced)
         self._share(params)
         if self.fault_tolerance is not None:
             self.fault_tolerance.start_interval()  # the next step's quorum (a joining replica heals)
 
-    def _step_along(self, p: torch.Tensor, q: torch.Tensor, lr: float, weight_decay: float) -> None:
+    def add_param_group(self, param_group: dict) -> None:
+        if "update" in param_group:  # a group's own rule: checked as the setting is
+            check_choice("DeMo param group", "update", param_group["update"], UPDATES)
+        super().add_param_group(param_group)
+
+    def _step_along(self, p: torch.Tensor, q: torch.Tensor, lr: float, weight_decay: float, rule: str) -> None:
         """Move ``p`` along the exchanged mean ``q`` (with ``mean_momentum``, along q + beta * u)
-        by the settings' ``update`` rule."""
-        rule, beta = self.settings.update, self.settings.mean_momentum
+        by the ``update`` rule ``rule`` (its group's, else the settings')."""
+        beta = self.settings.mean_momentum
         if beta:
             state = self.state[p]
             if "mean_momentum" not in state:
@@ -127,6 +136,8 @@ class DeMo(LowcommOptimizer):
             q = q.to(v.dtype)
             v.mul_(beta2).addcmul_(q, q, value=1.0 - beta2)
             direction = q / ((v / (1.0 - beta2 ** state["update_steps"])).sqrt_() + self.settings.eps)
+        elif rule == "muon":
+            direction = orthogonalize(q) if q.dim() >= 2 else q.sign()
         else:  # normalized
             q = q.float()
             direction = q / q.square().mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
@@ -178,6 +189,41 @@ class DeMo(LowcommOptimizer):
                     m.add_(g.to(m.dtype), alpha=lr)
             momenta.append(m)
         return self._sync_for(list(params), "sparse_all_gather").start(momenta, self._healthy() and finite)
+
+
+# Newton-Schulz's quintic iteration (Jordan et al., Muon), coefficients chosen to push every
+# singular value into about [0.7, 1.2] in 5 steps: close enough to an orthogonal factor for a step.
+NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
+
+
+def orthogonalize(q: torch.Tensor, steps: int = 5) -> torch.Tensor:
+    """``q`` as a matrix (its first dimension by the rest) with its singular values pushed to about 1,
+    scaled by sqrt(max(rows, cols)) so its RMS is about 1, as sign's is: the lr carries over. In
+    fp32 whatever q's dtype (bf16's 8 bits would blur the iteration's cancellations)."""
+    x = q.float().reshape(q.shape[0], -1)
+    tall = x.shape[0] > x.shape[1]
+    if tall:
+        x = x.T
+    x = x / x.norm().clamp_min(torch.finfo(torch.float32).tiny)
+    a, b, c = NEWTON_SCHULZ
+    for _ in range(steps):
+        gram = x @ x.T
+        x = a * x + (b * gram + c * gram @ gram) @ x
+    if tall:
+        x = x.T
+    return (x * max(x.shape) ** 0.5).reshape(q.shape)
+
+
+def muon_param_groups(model: torch.nn.Module) -> list[dict]:
+    """``model``'s trainable parameters as DeMo's param groups for ``update`` "muon", as Muon is run:
+    the embeddings (``nn.Embedding`` weights, a tied output head with them: a row per token, not a
+    linear map to orthogonalise) step by sign, the rest by the settings' rule."""
+    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    rest, signed = [], []
+    for p in model.parameters():  # shared parameters once
+        if p.requires_grad:
+            (signed if id(p) in embeddings else rest).append(p)
+    return [g for g in ({"params": rest}, {"params": signed, "update": "sign"}) if g["params"]]
 
 
 def descend_(p: torch.Tensor, direction: torch.Tensor, lr: float, weight_decay: float) -> None:
