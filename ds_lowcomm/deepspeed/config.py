@@ -85,6 +85,12 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
     if (ds.get("zero_optimization") or {}).get("elastic_checkpoint"):
         raise ConfigError("zero_optimization.elastic_checkpoint must be false with lowcomm: elastic checkpoints "
                           "keep only per-group optimizer state and would drop the method's state")
+    low_precision = [k for k in ("fp16", "bf16") if (ds.get(k) or {}).get("enabled")]
+    if lowcomm.effective().get("update") == "muon" and (stage >= 1 or low_precision):
+        # muon orthogonalises each weight matrix; there the optimizer holds flat pieces of them
+        raise ConfigError(f"lowcomm.update muon needs zero_optimization.stage 0 in fp32 (ZeRO 1-3 and DeepSpeed's "
+                          f"fp16/bf16 optimizers hand the method flat pieces, not weight matrices); got stage "
+                          f"{stage}{''.join(f', {k}.enabled true' for k in low_precision)}. Use update sign there")
     fragments = lowcomm.effective().get("fragments", 1)
     if stage >= 1 and fragments > 1:
         raise ConfigError(f"lowcomm.fragments must be 1 with zero_optimization.stage {stage} (ZeRO 1-3 hand the "
