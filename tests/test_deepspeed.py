@@ -33,7 +33,8 @@ LOWCOMM = {
     "mtdao": {"method": "mtdao", "sync_every": 3},
 }
 # Streaming syncs cut the model into parameter fragments: ZeRO 0 only (ZeRO 1/2 hand one flat partition).
-ZERO0_ONLY = {"diloco_streaming": {"method": "diloco", "sync_every": 3, "fragments": 3, "sync_delay": 1}}
+ZERO0_ONLY = {"diloco_streaming": {"method": "diloco", "sync_every": 3, "fragments": 3, "sync_delay": 1},
+              "demo_muon": {"method": "demo", "topk": 4, "chunk": 8, "update": "muon"}}  # embeddings by sign both ways
 
 
 def ds_config(method, stage=0, replica_size=1, **extra):

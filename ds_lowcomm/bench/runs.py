@@ -84,9 +84,11 @@ def model_of(args) -> dict:
 # demo_topk2: the recipe keeping 2 of each 8x8 block's 64 DCT components (issue 32's exploration:
 # the steps to the target least spread over seeds, at twice the bytes).
 # demo_muon: the recipe stepping along Muon's orthogonalised q (embeddings by sign), issue 32's
-# fewest steps.
+# fewest steps; demo_muon_c16: the same keeping 2 of each 16x16 block's 256 components (its bytes
+# target with its steps target).
 VARIANTS = {"diloco_streaming": ("diloco", {"fragments": 4, "sync_delay": 4}), "demo_recipe": ("demo", {}),
-            "demo_topk2": ("demo", {"topk": 2}), "demo_muon": ("demo", {"update": "muon"})}
+            "demo_topk2": ("demo", {"topk": 2}), "demo_muon": ("demo", {"update": "muon"}),
+            "demo_muon_c16": ("demo", {"update": "muon", "chunk": 16, "topk": 2})}
 
 
 def method_spec(method: str, steps: int, eval_every: int, **model) -> TrainSpec:

@@ -33,6 +33,7 @@ from typing import Any
 
 from ..comm import ByteLedger, ReplicaTopology, TorchDistTransport, assert_same_across_ranks
 from ..optim import LowcommOptimizer, build_optimizer
+from ..optim.demo import muon_param_groups
 from ..settings import ConfigError
 from .activations import install_activation_compression
 from .checkpoint import patch_checkpoint
@@ -162,7 +163,10 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     layout.broadcast_initial_state(params)  # before the optimizer's own check of equal starts
 
     # 3. The method's optimizer, handed to DeepSpeed as a client optimizer.
-    opt = build_optimizer(layout.method_settings(), params, transport=layout.transport(), shard=layout.shard(),
+    groups = params
+    if model_parameters is None and split.lowcomm.effective().get("update") == "muon":
+        groups = muon_param_groups(model)  # the embeddings by sign, as the plain loop does (config.py: ZeRO 0 fp32)
+    opt = build_optimizer(layout.method_settings(), groups, transport=layout.transport(), shard=layout.shard(),
                           ledger_steps=False,  # engine.step closes the ledgers' steps (_patch_engine)
                           **split.optimizer.torch_kwargs())
     opt.framework_setup = True  # DeepSpeed's construction-time step() calls are not training steps
