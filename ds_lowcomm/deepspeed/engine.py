@@ -32,8 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..comm import ByteLedger, ReplicaTopology, TorchDistTransport, assert_same_across_ranks
-from ..optim import LowcommOptimizer, build_optimizer
-from ..optim.demo import muon_param_groups
+from ..optim import LowcommOptimizer, build_optimizer, model_param_groups
 from ..settings import ConfigError
 from .activations import install_activation_compression
 from .checkpoint import patch_checkpoint
@@ -163,9 +162,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     layout.broadcast_initial_state(params)  # before the optimizer's own check of equal starts
 
     # 3. The method's optimizer, handed to DeepSpeed as a client optimizer.
-    groups = params
-    if model_parameters is None and split.lowcomm.effective().get("update") == "muon":
-        groups = muon_param_groups(model)  # the embeddings by sign, as the plain loop does (config.py: ZeRO 0 fp32)
+    # the user's own groups as given; else the plain loop's (update muon: the embeddings by sign)
+    groups = params if model_parameters is not None else model_param_groups(split.lowcomm, model, params)
     opt = build_optimizer(layout.method_settings(), groups, transport=layout.transport(), shard=layout.shard(),
                           ledger_steps=False,  # engine.step closes the ledgers' steps (_patch_engine)
                           **split.optimizer.torch_kwargs())

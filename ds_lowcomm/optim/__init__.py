@@ -6,8 +6,9 @@ from .demo import DeMo, DeMoSettings
 from .mtdao import MTDAO, MTDAOSettings
 from .outer import (DCTDiLoCo, DCTDiLoCoSettings, DiLoCo, DiLoCoSettings, OuterLoop, SparseLoCo, SparseLoCoSettings,
                     StreamingSettings)
-from .registry import METHODS, LowcommConfig, build_optimizer
+from .registry import METHODS, LowcommConfig, build_optimizer, model_param_groups
 
 __all__ = ["AdamSettings", "AllReduceAdamW", "AllReduceSettings", "DCTDiLoCo", "DCTDiLoCoSettings", "DeMo",
            "DeMoSettings", "DiLoCo", "DiLoCoSettings", "LowcommConfig", "LowcommOptimizer", "METHODS", "MTDAO",
-           "MTDAOSettings", "OuterLoop", "SparseLoCo", "SparseLoCoSettings", "StreamingSettings", "build_optimizer"]
+           "MTDAOSettings", "OuterLoop", "SparseLoCo", "SparseLoCoSettings", "StreamingSettings", "build_optimizer",
+           "model_param_groups"]

@@ -21,7 +21,7 @@ from ..comm.settings import CommSettings
 from ..settings import ConfigError, Settings, check_choice
 from .adamw import AdamSettings, AllReduceAdamW
 from .base import LowcommOptimizer
-from .demo import DeMo, DeMoSettings
+from .demo import DeMo, DeMoSettings, muon_param_groups
 from .mtdao import MTDAO
 from .outer import DCTDiLoCo, DiLoCo, OuterLoop, SparseLoCo
 
@@ -96,6 +96,15 @@ def _apex_fused_adamw(params, adam: AdamSettings):
         raise ConfigError("lowcomm.inner_impl is 'apex' but NVIDIA apex is not importable here; "
                           "allowed: torch, apex (apex only where it is installed)") from None
     return FusedAdam(params, adam_w_mode=True, **adam.torch_kwargs())
+
+
+def model_param_groups(cfg: LowcommConfig, model: torch.nn.Module, params: Iterable) -> Iterable:
+    """What :func:`build_optimizer` takes for ``model``'s ``params``: the params as they are, or for
+    demo's update "muon" the model's parameters split as Muon is run (:func:`muon_param_groups`:
+    the embeddings by sign). The one place that decides it, for the plain loop and DeepSpeed alike."""
+    if cfg.method == "demo" and cfg.settings.update == "muon":
+        return muon_param_groups(model)
+    return params
 
 
 def build_optimizer(

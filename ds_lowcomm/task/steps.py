@@ -35,8 +35,7 @@ from ..checkpoint_io import LATEST, agree_on_problems, check_digests, load_file,
 from ..codec import FLOAT_DTYPES
 from ..comm import build_transport
 from ..config import ConfigError
-from ..optim import build_optimizer
-from ..optim.demo import muon_param_groups
+from ..optim import build_optimizer, model_param_groups
 from .spec import TrainSpec
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -111,10 +110,7 @@ def lowcomm_setup(model: torch.nn.Module, spec: TrainSpec, transport=None):
     cfg = spec.lowcomm_config
     if transport is None:
         transport = build_transport(cfg.transport, timeout_s=cfg.comm.timeout_s)
-    params = model.parameters()
-    if cfg.method == "demo" and cfg.settings.update == "muon":  # Muon's split: embeddings by sign
-        params = muon_param_groups(model)
-    opt = build_optimizer(cfg, params, lr=spec.lr, weight_decay=spec.weight_decay, betas=spec.betas,
+    opt = build_optimizer(cfg, model_param_groups(cfg, model, model.parameters()), lr=spec.lr, weight_decay=spec.weight_decay, betas=spec.betas,
                           transport=transport)
     return model, opt, opt.ledger
 
