@@ -83,6 +83,9 @@ OVERLAP_BUCKET_CAP_MB = 0.25
 BASELINES = {
     "adamw_overlap": {"kind": "ddp", "compress": "none", "bucket_cap_mb": OVERLAP_BUCKET_CAP_MB},
     "adamw_overlap_bf16": {"kind": "ddp", "compress": "bf16", "bucket_cap_mb": OVERLAP_BUCKET_CAP_MB},
+    # the same DDP with torch's Muon on the hidden matrices and AdamW on the rest (dense_optimizer)
+    "muon": {"kind": "ddp", "compress": "none", "bucket_cap_mb": OVERLAP_BUCKET_CAP_MB, "optimizer": "muon"},
+    "muon_bf16": {"kind": "ddp", "compress": "bf16", "bucket_cap_mb": OVERLAP_BUCKET_CAP_MB, "optimizer": "muon"},
 }
 ADAMW_ENTRIES = ("adamw", *BASELINES)  # the adamw entries: the speed-ups are against the fastest
 
@@ -172,9 +175,31 @@ def ddp_setup(model: torch.nn.Module, spec: TrainSpec, peer: dict):
     ddp = DistributedDataParallel(model, bucket_cap_mb=peer.get("bucket_cap_mb", OVERLAP_BUCKET_CAP_MB))
     count_all_reduces(ledger)  # the hooks' all-reduces (DDP's built-in one, without a hook, is C++: uncounted)
     ddp.register_comm_hook(None, hooks[compress])
-    opt = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
+    opt = dense_optimizer(model, spec, peer)
     opt.register_step_post_hook(lambda *_: ledger.end_step())  # one ledger step per optimizer step
     return ddp, opt, ledger
+
+
+DENSE_OPTIMIZERS = ("adamw", "muon")
+
+
+def dense_optimizer(model: torch.nn.Module, spec: TrainSpec, peer: dict) -> torch.optim.Optimizer:
+    """The optimizer after a dense all-reduce: ``peer["optimizer"]`` "adamw" (torch's AdamW with
+    the spec's lr, betas and weight decay) or "muon" (torch's Muon on the hidden matrices at
+    ``peer["muon_lr"]``, momentum ``peer["muon_momentum"]`` (0.95), Nesterov, lr adjusted by
+    ``peer["adjust_lr_fn"]`` (torch's default, "original"), and AdamW as above on embeddings and
+    1-D parameters: :class:`ds_lowcomm.optim.muon.MuonWithAdamW`, as Muon is run)."""
+    kind = peer.get("optimizer", "adamw")
+    if kind not in DENSE_OPTIMIZERS:
+        raise ValueError(f"peer.optimizer must be one of {', '.join(DENSE_OPTIMIZERS)}; got {kind!r}")
+    adamw = {"lr": spec.lr, "betas": spec.betas, "weight_decay": spec.weight_decay}
+    if kind == "adamw":
+        return torch.optim.AdamW(model.parameters(), **adamw)
+    from ..optim.muon import MuonWithAdamW, split_muon_params
+
+    muon = {"lr": peer.get("muon_lr", 0.02), "momentum": peer.get("muon_momentum", 0.95), "nesterov": True,
+            "weight_decay": spec.weight_decay, "adjust_lr_fn": peer.get("adjust_lr_fn")}
+    return MuonWithAdamW(*split_muon_params(model), muon=muon, adamw=adamw)
 
 
 _KEEP_ALIVE: list = []  # torchft's lighthouse, manager and DiLoCo live as long as the worker

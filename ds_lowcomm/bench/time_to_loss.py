@@ -297,7 +297,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.from_sweep:
         tuned = {e: r["settings"] for e, r in best(args.from_sweep, budget=args.tune_budget or budget,
                                                    rank_by=args.tune_by).items()}
-        for entry in BASELINES:  # adamw's DDP forms: the same optimizer and math, so adamw's tuning
+        # adamw's DDP forms: the same optimizer and math, so adamw's tuning (Muon's have their own)
+        for entry in (e for e in BASELINES if BASELINES[e].get("optimizer", "adamw") == "adamw"):
             if entry not in tuned and "adamw" in tuned:
                 tuned[entry] = tuned["adamw"]
         print(f"from {args.from_sweep}: {', '.join(f'{e} {json.dumps(tuned[e])}' for e in entries if e in tuned)}; "

@@ -19,7 +19,7 @@ SPEC_KEYS = ("lr", "betas", "weight_decay", "warmup")
 PEER_SETTINGS = {
     "ddp_powersgd": ("rank", "start_iter"),
     "torchft_diloco": ("sync_every", "fragments", "sync_delay", "fragment_update_alpha", "outer_lr", "outer_momentum"),
-    "ddp": ("compress", "bucket_cap_mb"),
+    "ddp": ("compress", "bucket_cap_mb", "optimizer", "muon_lr", "muon_momentum", "adjust_lr_fn"),
 }
 
 

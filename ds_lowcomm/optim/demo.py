@@ -17,6 +17,7 @@ from ..comm import Pending, ReplicaShard, Transport
 from ..settings import check_bool, check_choice, check_fraction, check_positive
 from .adamw import AdamSettings
 from .base import LowcommOptimizer, StatefulSettings
+from .muon import takes_muon_step
 
 
 # How the parameters move along q, the exchanged mean of the momenta's components (the same on
@@ -215,14 +216,15 @@ def orthogonalize(q: torch.Tensor, steps: int = 5) -> torch.Tensor:
 
 
 def muon_param_groups(model: torch.nn.Module) -> list[dict]:
-    """``model``'s trainable parameters as DeMo's param groups for ``update`` "muon", as Muon is run:
-    the embeddings (``nn.Embedding`` weights, a tied output head with them: a row per token, not a
-    linear map to orthogonalise) step by sign, the rest by the settings' rule."""
-    embeddings = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)}
+    """``model``'s trainable parameters as DeMo's param groups for ``update`` "muon", as Muon is run
+    (:func:`ds_lowcomm.optim.muon.takes_muon_step` decides, for every path): the matrices that do not
+    take Muon's step (embeddings, the output head, tagged ``use_muon = False``) step by sign, the rest
+    by the settings' rule (whose 1-D tensors step by sign too)."""
+    decision = takes_muon_step(model)
     rest, signed = [], []
     for p in model.parameters():  # shared parameters once
         if p.requires_grad:
-            (signed if id(p) in embeddings else rest).append(p)
+            (signed if p.dim() >= 2 and not decision[id(p)] else rest).append(p)
     return [g for g in ({"params": rest}, {"params": signed, "update": "sign"}) if g["params"]]
 
 

@@ -1,0 +1,89 @@
+"""Muon's side of the methods: which parameters take Muon's step, decided once for every path, and
+the dense Muon that users run beside AdamW (``torch.optim.Muon`` on the hidden matrices, AdamW on
+the rest), as one optimizer.
+
+Which parameters: as Muon is run (Jordan et al.; DeepSpeed's ``MuonWithAuxAdam``; Megatron-Core's
+muon), the weight matrices of hidden layers take Muon's orthogonalised step; embeddings (a row per
+token, not a linear map), the output head (tied to the embedding or not) and every 1-D parameter
+(norms, biases) take the other rule (AdamW's, or sign's in demo). A parameter tagged
+``p.use_muon = True/False`` (DeepSpeed's convention) is taken at its word.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+
+
+def _head_weights(model: torch.nn.Module) -> set[int]:
+    """The output head's weight where the model names it (transformers' ``get_output_embeddings``)."""
+    get = getattr(model, "get_output_embeddings", None)
+    head = get() if callable(get) else None
+    weight = getattr(head, "weight", None)
+    return {id(weight)} if isinstance(weight, torch.Tensor) else set()
+
+
+def takes_muon_step(model: torch.nn.Module) -> dict[int, bool]:
+    """{id(parameter): whether it takes Muon's step} for ``model``'s trainable parameters: its
+    ``use_muon`` tag where it has one, else 2+ dimensions and neither an embedding's weight
+    (``nn.Embedding``; a tied head with it) nor the output head's."""
+    others = {id(m.weight) for m in model.modules() if isinstance(m, torch.nn.Embedding)} | _head_weights(model)
+    decision = {}
+    for p in model.parameters():
+        if p.requires_grad:
+            tag = getattr(p, "use_muon", None)
+            decision[id(p)] = bool(tag) if tag is not None else (p.dim() >= 2 and id(p) not in others)
+    return decision
+
+
+def split_muon_params(model: torch.nn.Module, params: Iterable | None = None) -> tuple[list, list]:
+    """(Muon's, the others') among ``params`` (default: the model's trainable parameters, shared
+    ones once), in their order, by :func:`takes_muon_step`."""
+    decision = takes_muon_step(model)
+    seen, muon, other = set(), [], []
+    for p in (model.parameters() if params is None else params):
+        if id(p) in seen or not p.requires_grad:
+            continue
+        seen.add(id(p))
+        (muon if decision.get(id(p), p.dim() >= 2) else other).append(p)
+    return muon, other
+
+
+class MuonWithAdamW(torch.optim.Optimizer):
+    """``torch.optim.Muon`` on ``muon_params`` (matrices; a tensor of more dimensions, which torch's
+    Muon refuses, goes with the others), ``torch.optim.AdamW`` on ``adamw_params``, as one optimizer:
+    one ``step``, ``zero_grad``, ``state_dict``, and ``param_groups`` that a learning-rate scheduler
+    scales together (Muon's groups first; each keeps its own peak lr). ``muon`` and ``adamw``: the
+    two optimizers' keyword arguments."""
+
+    def __init__(self, muon_params: Iterable, adamw_params: Iterable, muon: dict, adamw: dict):
+        muon_params, adamw_params = list(muon_params), list(adamw_params)
+        adamw_params += [p for p in muon_params if p.dim() != 2]
+        muon_params = [p for p in muon_params if p.dim() == 2]
+        self.optimizers = [opt for opt in (torch.optim.Muon(muon_params, **muon) if muon_params else None,
+                                           torch.optim.AdamW(adamw_params, **adamw) if adamw_params else None)
+                           if opt is not None]
+        if not self.optimizers:
+            raise ValueError("MuonWithAdamW: no parameters")
+        # the base class's bookkeeping (hooks, zero_grad) over the two optimizers' own groups and state
+        super().__init__([{"params": g["params"]} for opt in self.optimizers for g in opt.param_groups], {})
+        self.param_groups = [g for opt in self.optimizers for g in opt.param_groups]
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for opt in self.optimizers:
+            opt.step()
+        return loss
+
+    def state_dict(self):
+        return {"optimizers": [opt.state_dict() for opt in self.optimizers]}
+
+    def load_state_dict(self, state_dict):
+        saved = state_dict["optimizers"]
+        if len(saved) != len(self.optimizers):
+            raise ValueError(f"MuonWithAdamW: the checkpoint holds {len(saved)} optimizers, this one {len(self.optimizers)}")
+        for opt, sd in zip(self.optimizers, saved):
+            opt.load_state_dict(sd)
+        self.param_groups = [g for opt in self.optimizers for g in opt.param_groups]
