@@ -30,10 +30,12 @@ its settings overlap them (demo ``overlap``, streaming ``sync_delay``).
 
 from __future__ import annotations
 
+import csv
 import dataclasses
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 from .codec import FLOAT_DTYPES, SparseSpec
@@ -49,11 +51,32 @@ WIRE_OVERHEAD = 1514 / 1448
 # The codec's throughput (GB/s of fp32 elements through encode + decode, one rank). CPU: in
 # training, demo's recipe on the 101M-parameter GPT, 2 workers on 2 cores (``python -m
 # ds_lowcomm.bench plan_scale``: 52 ns an element; 7x below the isolated codec benchmark's 0.544 GB/s
-# for one 1024x1024 tensor). GPU: the isolated codec benchmark on one H100 (docs/bench/codec-h100.csv,
-# 1024x1024, chunk 16): no in-training GPU figure yet, and the CPU's gap suggests it is optimistic.
+# for one 1024x1024 tensor). GPU: in training too, demo's recipe at about 125M parameters on the
+# newest lent GPU (``bash launch/gpu_check.sh``: docs/bench/gpu/<date>-<gpu>-methods.csv), or,
+# before any such run, the isolated codec benchmark on one H100 (likely optimistic).
+GPU_RESULTS = Path(__file__).resolve().parents[1] / "docs" / "bench" / "gpu"
+GPU_CODEC_FALLBACK = (5.24, "one H100, isolated codec benchmark, 2026-11-24 (docs/bench/codec-h100.csv): "
+                            "likely optimistic, see docs/planning.md")
+
+
+def gpu_codec_default(results: Path = GPU_RESULTS) -> tuple[float, str]:
+    """(GB/s, where it comes from): demo's in-training codec throughput in the newest GPU check
+    (``<date>-<gpu>-methods.csv`` under ``results``; dry runs, named ``<date>-cpu-...``, are not
+    GPU runs), else :data:`GPU_CODEC_FALLBACK`."""
+    runs = sorted(p for p in results.glob("????-??-??-*-methods.csv") if not p.name[11:].startswith("cpu-")) \
+        if results.is_dir() else []
+    for path in reversed(runs):
+        with open(path) as f:
+            for row in csv.DictReader(f):
+                if row.get("entry") == "demo" and row.get("ok") == "True" and row.get("codec_gbps"):
+                    return float(row["codec_gbps"]), (f"{row.get('device', 'GPU')}, demo's recipe in training at "
+                                                      f"{row.get('parameters', '?')} parameters, {path.name[:10]} "
+                                                      f"(docs/bench/gpu/{path.name})")
+    return GPU_CODEC_FALLBACK
+
+
 CODEC_GBPS = {"cpu": (0.0768, "CPU, in training at 101M parameters, 2026-11-26 (docs/bench/plan_scale.csv)"),
-              "gpu": (5.24, "one H100, isolated codec benchmark, 2026-11-24 (docs/bench/codec-h100.csv): "
-                            "likely optimistic, see docs/planning.md")}
+              "gpu": gpu_codec_default()}
 
 # Steps to the target over adamw's own, measured on the reference task (2 hosts): adamw and demo
 # against the tuned adamw's loss (docs/bench/time_to_loss.csv, "A fair fight": 240 and 260 steps);
