@@ -69,9 +69,9 @@ def gpu_codec_default(results: Path = GPU_RESULTS) -> tuple[float, str]:
         with open(path) as f:
             for row in csv.DictReader(f):
                 if row.get("entry") == "demo" and row.get("ok") == "True" and row.get("codec_gbps"):
-                    return float(row["codec_gbps"]), (f"{row.get('device', 'GPU')}, demo's recipe in training at "
-                                                      f"{row.get('parameters', '?')} parameters, {path.name[:10]} "
-                                                      f"(docs/bench/gpu/{path.name})")
+                    size = f"{int(row['parameters']) / 1e6:.0f}M" if row.get("parameters") else "?"
+                    return float(row["codec_gbps"]), (f"{row.get('device', 'GPU')}, demo's recipe in training at {size} "
+                                                      f"parameters, {path.name[:10]} (docs/bench/gpu/{path.name})")
     return GPU_CODEC_FALLBACK
 
 

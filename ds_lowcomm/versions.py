@@ -315,17 +315,39 @@ def reads_name(fn, name: str) -> bool:
 def body_digest(fn) -> str:
     """A digest of ``fn``'s body as tokens: comments, blank lines and indentation width left out
     (ds_lowcomm's copy of a framework function records the digest of the body it was copied from)."""
+    return source_digest(inspect.cleandoc("\n" + inspect.getsource(unwrap(fn))) + "\n")
+
+
+def source_digest(source: str) -> str:
+    """:func:`body_digest` of a function's source text. The same on every Python: from 3.12 on
+    (PEP 701) ``tokenize`` splits an f-string into FSTRING_START, its parts and FSTRING_END, where
+    3.11 gave one STRING token; an f-string counts here as one token, its text as written."""
     import hashlib
     import io
     import tokenize
 
-    source = inspect.getsource(unwrap(fn))
-    kept = []
-    for tok in tokenize.generate_tokens(io.StringIO(inspect.cleandoc("\n" + source) + "\n").readline):
-        if tok.type in (tokenize.COMMENT, tokenize.NL, tokenize.ENDMARKER):
+    lines = source.splitlines(keepends=True)
+    starts = [0]
+    for line in lines:
+        starts.append(starts[-1] + len(line))
+
+    def offset(pos: tuple[int, int]) -> int:
+        return starts[pos[0] - 1] + pos[1]
+
+    kept, depth, opened = [], 0, None
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        name = tokenize.tok_name[tok.type]
+        if name.endswith("STRING_START") and name != "STRING":  # FSTRING_START (3.12+), TSTRING_START (3.14+)
+            depth, opened = depth + 1, opened if depth else tok.start
             continue
-        kept.append(tokenize.tok_name[tok.type] if tok.type in (tokenize.INDENT, tokenize.DEDENT,
-                                                                tokenize.NEWLINE) else tok.string)
+        if name.endswith("STRING_END"):
+            depth -= 1
+            if not depth:
+                kept.append(source[offset(opened):offset(tok.end)])
+            continue
+        if depth or tok.type in (tokenize.COMMENT, tokenize.NL, tokenize.ENDMARKER):
+            continue
+        kept.append(name if tok.type in (tokenize.INDENT, tokenize.DEDENT, tokenize.NEWLINE) else tok.string)
     return hashlib.sha256(" ".join(kept).encode()).hexdigest()[:16]
 
 
