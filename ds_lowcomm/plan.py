@@ -6,12 +6,19 @@ ZeRO stage, and the step's compute time, per method:
 
 - bytes each worker sends per sync and per step, from the codec's own wire format (the
   :class:`~ds_lowcomm.codec.SparseSpec` of every tensor the method exchanges, plus the health flag
-  byte; dense syncs: the flat tensors and their one-byte health all-gather), in the ledger's
-  convention (``comm/ledger.py``: an all-gather of P bytes counts P sent; an all-reduce of N
-  bytes counts N);
-- communication seconds per step: each collective as gloo runs it between replicas (a ring:
-  all-gather n-1 rounds of P bytes, all-reduce 2(n-1) rounds of N/n), each round one link latency
-  plus its bytes, with Ethernet/IP/TCP framing, over the link's rate;
+  byte; dense syncs: the flat tensors and their one-byte health all-gather), two ways: in the
+  ledger's convention (``comm/ledger.py``: an all-gather of P bytes counts P sent, an all-reduce
+  of N bytes N), and on the wire at the given replica count (:func:`wire_bytes_sent`: a ring
+  all-gather sends (n-1) P per worker, a ring all-reduce 2 (n-1) N / n). The two agree at 2
+  replicas only: every byte ratio holds at a replica count;
+- communication seconds per step: each collective as gloo and NCCL's ring run it between
+  replicas (all-gather n-1 rounds of P bytes, all-reduce 2(n-1) rounds of N/n), each round one
+  link latency plus its bytes, with Ethernet/IP/TCP framing, over the link's rate; and the part
+  of it the step waits for (``exposed``): adamw's all-reduce overlapped with the backward pass as
+  DDP and ZeRO (``overlap_comm``) run it, bucket by bucket, the last bucket exposed (or not at all,
+  ``overlap_backward`` False: ds_lowcomm's own adamw, DeepSpeed ZeRO 1-2 without
+  ``overlap_comm``); demo's ``overlap`` behind the next step's compute; a streaming outer sync
+  behind the ``sync_delay`` inner steps it has to land, fragment by fragment;
 - codec seconds per step (encode and decode of every exchanged element at a throughput measured
   by ``python -m ds_lowcomm.bench codec``; the default is stated as such);
 - the method's optimizer state per GPU, and its addition over adamw's, at the ZeRO stage and
@@ -24,8 +31,8 @@ ZeRO stage, and the step's compute time, per method:
 Assumptions, stated where they matter: one replica's GPUs each exchange their own shard (1/G of
 the elements) with their counterparts in the other replicas, so a worker's bytes are the model's
 over G (exact at G = 1; within the codec's per-tensor rounding above); traffic inside a replica
-is on its fast fabric and not counted; a method's syncs are not overlapped with compute unless
-its settings overlap them (demo ``overlap``, streaming ``sync_delay``).
+is on its fast fabric and not counted; a collective pays its latency rounds once (a bucketed
+all-reduce pays them per bucket: the model favours adamw there).
 """
 
 from __future__ import annotations
@@ -137,6 +144,12 @@ class PlanInputs:
     grad_bytes: int = 4  # bytes per element of what adamw and diloco's dense syncs send (fp32: 4, bf16: 2)
     param_bytes: int = 4  # bytes per element of the parameters (the inner AdamW's state follows them)
     device: str = "gpu"  # which measured codec throughput is the default
+    # adamw's all-reduce as DDP and ZeRO (overlap_comm) run it: bucket by bucket while the backward
+    # pass runs, the last bucket after it; False: after the backward pass (ds_lowcomm's adamw method,
+    # DeepSpeed ZeRO 1-2 without overlap_comm, its default)
+    overlap_backward: bool = True
+    backward_fraction: float = 2 / 3  # the backward pass's share of compute_s (twice the forward's FLOPs)
+    bucket_cap_mb: float = 25.0  # MiB of gradients per bucket (DDP's bucket_cap_mb; DeepSpeed: reduce_bucket_size x bytes)
     codec_gbps: float | None = None  # GB/s of fp32 elements through encode + decode; None: the device's default
     methods: dict[str, dict] = field(default_factory=lambda: {m: dict(RECIPES[m]["lowcomm"]) for m in RECIPES})
     steps_ratio: dict[str, float] = field(default_factory=lambda: dict(STEPS_RATIO))
@@ -150,8 +163,13 @@ class PlanInputs:
         model_shapes(self.model)
         for name in ("replicas", "gpus_per_replica"):
             positive(name, getattr(self, name), integer=True)
-        for name in ("link_gbit", "compute_s"):
+        for name in ("link_gbit", "compute_s", "bucket_cap_mb"):
             positive(name, getattr(self, name))
+        if not isinstance(self.overlap_backward, bool):
+            raise ConfigError(f"plan: overlap_backward must be true or false; got {self.overlap_backward!r}")
+        if (not isinstance(self.backward_fraction, (int, float)) or isinstance(self.backward_fraction, bool)
+                or not 0 <= self.backward_fraction <= 1):
+            raise ConfigError(f"plan: backward_fraction must be a number in [0, 1]; got {self.backward_fraction!r}")
         if self.codec_gbps is not None:
             positive("codec_gbps", self.codec_gbps)
         if not isinstance(self.latency_ms, (int, float)) or self.latency_ms < 0:
@@ -199,13 +217,45 @@ def _state_bytes(settings: dict) -> int:
 
 
 def planned_ledger(method: str, settings: dict, shapes, steps: int) -> dict[str, tuple[int, int]]:
-    """What a run of ``steps`` steps records in its ledger per op (start-up left out): (calls, bytes sent)."""
-    every, messages = sync_messages(method, settings, shapes)
+    """What a run of ``steps`` steps records in its ledger per op (start-up left out): (calls, bytes
+    sent). A streaming outer method's fragments each sync on their own step of every H."""
+    every = sync_messages(method, settings, shapes)[0]
     out: dict[str, tuple[int, int]] = {}
-    for m in messages:
-        calls, sent = out.get(m.op, (0, 0))
-        out[m.op] = (calls + steps // every, sent + steps // every * m.nbytes)
+    for f, messages in enumerate(fragment_messages(method, settings, shapes)):
+        syncs = fragment_syncs(settings, f, steps) if every > 1 else steps
+        for m in messages:
+            calls, sent = out.get(m.op, (0, 0))
+            out[m.op] = (calls + syncs, sent + syncs * m.nbytes)
     return out
+
+
+def fragment_syncs(settings: dict, fragment: int, steps: int) -> int:
+    """How many syncs fragment ``fragment`` of an outer method starts in ``steps`` steps (the
+    method's schedule, optim/outer.py: fragment f at steps (f + 1) H // P, then every H)."""
+    h, p = settings["sync_every"], settings.get("fragments", 1)
+    offset = (fragment + 1) * h // p
+    return 0 if steps < offset else 1 + (steps - offset) // h
+
+
+def fragment_shapes(settings: dict, shapes) -> list[list[tuple[int, ...]]]:
+    """``shapes`` cut into the method's streaming fragments (one list without streaming), by the
+    method's own rule (optim/outer.py ``contiguous_fragments``)."""
+    n = settings.get("fragments", 1)
+    if n <= 1:
+        return [list(shapes)]
+    import torch
+
+    from .optim.outer import contiguous_fragments
+
+    tensors = [torch.empty(s, device="meta") for s in shapes]
+    return [[tuple(t.shape) for t in group] for group in contiguous_fragments(tensors, n)]
+
+
+def fragment_messages(method: str, settings: dict, shapes, grad_bytes: int = 4,
+                      param_bytes: int = 4) -> list[list[Message]]:
+    """The messages of one sync of each streaming fragment (one list without streaming)."""
+    return [sync_messages(method, settings, part, grad_bytes, param_bytes)[1]
+            for part in fragment_shapes(settings, shapes)]
 
 
 def sync_messages(method: str, settings: dict, shapes, grad_bytes: int = 4,
@@ -258,45 +308,111 @@ def state_bytes_per_element(method: str, settings: dict, param_bytes: int = 4) -
     return 2 * param_bytes + state + outer_state + residual  # inner AdamW, anchor, outer optimizer, residual
 
 
-# -- the time model -------------------------------------------------------------------------------
-def message_seconds(msg: Message, replicas: int, rate_bits: float, latency_s: float) -> float:
-    """One collective between ``replicas`` workers as a ring: all-gather n-1 rounds of the whole
-    payload, all-reduce 2(n-1) rounds of 1/n of it; each round a latency plus its framed bytes."""
+# -- bytes on the wire and the time model --------------------------------------------------------
+def ring_rounds(kind: str, replicas: int) -> tuple[int, float]:
+    """(rounds, the share of the payload each round carries) of one collective between ``replicas``
+    workers as a ring (gloo's, and NCCL's ring algorithm): an all-gather is n-1 rounds of the whole
+    payload, an all-reduce 2(n-1) rounds of 1/n of it (a reduce-scatter, then an all-gather)."""
     n = replicas
-    if n == 1:
-        return 0.0
-    if msg.kind == "all_gather":
-        rounds, per_round = n - 1, msg.nbytes
-    else:
-        rounds, per_round = 2 * (n - 1), msg.nbytes / n
-    return rounds * (latency_s + per_round * WIRE_OVERHEAD * 8 / rate_bits)
+    if n <= 1:
+        return 0, 0.0
+    return (n - 1, 1.0) if kind == "all_gather" else (2 * (n - 1), 1.0 / n)
+
+
+def wire_bytes_sent(kind: str, nbytes: float, replicas: int) -> float:
+    """Bytes one worker puts on the wire (payload, before framing) for one collective of
+    ``nbytes`` per worker between ``replicas`` workers as a ring: an all-gather (n-1) x nbytes, an
+    all-reduce 2 (n-1) / n x nbytes. The ledger counts ``nbytes`` for both (comm/ledger.py): the
+    two agree at 2 workers only. Checked against what gloo writes to its sockets (tests/test_plan.py)."""
+    rounds, share = ring_rounds(kind, replicas)
+    return rounds * share * nbytes
+
+
+def message_seconds(msg: Message, replicas: int, rate_bits: float, latency_s: float) -> float:
+    """One collective between ``replicas`` workers as a ring: each round a latency, and the bytes
+    of every round framed into Ethernet frames at the link's rate."""
+    rounds, _ = ring_rounds(msg.kind, replicas)
+    return rounds * latency_s + wire_bytes_sent(msg.kind, msg.nbytes, replicas) * WIRE_OVERHEAD * 8 / rate_bits
+
+
+def _share(msg: Message, g: int) -> Message:
+    """One worker's share of ``msg`` in a replica of ``g`` GPUs (each exchanges 1/G of the elements)."""
+    return dataclasses.replace(msg, nbytes=msg.nbytes / g) if g > 1 else msg
+
+
+# DDP's first bucket (torch.distributed's _DEFAULT_FIRST_BUCKET_BYTES): the gradients ready first
+FIRST_BUCKET_BYTES = 1 << 20
+
+
+def last_bucket_elements(shapes, bucket_cap_mb: float, element_bytes: int) -> int:
+    """The elements of the bucket DDP all-reduces last: parameters in reverse order (the order the
+    backward pass produces their gradients), a bucket closed once it holds at least its cap (1 MiB
+    for the first, ``bucket_cap_mb`` MiB after), a parameter never split (DDP's
+    ``_compute_bucket_assignment_by_size``); what is left at the end is the last bucket."""
+    cap, size, elements, last = FIRST_BUCKET_BYTES, 0, 0, 0
+    for shape in reversed(list(shapes)):
+        n = math.prod(shape)
+        size, elements = size + n * element_bytes, elements + n
+        if size >= cap:
+            last, size, elements, cap = elements, 0, 0, bucket_cap_mb * (1 << 20)
+    return elements or last
+
+
+def adamw_exposed_seconds(messages: list[Message], inputs: PlanInputs, shapes, rate: float, latency: float) -> float:
+    """adamw's communication the step waits for. With ``overlap_backward`` (DDP; ZeRO with
+    ``overlap_comm``) the gradients are all-reduced bucket by bucket while the backward pass
+    (``backward_fraction`` of the compute) runs: the last bucket is all-reduced after it, and the
+    rest only where the link is slower than the backward pass, so the wait is the larger of the
+    last bucket's all-reduce and the whole all-reduce less the backward pass (its latency rounds
+    paid once, not per bucket: in adamw's favour). Without it, all of it (with ds_lowcomm's health
+    all-gather beside it)."""
+    g = inputs.gpus_per_replica
+    if not inputs.overlap_backward:
+        return sum(message_seconds(_share(m, g), inputs.replicas, rate, latency) for m in messages)
+    grads = [m for m in messages if m.kind == "all_reduce"]  # DDP has no health flag
+    whole = sum(message_seconds(_share(m, g), inputs.replicas, rate, latency) for m in grads)
+    # buckets sized in the gradients' own dtype (the parameters'), sent at grad_bytes an element
+    last = Message("all_reduce", "all_reduce",
+                   last_bucket_elements(shapes, inputs.bucket_cap_mb, inputs.param_bytes) * inputs.grad_bytes)
+    last_s = message_seconds(_share(last, g), inputs.replicas, rate, latency)
+    return max(last_s, whole - inputs.backward_fraction * inputs.compute_s)
 
 
 def plan_method(method: str, inputs: PlanInputs, shapes=None) -> dict[str, Any]:
     shapes = shapes if shapes is not None else model_shapes(inputs.model)
     raw = {**inputs.methods.get(method, {}), "method": method}
     settings = LowcommConfig.from_dict(raw, where=f"plan.methods.{method}").effective()
-    g = inputs.gpus_per_replica
-    every, messages = sync_messages(method, settings, shapes, inputs.grad_bytes, inputs.param_bytes)
+    g, n = inputs.gpus_per_replica, inputs.replicas
+    every = sync_messages(method, settings, shapes, inputs.grad_bytes, inputs.param_bytes)[0]
+    fragments = fragment_messages(method, settings, shapes, inputs.grad_bytes, inputs.param_bytes)
+    messages = [m for part in fragments for m in part]  # one sync of every fragment: H steps' worth
     elements = sum(math.prod(s) for s in shapes)
     # one worker's share: the model's bytes over its replica's G workers
-    sync_bytes = sum(m.nbytes for m in messages)
-    per_worker_sync = sync_bytes / g if g > 1 else sync_bytes
+    per_worker_sync = sum(_share(m, g).nbytes for m in messages)
+    wire_sync = sum(wire_bytes_sent(m.kind, _share(m, g).nbytes, n) for m in messages)
     rate, latency = inputs.link_gbit * 1e9, inputs.latency_ms / 1e3
-    comm_sync = sum(message_seconds(dataclasses.replace(m, nbytes=m.nbytes / g if g > 1 else m.nbytes),
-                                    inputs.replicas, rate, latency) for m in messages)
+    fragment_s = [sum(message_seconds(_share(m, g), n, rate, latency) for m in part) for part in fragments]
+    comm_sync = sum(fragment_s)
     gbps = inputs.codec_gbps or CODEC_GBPS[inputs.device][0]
     codec_sync = sum(m.codec_elements for m in messages) / g * 4 / (gbps * 1e9)
-    overlapped = bool(settings.get("overlap")) or bool(settings.get("sync_delay"))
-    comm_step, codec_step = comm_sync / every, codec_sync / every
-    exposed = max(0.0, comm_step - inputs.compute_s) if overlapped else comm_step
-    step_s = inputs.compute_s + codec_step + exposed
+    if method == "adamw":
+        exposed_sync = adamw_exposed_seconds(messages, inputs, shapes, rate, latency)
+    elif settings.get("overlap"):  # demo: the exchange lands during the next step's compute
+        exposed_sync = max(0.0, comm_sync - inputs.compute_s)
+    elif settings.get("sync_delay"):  # streaming: each fragment's sync lands sync_delay inner steps later
+        window = settings["sync_delay"] * inputs.compute_s
+        exposed_sync = sum(max(0.0, s - window) for s in fragment_s)
+    else:
+        exposed_sync = comm_sync
+    comm_step, codec_step, exposed_step = comm_sync / every, codec_sync / every, exposed_sync / every
+    step_s = inputs.compute_s + codec_step + exposed_step
     state = state_bytes_per_element(method, settings, inputs.param_bytes) * elements
     per_gpu = state / g if inputs.zero_stage >= 1 else state
-    return {"method": method, "sync_every": every, "bytes_per_sync": per_worker_sync,
-            "bytes_per_step": per_worker_sync / every, "messages_per_sync": len(messages),
-            "comm_s_per_step": comm_step, "codec_s_per_step": codec_step, "step_s": step_s,
-            "state_bytes_per_gpu": per_gpu, "parameters": elements, "settings": settings}
+    return {"method": method, "sync_every": every, "replicas": n, "bytes_per_sync": per_worker_sync,
+            "bytes_per_step": per_worker_sync / every, "wire_bytes_per_sync": wire_sync,
+            "wire_bytes_per_step": wire_sync / every, "messages_per_sync": len(messages),
+            "comm_s_per_step": comm_step, "exposed_comm_s_per_step": exposed_step, "codec_s_per_step": codec_step,
+            "step_s": step_s, "state_bytes_per_gpu": per_gpu, "parameters": elements, "settings": settings}
 
 
 def plan(inputs: PlanInputs) -> dict[str, Any]:
@@ -312,6 +428,10 @@ def plan(inputs: PlanInputs) -> dict[str, Any]:
         row["steps_ratio"] = ratio
         row["steps_ratio_source"] = STEPS_RATIO_SOURCE.get(m) if ratio == STEPS_RATIO.get(m) else "given"
         row["speedup_vs_adamw"] = base["step_s"] / (ratio * row["step_s"]) if ratio else None
+        # fewer bytes than adamw's per step, on the wire at this replica count (the ledger's ratio
+        # is the wire's at 2 replicas: an all-gather's wire bytes grow with n, an all-reduce's do not)
+        row["wire_bytes_vs_adamw"] = base["wire_bytes_per_step"] / row["wire_bytes_per_step"] if row["wire_bytes_per_step"] else None
+        row["ledger_bytes_vs_adamw"] = base["bytes_per_step"] / row["bytes_per_step"] if row["bytes_per_step"] else None
     return {"inputs": dataclasses.asdict(inputs), "parameters": base["parameters"],
             "comm_compute_ratio": base["comm_s_per_step"] / inputs.compute_s,
             "codec_gbps": inputs.codec_gbps or CODEC_GBPS[inputs.device][0],
@@ -321,16 +441,22 @@ def plan(inputs: PlanInputs) -> dict[str, Any]:
 
 def format_table(result: dict) -> str:
     i = result["inputs"]
+    overlap = (f"adamw's all-reduce overlapped with the backward pass ({i['backward_fraction']:.2g} of compute, "
+               f"{i['bucket_cap_mb']:g} MiB buckets)" if i["overlap_backward"] else "adamw's all-reduce after the backward pass")
     lines = [f"{i['model']} ({result['parameters'] / 1e6:,.1f}M parameters), {i['replicas']} replicas x "
              f"{i['gpus_per_replica']} GPUs, ZeRO {i['zero_stage']}, {i['link_gbit']:g} Gbit/s, "
              f"{i['latency_ms']:g} ms, compute {i['compute_s']:g} s/step; comm/compute ratio "
-             f"{result['comm_compute_ratio']:.2f}; codec {result['codec_gbps']:g} GB/s"
+             f"{result['comm_compute_ratio']:.2f}; {overlap}; codec {result['codec_gbps']:g} GB/s"
              + (f" ({result['codec_default']})" if result["codec_default"] else ""),
-             f"{'method':<11} {'H':>4} {'MB/sync':>10} {'MB/step':>10} {'comm s':>8} {'codec s':>8} {'step s':>8} "
-             f"{'+state GB':>9} {'steps x':>7} {'speed-up':>8}"]
+             f"bytes per worker per step: the ledger's (an all-gather of P counts P, an all-reduce of N counts N) "
+             f"and on the wire at {i['replicas']} replicas (ring: (n-1) P, 2 (n-1) N / n); x fewer: adamw's wire "
+             f"bytes over the method's, at {i['replicas']} replicas",
+             f"{'method':<11} {'H':>4} {'ledger MB':>10} {'wire MB':>10} {'x fewer':>8} {'comm s':>8} {'waited s':>8} "
+             f"{'codec s':>8} {'step s':>8} {'+state GB':>9} {'steps x':>7} {'speed-up':>8}"]
     for r in result["rows"]:
-        lines.append(f"{r['method']:<11} {r['sync_every']:>4} {r['bytes_per_sync'] / 1e6:>10.3f} "
-                     f"{r['bytes_per_step'] / 1e6:>10.4f} {r['comm_s_per_step']:>8.4f} {r['codec_s_per_step']:>8.4f} "
+        lines.append(f"{r['method']:<11} {r['sync_every']:>4} {r['bytes_per_step'] / 1e6:>10.4f} "
+                     f"{r['wire_bytes_per_step'] / 1e6:>10.4f} {r['wire_bytes_vs_adamw'] or float('nan'):>8.1f} "
+                     f"{r['comm_s_per_step']:>8.4f} {r['exposed_comm_s_per_step']:>8.4f} {r['codec_s_per_step']:>8.4f} "
                      f"{r['step_s']:>8.4f} {r['added_state_bytes_per_gpu'] / 1e9:>9.2f} "
                      f"{r['steps_ratio'] or float('nan'):>7.2f} {r['speedup_vs_adamw'] or float('nan'):>8.2f}")
     return "\n".join(lines)
@@ -349,6 +475,13 @@ def add_arguments(p) -> None:
     p.add_argument("--param-bytes", type=int, default=d.param_bytes)
     p.add_argument("--device", default=d.device, help="whose measured codec throughput is the default: gpu, cpu")
     p.add_argument("--codec-gbps", type=float, default=None, help="your `bench codec` figure (GB/s)")
+    p.add_argument("--no-overlap", dest="overlap_backward", action="store_false",
+                   help="adamw's all-reduce after the backward pass (ZeRO 1-2 without overlap_comm), not during it")
+    p.add_argument("--backward-fraction", type=float, default=d.backward_fraction,
+                   help="the backward pass's share of --compute-s (adamw's overlap window)")
+    p.add_argument("--bucket-cap-mb", type=float, default=d.bucket_cap_mb,
+                   help="MiB of gradients per all-reduce bucket: DDP's bucket_cap_mb (25); DeepSpeed ZeRO 1-2: "
+                        "reduce_bucket_size x bytes per element / 2**20 (5e8 elements in bf16: 954)")
     p.add_argument("--methods", default=",".join(RECIPES), help="comma list; settings: the compare recipes")
     p.add_argument("--config", default=None, help="JSON {method: {lowcomm settings}} over the recipes")
     p.add_argument("--steps-ratio", default=None, help="JSON {method: steps to target over adamw's}")
@@ -364,9 +497,12 @@ def run_plan(args) -> dict:
     ratio = dict(STEPS_RATIO)
     if args.steps_ratio:
         ratio.update(json.loads(args.steps_ratio))
-    inputs = PlanInputs(args.model, args.replicas, args.gpus_per_replica, args.zero_stage, args.link_gbit,
-                        args.latency_ms, args.compute_s, args.grad_bytes, args.param_bytes, args.device,
-                        args.codec_gbps, methods, ratio)
+    inputs = PlanInputs(model=args.model, replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
+                        zero_stage=args.zero_stage, link_gbit=args.link_gbit, latency_ms=args.latency_ms,
+                        compute_s=args.compute_s, grad_bytes=args.grad_bytes, param_bytes=args.param_bytes,
+                        device=args.device, overlap_backward=args.overlap_backward,
+                        backward_fraction=args.backward_fraction, bucket_cap_mb=args.bucket_cap_mb,
+                        codec_gbps=args.codec_gbps, methods=methods, steps_ratio=ratio)
     result = plan(inputs)
     print(format_table(result))
     if args.json:

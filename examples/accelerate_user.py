@@ -24,7 +24,7 @@ ds_lowcomm.deepspeed.install()  # the one line
 
 import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
-from accelerate.utils import DummyOptim  # noqa: E402
+from accelerate.utils import DummyOptim, InitProcessGroupKwargs  # noqa: E402
 
 from ds_lowcomm.task.data import ByteCorpus  # noqa: E402
 from hf_trainer import Windows, _digest, llama  # noqa: E402
@@ -37,9 +37,14 @@ def main() -> None:
     ap.add_argument("--save-at", type=int, default=0, help="save_state after this step")
     ap.add_argument("--resume", action="store_true", help="load_state from --out/state and go on from there")
     ap.add_argument("--lr", type=float, default=3e-3)
+    ap.add_argument("--backend", default=None, help="torch.distributed backend (Accelerate's default: nccl); gloo "
+                    "on a machine without GPUs")
     args = ap.parse_args()
 
-    accelerator = Accelerator()
+    # Accelerate's own knob for the process group's backend (without it, on a machine without GPUs
+    # Accelerate sets no process group up and counts one process per rank)
+    handlers = [InitProcessGroupKwargs(backend=args.backend)] if args.backend else []
+    accelerator = Accelerator(kwargs_handlers=handlers)
     model = llama(32, 2)
     data = Windows(ByteCorpus(max_train_bytes=1 << 20).train, 128)
     loader = torch.utils.data.DataLoader(data, batch_size=8, shuffle=False, drop_last=True)

@@ -1,11 +1,14 @@
-"""The planner (ds_lowcomm/plan.py): its shapes are the models', its memory figure the optimizer
-state the methods really hold, its inputs checked. Its bytes against the ledger of real runs:
-tests/test_compare.py (the compare run of every method)."""
+"""The planner (ds_lowcomm/plan.py) against independent references: its shapes are the models'
+(transformers' Llama, the reference GPT), its memory figure the optimizer state the methods really
+hold, its op schedule the ledger's, its wire bytes what gloo writes to its sockets, its bucket
+DDP's own bucket assignment, its step times and speed-ups the committed measurements of the
+benchmarks (docs/bench), its inputs checked."""
 
 from __future__ import annotations
 
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -60,8 +63,8 @@ def one_rank_world(tmp_path_factory):
 def test_the_memory_figure_is_the_optimizer_state(one_rank_world, method, extra):
     """The planner's state bytes per element x the model's elements = the tensors the method holds
     after a sync (its own state and, for the outer methods, the inner AdamW's and the outer
-    optimizer's), step counters left out; and its bytes per sync are the ledger's, op by op (every
-    value format: sign and sparse fp32 here, the others also in test_compare.py's 2-rank run)."""
+    optimizer's), step counters left out; and its schedule is the ledger's: the same ops, called as
+    often (the bytes: at the socket, test_the_wire_bytes_are_what_gloo_writes_to_its_sockets)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_embd=32, seq_len=32))
     raw = {**RECIPES[method]["lowcomm"], **extra, "method": method}
@@ -84,15 +87,18 @@ def test_the_memory_figure_is_the_optimizer_state(one_rank_world, method, extra)
     elements = sum(p.numel() for p in model.parameters())
     assert planner.state_bytes_per_element(method, cfg.effective()) * elements == held
     shapes = [tuple(p.shape) for p in model.parameters()]
-    counted = {op: (calls, sent) for op, (calls, sent, _) in opt.ledger.by_op.items() if op != "setup"}
-    assert counted == planner.planned_ledger(method, cfg.effective(), shapes, steps=3)
+    counted = {op: calls for op, (calls, _, _) in opt.ledger.by_op.items() if op != "setup"}
+    planned = planner.planned_ledger(method, cfg.effective(), shapes, steps=3)
+    assert counted == {op: calls for op, (calls, _) in planned.items()}
 
 
 def test_bad_inputs_name_the_field():
     for change, field in ((dict(model="gpt-9"), "model"), (dict(replicas=0), "replicas"),
                           (dict(link_gbit=-1.0), "link_gbit"), (dict(compute_s=0), "compute_s"),
                           (dict(zero_stage=4), "zero_stage"), (dict(methods={"lamb": {}}), "methods"),
-                          (dict(grad_bytes=3), "grad_bytes"), (dict(latency_ms=-1), "latency_ms")):
+                          (dict(grad_bytes=3), "grad_bytes"), (dict(latency_ms=-1), "latency_ms"),
+                          (dict(backward_fraction=1.5), "backward_fraction"), (dict(bucket_cap_mb=0), "bucket_cap_mb"),
+                          (dict(overlap_backward="yes"), "overlap_backward")):
         with pytest.raises(ConfigError, match=field):
             planner.plan(planner.PlanInputs(**change))
     with pytest.raises(ConfigError, match="topk"):  # a method's own settings, checked as the config's
@@ -100,41 +106,111 @@ def test_bad_inputs_name_the_field():
 
 
 def test_the_plan_command_writes_its_table_and_json(tmp_path, capsys):
-    """The README's plan command (8B, 4 replicas of 8 GPUs, 10 Gbit/s per replica, 10 ms): its
-    table's 10 Gbit/s row, adamw's ring arithmetic, the added state."""
+    """The README's plan command (8B, 4 replicas of 8 GPUs at ZeRO 2, 100 Gbit/s per replica: 12.5
+    each, 10 ms): adamw's all-reduce overlapped with the backward pass by default, its step below
+    the compute plus its all-reduce (issue 44's target), and --no-overlap, the user without it, at
+    exactly that sum; wire bytes beside the ledger's, more than them at 4 replicas."""
     from ds_lowcomm.cli import main
 
-    readme = ["plan", "--model", "llama-8b", "--replicas", "4", "--gpus-per-replica", "8", "--link-gbit", "1.25",
-              "--latency-ms", "10", "--compute-s", "1.995", "--grad-bytes", "2"]
+    readme = ["plan", "--model", "llama-8b", "--replicas", "4", "--gpus-per-replica", "8", "--zero-stage", "2",
+              "--link-gbit", "12.5", "--latency-ms", "10", "--compute-s", "1.995", "--grad-bytes", "2"]
     assert main([*readme, "--json", str(tmp_path / "plan.json")]) == 0
+    assert main([*readme, "--no-overlap", "--json", str(tmp_path / "plain.json")]) == 0
     out = capsys.readouterr().out
-    result = json.loads((tmp_path / "plan.json").read_text())
-    rows = {r["method"]: r for r in result["rows"]}
-    assert "llama-8b" in out and set(rows) == set(RECIPES)
-    assert {m: round(r["speedup_vs_adamw"], 1) for m, r in rows.items()} == {
-        "adamw": 1.0, "demo": 5.4, "diloco": 4.4, "dct_diloco": 6.2, "sparseloco": 6.7, "mtdao": 2.0}
-    assert round(result["comm_compute_ratio"], 1) == 10.1
-    # adamw's comm: its health flag's all-gather (n-1 rounds, a latency each) and a ring all-reduce
-    # of bf16 gradients (each worker's 1/8), 2(n-1) rounds of 1/n
-    grads = 2 * result["parameters"] / 8
-    expect = 3 * 10e-3 + 6 * (10e-3 + grads / 4 * planner.WIRE_OVERHEAD * 8 / 1.25e9)
-    assert rows["adamw"]["comm_s_per_step"] == pytest.approx(expect, rel=1e-3)
-    assert rows["diloco"]["added_state_bytes_per_gpu"] == pytest.approx(2 * 4 * result["parameters"] / 8)
+    assert "llama-8b" in out and "overlapped with the backward pass" in out and "after the backward pass" in out
+    overlapped, plain = (json.loads((tmp_path / f).read_text()) for f in ("plan.json", "plain.json"))
+    adamw, alone = overlapped["rows"][0], plain["rows"][0]
+    assert {r["method"] for r in overlapped["rows"]} == set(RECIPES)
+    assert alone["step_s"] == pytest.approx(1.995 + alone["comm_s_per_step"])
+    # the overlap hides at most the backward pass (2/3 of the compute; and the health flag's 3 latency
+    # rounds, which DDP does not send), and most of it here (the all-reduce is longer than it)
+    hidden = alone["step_s"] - adamw["step_s"]
+    assert 0.5 * 1.995 < hidden <= 2 / 3 * 1.995 + 3 * 10e-3 + 1e-9
+    for r in overlapped["rows"]:
+        assert r["wire_bytes_per_step"] > r["bytes_per_step"]  # 4 replicas: a ring sends more than the ledger counts
     assert main(["plan", "--replicas", "0"]) == 2
 
 
-def test_the_check_against_the_measurements_holds_its_bytes():
-    """bench plan_check over the committed network measurements: every row's bytes per step within
-    0.5% of the ledger's (docs/planning.md); the step times are reported there, not asserted."""
-    from pathlib import Path
+def test_the_last_bucket_is_ddps():
+    """The bucket adamw's overlapped all-reduce leaves exposed is the last of DDP's own bucket
+    assignment (torch.distributed's, as DDP calls it: parameters in the order their gradients
+    arrive, a 1 MiB first bucket, then bucket_cap_mb), for the reference GPT, GPT-2 small and Llama 1B."""
+    for model, cap in (("reference", 25), ("gpt-125m", 25), ("llama-1b", 25), ("gpt-125m", 100)):
+        shapes = planner.model_shapes(model)
+        tensors = [torch.empty(s, device="meta") for s in reversed(shapes)]
+        buckets, _ = dist._compute_bucket_assignment_by_size(tensors, [1 << 20, cap << 20], [False] * len(tensors))
+        assert planner.last_bucket_elements(shapes, cap, 4) == sum(tensors[i].numel() for i in buckets[-1]), model
 
-    from ds_lowcomm.bench.plan_check import BYTES_WITHIN, network_rows
+
+@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux's per-process I/O counters")
+def test_the_wire_bytes_are_what_gloo_writes_to_its_sockets():
+    """3 real gloo workers step every method (its compare recipe, outer syncs every 2 steps) on a
+    small GPT; what each process hands its sockets while the optimizer steps (/proc/self/io) is
+    the planner's wire bytes at 3 workers (ring: 2 P per all-gather, 4/3 N per all-reduce) plus
+    gloo's framing of each round, measured in the same run on a one-byte all-gather; the ledger's
+    convention (P, N) is short of it by those factors."""
+    from ds_lowcomm.bench.plan_check import measure_wire
+
+    rows = measure_wire(3, list(RECIPES), steps=2, n_layer=1, n_embd=32, seq_len=32)
+    assert [r["method"] for r in rows] == list(RECIPES)
+    for r in rows:
+        assert abs(r["predicted_socket_bytes_per_sync"] / r["socket_bytes_per_sync"] - 1) <= 0.001, r
+        assert r["socket_bytes_per_sync"] > 1.3 * r["ledger_bytes_per_sync"], r
+
+
+# Step times the planner misses by more than 15% (docs/planning.md says why): the 4-host runs share
+# 2 cores (adamw's unshaped step, its compute, is slower than its 1 Gbit/s step), and demo at 0.45M
+# parameters codes 2.5x faster than the CPU default (measured at 101M) on the fair benchmark's runs.
+KNOWN_MISSES = {("network-4h.json", "4h-1gbit-5ms", "adamw"), ("network-4h.json", "4h-100mbit-20ms", "sparseloco"),
+                ("time_to_loss.json", "2h-100mbit", "demo"), ("time_to_loss.json", "2h-100mbit", "demo_recipe"),
+                ("time_to_loss.json", "2h-25mbit", "demo_recipe")}
+
+
+def test_the_planner_predicts_the_measured_steps():
+    """bench plan_check over the committed measurements (docs/bench): every shaped-link run of the
+    network, fair time-to-loss and streaming benchmarks, predicted from the compute of the entry's
+    own unshaped run (less its timed codec seconds) with the planner's own codec and link model:
+    within 15% of the measured step but for the misses docs/planning.md names, and those within 35%."""
+    from ds_lowcomm.bench.plan_check import STEP_WITHIN, network_rows, streaming_rows, time_to_loss_rows
 
     bench = Path(__file__).resolve().parents[1] / "docs" / "bench"
-    rows = network_rows(bench / "network-2h.csv") + network_rows(bench / "network-4h.csv")
-    assert len(rows) == 24
-    for r in rows:
-        assert abs(r["predicted_bytes_per_step"] / r["measured_bytes_per_step"] - 1) <= BYTES_WITHIN, r
+    rows = [*network_rows(bench / "network-2h.json"), *network_rows(bench / "network-4h.json"),
+            *time_to_loss_rows(bench / "time_to_loss.json"), *streaming_rows(bench / "streaming.csv")]
+    assert len(rows) == 46
+    off = {(r["source"], r["setting"], r["method"]): r["predicted_step_s"] / r["measured_step_s"] - 1 for r in rows}
+    assert {k for k, v in off.items() if abs(v) > STEP_WITHIN} == KNOWN_MISSES
+    assert max(abs(v) for v in off.values()) < 0.35
+
+
+def test_the_predicted_speed_up_does_not_flatter():
+    """The fair benchmark's measured speed-ups in time to the target (docs/bench/time_to_loss.csv:
+    demo's recipe over ds_lowcomm's adamw, DDP and DDP bf16, at 100, 25, 10 and 3 Mbit/s on 2 hosts)
+    against plan()'s, given what a user would measure: the baseline's step on the unshaped link (its
+    compute), demo's codec throughput from its unshaped run, the measured steps ratio. The planner
+    never claims more than was measured, and is within 30% of it."""
+    import csv
+
+    from ds_lowcomm.bench.netns import rate_bits
+    from ds_lowcomm.bench.runs import LINKS
+
+    bench = Path(__file__).resolve().parents[1] / "docs" / "bench"
+    timing = {k: v["timing"] for k, v in json.loads((bench / "time_to_loss.json").read_text())["results"].items()}
+    measured = {(r["link"], r["entry"]): r for r in csv.DictReader(open(bench / "time_to_loss.csv"))}
+    demo = timing["2@unshaped@demo_recipe"]
+    elements = sum(math.prod(s) for s in planner.model_shapes("reference"))
+    codec_gbps = elements * 4 / (demo["codec_s"] / demo["history"][-1]["step"]) / 1e9
+    for base, overlap, grad_bytes in (("adamw", False, 4), ("adamw_overlap", True, 4), ("adamw_overlap_bf16", True, 2)):
+        compute = timing[f"2@unshaped@{base}"]["train_s"] / timing[f"2@unshaped@{base}"]["history"][-1]["step"]
+        for link in ("100mbit", "25mbit", "10mbit", "3mbit"):
+            b, d = measured[(link, base)], measured[(link, "demo_recipe")]
+            result = planner.plan(planner.PlanInputs(
+                model="reference", replicas=2, link_gbit=rate_bits(LINKS[link].rate) / 1e9, latency_ms=0.0,
+                compute_s=compute, device="cpu", codec_gbps=codec_gbps, grad_bytes=grad_bytes, overlap_backward=overlap,
+                methods={"demo": RECIPES["demo"]["lowcomm"]},
+                steps_ratio={"demo": int(d["steps_to_target"]) / int(b["steps_to_target"])}))
+            predicted = result["rows"][1]["speedup_vs_adamw"]
+            actual = float(b["time_to_target_s"]) / float(d["time_to_target_s"])
+            assert 0.7 * actual <= predicted <= actual, (base, link, predicted, actual)
 
 
 def test_the_hf_benchmark_configs_and_verdict():
