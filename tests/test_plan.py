@@ -142,6 +142,38 @@ def test_the_last_bucket_is_ddps():
         assert planner.last_bucket_elements(shapes, cap, 4) == sum(tensors[i].numel() for i in buckets[-1]), model
 
 
+@pytest.mark.parametrize("delay", [0, 1, 2, 4])
+def test_a_streaming_sync_hides_only_behind_its_delay(delay):
+    """Streaming DiLoCo (H 20, 4 fragments): a fragment's sync overlaps only the sync_delay inner
+    steps before it lands. The planner's wait per step against a step-by-step replay of the
+    method's schedule (fragment f sent after steps (f + 1) H / P + k H, waited for sync_delay steps
+    later; one link, transfers in turn), each fragment's transfer 1.5 steps of compute long."""
+    settings = {"method": "diloco", "sync_every": 20, "fragments": 4, "sync_delay": delay}
+    inputs = planner.PlanInputs(model="gpt-125m", replicas=2, compute_s=1.0, methods={"diloco": settings})
+    row = planner.plan_method("diloco", inputs)
+    fragments = planner.fragment_messages("diloco", row["settings"], planner.model_shapes("gpt-125m"))
+    seconds = [sum(planner.message_seconds(m, 2, 10e9, 1e-3) for m in part) for part in fragments]
+    # a link for which each fragment takes 1.5 steps of compute
+    rate = 10e9 * max(seconds) / 1.5
+    inputs = planner.PlanInputs(model="gpt-125m", replicas=2, compute_s=1.0, link_gbit=rate / 1e9, latency_ms=0.0,
+                                methods={"diloco": settings})
+    row = planner.plan_method("diloco", inputs)
+    transfer = [sum(planner.message_seconds(m, 2, rate, 0.0) for m in part) for part in fragments]
+    clock, link_free, landing, waited, steps = 0.0, 0.0, {}, 0.0, 400
+    for t in range(1, steps + delay + 1):  # 20 whole periods of syncs, each waited for
+        clock += 1.0  # the step's compute (its inner step)
+        for f in range(4):
+            offset = (f + 1) * 20 // 4
+            if t <= steps and t >= offset and (t - offset) % 20 == 0:  # sent after this step
+                link_free = max(clock, link_free) + transfer[f]
+                landing.setdefault(t + delay, []).append(link_free)
+        for done in landing.pop(t, []):  # landing this step: it waits for them
+            waited += max(0.0, done - clock)
+            clock = max(clock, done)
+    assert row["exposed_comm_s_per_step"] == pytest.approx(waited / steps, rel=1e-6)
+    assert row["step_s"] == pytest.approx(1.0 + waited / steps, rel=1e-6)
+
+
 @pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux's per-process I/O counters")
 def test_the_wire_bytes_are_what_gloo_writes_to_its_sockets():
     """3 real gloo workers step every method (its compare recipe, outer syncs every 2 steps) on a
