@@ -120,15 +120,17 @@ def _block_dct(x, plan, inverse=False):
 
 
 def _orthogonalized(q):
-    """Muon's direction from its definition: q as a (rows, rest) matrix over its Frobenius norm, 5
-    steps of X <- aX + (b XX^T + c (XX^T)^2) X on the wide orientation, times sqrt(max(rows, cols))."""
+    """Muon's direction from its spectral definition, not by running the iteration: q as a
+    (rows, rest) matrix = U S V^T (an SVD), its singular values over its Frobenius norm each taken 5
+    times through Newton-Schulz's quintic p(s) = a s + b s^3 + c s^5 (Jordan et al.'s coefficients,
+    torch.optim.Muon's), U p(...p(S)) V^T, times sqrt(max(rows, cols)). The matrix iteration
+    X <- aX + (b XX^T + c (XX^T)^2) X maps each singular value by p and keeps U and V."""
     x = q.reshape(q.shape[0], -1)
-    tall = x.shape[0] > x.shape[1]
-    x = (x.T if tall else x) / np.linalg.norm(x)
+    u, sv, vt = np.linalg.svd(x, full_matrices=False)
+    sv = sv / np.sqrt((sv * sv).sum())
     for _ in range(5):
-        gram = x @ x.T
-        x = 3.4445 * x + (-4.7750 * gram + 2.0315 * gram @ gram) @ x
-    return ((x.T if tall else x) * np.sqrt(max(x.shape))).reshape(q.shape)
+        sv = 3.4445 * sv - 4.7750 * sv**3 + 2.0315 * sv**5
+    return ((u * sv) @ vt * np.sqrt(max(x.shape))).reshape(q.shape)
 
 
 # The demo_muon job's rule per parameter (tiny_model's weight, bias, weight, bias): the first
@@ -222,9 +224,12 @@ def test_demo_update_rules_match_the_replay(job, update, mean_momentum, launches
 
 def test_muon_direction_is_near_the_polar_factor():
     """update "muon": q's orthogonal polar factor U V^T (from an SVD), scaled to RMS 1; the 5
-    Newton-Schulz steps leave every singular value within [0.6, 1.25] of it (Muon's design)."""
+    Newton-Schulz steps leave every singular value within [0.6, 1.25] of it (Muon's design); equal
+    to the spectral definition (an SVD, each singular value through the quintic) to fp32's
+    rounding; and to torch.optim.Muon's own step (one step, no momentum or weight decay: -lr x
+    sqrt(max(1, rows/cols)) x its Newton-Schulz, run in bf16) to bf16's."""
     g = torch.Generator().manual_seed(3)
-    for shape in [(24, 40), (40, 24), (8, 3, 5)]:
+    for shape in [(24, 40), (40, 24), (8, 3, 5), (128, 32)]:
         q = torch.randn(*shape, generator=g, dtype=torch.float64)
         got = orthogonalize(q).double().reshape(shape[0], -1)
         u, _, vt = torch.linalg.svd(q.reshape(shape[0], -1), full_matrices=False)
@@ -233,7 +238,16 @@ def test_muon_direction_is_near_the_polar_factor():
         assert cosine > 0.97, (shape, cosine)
         sv = torch.linalg.svdvals(got / max(got.shape) ** 0.5)
         assert 0.6 < sv.min() and sv.max() < 1.25, (shape, sv)
-        np.testing.assert_allclose(orthogonalize(q.float()).numpy(), _orthogonalized(q.numpy()), atol=1e-4)
+        np.testing.assert_allclose(orthogonalize(q.float()).numpy(), _orthogonalized(q.numpy()), atol=2e-5)
+        if len(shape) == 2:
+            rows, cols = shape
+            p = torch.nn.Parameter(torch.zeros(shape))
+            muon = torch.optim.Muon([p], lr=1.0, weight_decay=0.0, momentum=0.0, nesterov=False)
+            p.grad = q.float().clone()
+            muon.step()
+            theirs = -p.detach().double() / max(1.0, rows / cols) ** 0.5
+            ours = got / max(rows, cols) ** 0.5
+            assert (ours - theirs).norm() / theirs.norm() < 0.03, shape  # bf16's 8 bits through 5 steps
 
 
 def test_muon_param_groups_step_embeddings_by_sign():
