@@ -1,6 +1,7 @@
 """The Hugging Face Trainer cases of tests/test_hf.py, run in one launch of 2 ranks (each case a
 fresh Trainer and engine in the same processes): examples/hf_trainer.py's run() with the DeepSpeed
-configs below. Rank 0 writes every case's report to argv[1] as JSON."""
+configs below, and Lightning's DeepSpeedStrategy building its engine (its own code calling
+deepspeed.initialize). Rank 0 writes every case's report to argv[1] as JSON."""
 
 from __future__ import annotations
 
@@ -40,6 +41,57 @@ def config(lowcomm=None):
     return {**base, **({"lowcomm": lowcomm} if lowcomm else {})}
 
 
+def lightning_case(optimizer: str) -> dict:
+    """Lightning's DeepSpeedStrategy, as far as this CPU machine lets it run: the strategy's own
+    ``_setup_model_and_optimizer`` (what its ``setup`` calls once its CUDA-only check has passed,
+    on a GPU), handed the module and the optimizer its ``configure_optimizers`` built, with a
+    lowcomm section in the strategy's config; then 4 steps of the engine it returns. What came
+    back and what it did, or the error it raised."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import DeepSpeedStrategy
+
+    class Regression(pl.LightningModule):
+        def __init__(self):
+            super().__init__()
+            self.net = torch.nn.Linear(8, 1)
+
+        def forward(self, x, y):
+            return torch.nn.functional.mse_loss(self.net(x), y)
+
+        def configure_optimizers(self):
+            if optimizer == "sgd":
+                return torch.optim.SGD(self.parameters(), lr=0.02)
+            return torch.optim.AdamW(self.parameters(), lr=0.02, weight_decay=0.0)
+
+    torch.manual_seed(0)
+    module = Regression()
+    strategy = DeepSpeedStrategy(config={"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 0},
+                                         "lowcomm": {"method": "demo", "topk": 2, "chunk": 4}})
+    # the device the strategy's root_device would be on a GPU (cuda:LOCAL_RANK), on this CPU: DeepSpeed
+    # reads its index (Lightning passes args.device_rank = root_device.index)
+    strategy.parallel_devices = [torch.device("cpu", int(os.environ["LOCAL_RANK"]))]
+    try:
+        engine, opt = strategy._setup_model_and_optimizer(module, module.configure_optimizers())
+    except Exception as err:  # noqa: BLE001
+        return {"error": f"{type(err).__name__}: {err}"}
+    rank = torch.distributed.get_rank()
+    x = torch.randn(4, 8, generator=torch.Generator().manual_seed(rank))  # each replica its own batch
+    y = x @ torch.randn(8, 1, generator=torch.Generator().manual_seed(9))
+    losses = []
+    for _ in range(6):
+        loss = engine(x, y)
+        engine.backward(loss)
+        engine.step()
+        losses.append(loss.item())
+    digest = hf_trainer._digest(module)
+    digests = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(digests, digest)
+    return {"engine": type(engine).__module__ + "." + type(engine).__name__,
+            "lowcomm": engine.lowcomm.summary() if hasattr(engine, "lowcomm") else None,
+            "lr": [group["lr"] for group in opt.param_groups], "losses": losses, "digests": digests,
+            "routed": hasattr(__import__("deepspeed").initialize, "_ds_lowcomm_plain")}
+
+
 def main() -> None:
     out, work = Path(sys.argv[1]), Path(sys.argv[2])
     corpus = ByteCorpus(max_train_bytes=1 << 20)
@@ -66,6 +118,8 @@ def main() -> None:
     hf_trainer.main()
     if torch.distributed.get_rank() == 0:
         reports["readme"] = json.loads((work / "readme" / "report.json").read_text())
+    reports["lightning"] = lightning_case("adamw")
+    reports["lightning_sgd"] = lightning_case("sgd")
     try:
         hf_trainer.run(config(), str(work / "plain3"), **kw)
     except Exception as err:  # noqa: BLE001

@@ -79,54 +79,73 @@ def test_the_readme_command(cases):
 
 
 
-def test_lightning_stops_at_its_cuda_check():
-    """Lightning's DeepSpeedStrategy runs on CUDA GPUs only: on this CPU machine a Trainer with the
-    strategy (its config carrying a lowcomm section, ds_lowcomm installed) stops at Lightning's own
-    check, before deepspeed.initialize; the rest is to be checked on a GPU (docs/frameworks.md)."""
-    pl = pytest.importorskip("lightning.pytorch")
-    import torch
-    from lightning.pytorch.strategies import DeepSpeedStrategy
-
-    import ds_lowcomm.deepspeed as dl
-
-    class Regression(pl.LightningModule):
-        def __init__(self):
-            super().__init__()
-            self.net = torch.nn.Linear(4, 1)
-
-        def training_step(self, batch, _):
-            x, y = batch
-            return torch.nn.functional.mse_loss(self.net(x), y)
-
-        def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-3)
-
-    data = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randn(16, 1))
-    config = {"train_micro_batch_size_per_gpu": 4, "zero_optimization": {"stage": 0},
-              "lowcomm": {"method": "demo", "topk": 4, "chunk": 4}}
-    dl.install()
-    try:
-        trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=DeepSpeedStrategy(config=config), max_steps=1,
-                             logger=False, enable_checkpointing=False, enable_progress_bar=False)
-        with pytest.raises(RuntimeError, match="The DeepSpeed strategy is only supported on CUDA GPUs"):
-            trainer.fit(Regression(), torch.utils.data.DataLoader(data, batch_size=4))
-    finally:
-        dl.uninstall()
+def test_lightning_builds_a_ds_lowcomm_engine_through_its_strategy(cases):
+    """Lightning's DeepSpeedStrategy stops at its own CUDA-only check on a machine without GPUs, so
+    the case runs the strategy's own engine-building code (``_setup_model_and_optimizer``, which
+    calls deepspeed.initialize with the optimizer configure_optimizers built): with install() and a
+    lowcomm section it returns ds_lowcomm's engine running demo, with the module's AdamW taken over
+    (its lr), the loss falls and the 2 replicas end identical, the replicas' traffic demo's sparse
+    all-gather; an optimizer ds_lowcomm cannot take over (SGD) is refused by ds_lowcomm, by name."""
+    lightning = cases["lightning"]
+    assert "error" not in lightning, lightning
+    assert lightning["routed"]  # deepspeed.initialize, as Lightning looked it up, was install()'s
+    assert lightning["lowcomm"]["method"] == "demo" and lightning["lowcomm"]["num_replicas"] == 2
+    assert lightning["lr"] == [0.02]
+    assert lightning["lowcomm"]["method_ledger"]["by_op"]["sparse_all_gather"]["calls"] == 6
+    assert lightning["lowcomm"]["engine_bytes_sent_per_step"] == 0
+    assert lightning["losses"][-1] < lightning["losses"][0] and len(set(lightning["digests"])) == 1
+    assert cases["lightning_sgd"]["error"].startswith("ConfigError: optimizer: the framework built a SGD; with a "
+                                                     "lowcomm section ds_lowcomm builds the method from an AdamW/Adam")
 
 
-def test_accelerate_launch_reaches_ds_lowcomm_and_stops_on_a_cpu_machine(tmp_path):
-    """`accelerate launch --use_deepspeed` of examples/accelerate_user.py (2 ranks): on a machine
-    without GPUs Accelerate's state counts one process per rank (it sets DeepSpeed's process group
-    up on GPUs only), so its DeepSpeed config says train_batch_size 8 for 2 ranks of 8 each. The
-    call reaches ds_lowcomm's initialize (install() routed it) and stops there, naming the batch
-    sizes: where Accelerate's DeepSpeed path stops on CPU (docs/frameworks.md); the rest is for a GPU."""
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _accelerate(tmp_path, *extra):
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    proc = subprocess.run([str(Path(sys.executable).parent / "accelerate"), "launch", "--num_processes", "2",
-                           "--main_process_port", "29542", "--use_deepspeed", "--deepspeed_config_file",
+    return subprocess.run([str(Path(sys.executable).parent / "accelerate"), "launch", "--num_processes", "2",
+                           "--main_process_port", str(_free_port()), "--use_deepspeed", "--deepspeed_config_file",
                            str(ROOT / "examples" / "accelerate_user.json"), str(ROOT / "examples" / "accelerate_user.py"),
-                           "--out", str(tmp_path), "--steps", "8"],
+                           "--out", str(tmp_path), *extra],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_accelerate_launch_trains_through_ds_lowcomm_on_cpu(tmp_path):
+    """`accelerate launch --use_deepspeed` of examples/accelerate_user.py (2 ranks), with Accelerate's
+    own knob for the process group's backend (InitProcessGroupKwargs(backend="gloo"): the
+    example's --backend gloo): Accelerate's DeepSpeed path hands deepspeed.initialize to
+    ds_lowcomm (install()), which builds its engine with the config's diloco at ZeRO 2: the loss
+    falls, the replicas end identical, what crossed between them was diloco's outer all-reduce
+    (two syncs in 8 steps, no DeepSpeed gradient all-reduce); save_state after step 4 and a fresh
+    launch's load_state go on to the same parameters and losses."""
+    proc = _accelerate(tmp_path, "--steps", "8", "--save-at", "4", "--backend", "gloo")
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    report = json.loads((tmp_path / "report.json").read_text())
+    lowcomm = report["lowcomm"]
+    assert lowcomm is not None and lowcomm["method"] == "diloco" and lowcomm["zero_stage"] == 2
+    assert lowcomm["num_replicas"] == 2 and lowcomm["engine_bytes_sent_per_step"] == 0
+    assert lowcomm["method_ledger"]["by_op"]["outer_all_reduce"]["calls"] == 2
+    assert report["steps"] == 8 and report["losses"][-1] < report["losses"][0] - 0.5
+    assert len(set(report["digests"])) == 1
+    proc = _accelerate(tmp_path, "--steps", "8", "--resume", "--backend", "gloo")
+    assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
+    resumed = json.loads((tmp_path / "report_resumed.json").read_text())
+    assert resumed["start"] == 4 and resumed["steps"] == 8
+    assert resumed["digests"] == report["digests"] and resumed["losses"] == report["losses"][4:]
+
+
+def test_accelerate_without_a_process_group_is_refused_by_ds_lowcomm(tmp_path):
+    """Without the backend knob Accelerate sets no process group up on a machine without GPUs and
+    counts one process per rank, so the config it hands on says train_batch_size 8 for 2 ranks
+    of 8 each: ds_lowcomm's initialize (reached through install()) refuses it, naming the batch
+    sizes, before any rank trains."""
+    proc = _accelerate(tmp_path, "--steps", "8")
     assert proc.returncode != 0
     assert ("ConfigError: batch sizes (train_batch_size 8, train_micro_batch_size_per_gpu 8, gradient_accumulation_steps"
             " 1) do not fit 2 data-parallel ranks") in proc.stdout + proc.stderr, (proc.stdout[-2000:], proc.stderr[-3000:])
