@@ -57,7 +57,8 @@ def one_rank_world(tmp_path_factory):
 
 @pytest.mark.parametrize("method,extra", [
     ("adamw", {}), ("demo", {}), ("demo", {"state_dtype": "bf16"}), ("demo", {"value_dtype": "sign"}),
-    ("demo", {"value_dtype": "fp32"}), ("diloco", {}), ("diloco", {"outer_optimizer": "adam"}), ("dct_diloco", {}),
+    ("demo", {"value_dtype": "fp32"}), ("diloco", {}), ("diloco", {"outer_optimizer": "adam"}),
+    ("diloco", {"fragments": 2, "sync_delay": 1}), ("dct_diloco", {}),
     ("dct_diloco", {"value_dtype": "fp16"}), ("sparseloco", {}), ("mtdao", {}),
     ("mtdao", {"sync_codec": "topk", "topk": 8, "chunk": 8})])
 def test_the_memory_figure_is_the_optimizer_state(one_rank_world, method, extra):
