@@ -149,7 +149,8 @@ class PlanInputs:
     # DeepSpeed ZeRO 1-2 without overlap_comm, its default)
     overlap_backward: bool = True
     backward_fraction: float = 2 / 3  # the backward pass's share of compute_s (twice the forward's FLOPs)
-    bucket_cap_mb: float = 25.0  # MiB of gradients per bucket (DDP's bucket_cap_mb; DeepSpeed: reduce_bucket_size x bytes)
+    # MiB of gradients per bucket (DDP's bucket_cap_mb; DeepSpeed: reduce_bucket_size x bytes / 2**20)
+    bucket_cap_mb: float = 25.0
     codec_gbps: float | None = None  # GB/s of fp32 elements through encode + decode; None: the device's default
     methods: dict[str, dict] = field(default_factory=lambda: {m: dict(RECIPES[m]["lowcomm"]) for m in RECIPES})
     steps_ratio: dict[str, float] = field(default_factory=lambda: dict(STEPS_RATIO))
@@ -430,8 +431,9 @@ def plan(inputs: PlanInputs) -> dict[str, Any]:
         row["speedup_vs_adamw"] = base["step_s"] / (ratio * row["step_s"]) if ratio else None
         # fewer bytes than adamw's per step, on the wire at this replica count (the ledger's ratio
         # is the wire's at 2 replicas: an all-gather's wire bytes grow with n, an all-reduce's do not)
-        row["wire_bytes_vs_adamw"] = base["wire_bytes_per_step"] / row["wire_bytes_per_step"] if row["wire_bytes_per_step"] else None
-        row["ledger_bytes_vs_adamw"] = base["bytes_per_step"] / row["bytes_per_step"] if row["bytes_per_step"] else None
+        wire, ledger = row["wire_bytes_per_step"], row["bytes_per_step"]
+        row["wire_bytes_vs_adamw"] = base["wire_bytes_per_step"] / wire if wire else None
+        row["ledger_bytes_vs_adamw"] = base["bytes_per_step"] / ledger if ledger else None
     return {"inputs": dataclasses.asdict(inputs), "parameters": base["parameters"],
             "comm_compute_ratio": base["comm_s_per_step"] / inputs.compute_s,
             "codec_gbps": inputs.codec_gbps or CODEC_GBPS[inputs.device][0],
@@ -442,7 +444,8 @@ def plan(inputs: PlanInputs) -> dict[str, Any]:
 def format_table(result: dict) -> str:
     i = result["inputs"]
     overlap = (f"adamw's all-reduce overlapped with the backward pass ({i['backward_fraction']:.2g} of compute, "
-               f"{i['bucket_cap_mb']:g} MiB buckets)" if i["overlap_backward"] else "adamw's all-reduce after the backward pass")
+               f"{i['bucket_cap_mb']:g} MiB buckets)" if i["overlap_backward"]
+               else "adamw's all-reduce after the backward pass")
     lines = [f"{i['model']} ({result['parameters'] / 1e6:,.1f}M parameters), {i['replicas']} replicas x "
              f"{i['gpus_per_replica']} GPUs, ZeRO {i['zero_stage']}, {i['link_gbit']:g} Gbit/s, "
              f"{i['latency_ms']:g} ms, compute {i['compute_s']:g} s/step; comm/compute ratio "

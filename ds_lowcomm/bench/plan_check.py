@@ -137,7 +137,8 @@ def streaming_rows(path: Path) -> list[dict]:
         for variant, settings in lowcomm.items():
             compute = statistics.median(float(r["median_step_s"]) for r in rows
                                         if r["link"] == "unshaped" and r["variant"] == variant)
-            measured = statistics.median(float(r["sync_step_s"]) for r in rows if r["link"] == link and r["variant"] == variant)
+            measured = statistics.median(float(r["sync_step_s"]) for r in rows
+                                         if r["link"] == link and r["variant"] == variant)
             shape = SHAPES[link]
             row = _plan_row("diloco", settings, hosts=2, rate=shape.rate, latency_ms=shape.delay_ms, compute_s=compute,
                             shapes=shapes)
@@ -253,11 +254,12 @@ def main(argv: list[str] | None = None) -> list[dict]:
         codec = r["timed_codec_s_per_step"]
         print(f"{r['source']:<19} {r['setting']:<13} {r['method']:<24} step {r['measured_step_s']:.4f} -> "
               f"{r['predicted_step_s']:.4f} ({r['predicted_step_s'] / r['measured_step_s'] - 1:+6.1%})  codec "
-              + (f"{codec * 1e3:6.1f} ms timed, {r['predicted_codec_s_per_step'] * 1e3:6.1f} planned" if codec else "-"))
+              + (f"{codec * 1e3:6.1f} ms timed, {r['predicted_codec_s_per_step'] * 1e3:6.1f} planned"
+                 if codec else "-"))
     coded = [r for r in rows if r["timed_codec_s_per_step"]]
     print(f"{len(rows)} rows: step within {STEP_WITHIN:.0%}: {len(rows) - len(step_misses)}; codec planned/timed: "
-          + ", ".join(f"{r['method']}@{r['setting']} {r['predicted_codec_s_per_step'] / r['timed_codec_s_per_step']:.2f}"
-                      for r in coded))
+          + ", ".join(f"{r['method']}@{r['setting']} "
+                      f"{r['predicted_codec_s_per_step'] / r['timed_codec_s_per_step']:.2f}" for r in coded))
     wire = []
     methods = list(RECIPES)
     for workers in (int(w) for w in args.workers.split(",") if w.strip()):
@@ -269,7 +271,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
                   f"planned {r['predicted_socket_bytes_per_sync']:>12,.0f} "
                   f"({r['predicted_socket_bytes_per_sync'] / r['socket_bytes_per_sync'] - 1:+.3%}; of it gloo's "
                   f"framing {r['gloo_framing_bytes_per_sync']:,.0f}); ledger {r['ledger_bytes_per_sync']:>12,.0f}")
-        misses = [r for r in wire if abs(r["predicted_socket_bytes_per_sync"] / r["socket_bytes_per_sync"] - 1) > BYTES_WITHIN]
+        misses = [r for r in wire
+                  if abs(r["predicted_socket_bytes_per_sync"] / r["socket_bytes_per_sync"] - 1) > BYTES_WITHIN]
         print(f"bytes at the socket within {BYTES_WITHIN:.1%}: {len(wire) - len(misses)} of {len(wire)}")
     table = table_rows()
     write_csv(out / "plan_table.csv", table, TABLE_COLUMNS)
