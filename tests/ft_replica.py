@@ -80,13 +80,23 @@ def main() -> None:
     # a decaying schedule, stepped after the optimizer: a joining replica heals its position
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.02 * s))
     ft.attach(opt, sched, after_step=(sched.step,))  # a joining replica heals here
+    asks = ft.manager.start_quorum
+
+    def announced(*a, **k):  # the test sees a replica ask for a quorum
+        out.write(json.dumps({"event": "quorum", "step": ft.step, "time": time.time()}) + "\n")
+        out.flush()
+        return asks(*a, **k)
+
+    ft.manager.start_quorum = announced
     shard = int(args.replica_id.rsplit("_", 1)[-1])
     while ft.step < args.steps:
         step = ft.step
         if step == args.hold_at:  # the test holds the run here until a restarted replica is up
             while not Path(args.hold_file).exists():
                 time.sleep(0.05)
-        gen = torch.Generator().manual_seed(10_000 * shard + step)  # this replica's shard, position = step
+        # this replica's shard, at its data position (its step, less what it jumped over to sit out a sync)
+        batch = ft.data_step
+        gen = torch.Generator().manual_seed(10_000 * shard + batch)
         x = torch.randn(16, 8, generator=gen)
         loss = torch.nn.functional.mse_loss(model(x), x[:, :4].sum(1, keepdim=True))  # learnable
         opt.zero_grad()
@@ -94,8 +104,8 @@ def main() -> None:
         opt.step()
         sched.step()
         out.write(json.dumps({"step": ft.step, "lr": opt.param_groups[0]["lr"], "outer_steps": getattr(opt, "outer_steps", None), "loss": float(loss),
-                              "digest": params_digest(model), "heals": ft.heals, "discarded": ft.discarded,
-                              "anchors": tensors_digest(opt.replica_tensors()),
+                              "digest": params_digest(model), **ft.report(), "torchft_step": ft.manager.current_step(),
+                              "anchors": tensors_digest(opt.replica_tensors()), "batch": batch,
                               "heal_bytes": opt.ledger.by_op.get("heal", [0, 0, 0])[2],
                               "sent": opt.ledger.sent, "time": time.time()}) + "\n")
         out.flush()

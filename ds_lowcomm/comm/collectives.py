@@ -15,6 +15,11 @@ rows everywhere: replicas stay identical). With every rank healthy the result is
 it was without the guard. ``transport.nonfinite`` decides what a flagged exchange does: "skip"
 (the default: the flagged ranks sit this exchange out, counted in the ledger and logged with their
 ranks) or "raise" (:class:`NonFiniteError` on every rank).
+
+A rank whose transport says it sits this exchange out (``transport.sits_out``: a torchft replica
+that has just healed, optim/fault_tolerance.py) sends zeros with its own flag value: it is left out
+of the mean as a flagged rank is, but it is neither counted nor logged as non-finite, and never
+makes "raise" raise. It receives the mean like every rank.
 """
 
 from __future__ import annotations
@@ -62,16 +67,25 @@ def all_finite(tensors: Sequence[torch.Tensor]) -> bool:
     return bool(torch.isfinite(torch.stack(sums)).all()) if sums else True
 
 
-def settle_health(healthy: torch.Tensor, transport: Transport, op: str) -> list[int]:
-    """Every rank's flag (one bool per rank of ``transport``, the same on every rank) -> the
-    indices of the healthy ranks. Flagged ranks are counted in the ledger and logged by name; with
-    ``transport.nonfinite == "raise"`` every rank raises instead."""
-    flags = healthy.tolist()
-    keep = [r for r, ok in enumerate(flags) if ok]
-    if len(keep) == len(flags):
+HEALTHY, NONFINITE, SITS_OUT = 1, 0, 2  # a rank's flag byte
+
+
+def health_flag(healthy: bool, transport: Transport) -> int:
+    """The flag byte this rank sends: it sits out (its transport says so), is healthy, or is not."""
+    return SITS_OUT if getattr(transport, "sits_out", False) else HEALTHY if healthy else NONFINITE
+
+
+def settle_health(flags: torch.Tensor, transport: Transport, op: str) -> list[int]:
+    """Every rank's flag byte (one per rank of ``transport``, the same on every rank) -> the
+    indices of the healthy ranks. Non-finite ranks are counted in the ledger and logged by name;
+    with ``transport.nonfinite == "raise"`` every rank raises instead. Ranks sitting out are left
+    out quietly."""
+    flags = flags.tolist()
+    keep = [r for r, flag in enumerate(flags) if flag == HEALTHY]
+    if NONFINITE not in flags:
         return keep
     peers = transport.peer_ranks()
-    bad = [peers[r] for r, ok in enumerate(flags) if not ok]
+    bad = [peers[r] for r, flag in enumerate(flags) if flag == NONFINITE]
     transport.ledger.record_nonfinite(op, bad)
     what = (f"{op}: non-finite values (NaN/inf) on global rank(s) {bad}; nothing of theirs was sent")
     if getattr(transport, "nonfinite", "skip") == "raise":
@@ -168,19 +182,21 @@ class SparseAllGather:
         start = time.perf_counter()
         pieces = [v for layout, buf in zip(self.layouts, buffers) for v in _piece_views(layout, buf)]
         device = pieces[0].device if pieces else torch.device("cpu")
-        if healthy and all_finite(pieces):
+        flag = health_flag(healthy and all_finite(pieces), self.transport)
+        if flag == HEALTHY:
             payload, sent = self.codec.compress(pieces)
             torch._foreach_sub_(pieces, [dense.to(buf.dtype) for buf, dense in zip(pieces, sent)])  # error feedback
             flat = torch.cat([payload, torch.ones(1, dtype=torch.uint8, device=device)])
         else:
             flat = torch.zeros(self.payload_bytes, dtype=torch.uint8, device=device)
+            flat[-1] = flag
         ledger.add_time("codec", settled_seconds(start, device))
         gathered = self.transport.start_all_gather_bytes(flat, op=self.op)
         return Pending(lambda: self._decode(gathered.wait(), buffers), None)
 
     def _decode(self, rows: torch.Tensor, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         # a failed exchange (a torchft peer died in it) gathered no rows: decode nothing (it is discarded)
-        keep = [] if self.transport.failed is not None else settle_health(rows[:, -1] == 1, self.transport, self.op)
+        keep = [] if self.transport.failed is not None else settle_health(rows[:, -1], self.transport, self.op)
         start = time.perf_counter()
         weights = self.weights
         if len(keep) < rows.shape[0] and keep:
@@ -221,8 +237,9 @@ def start_all_reduce_mean_(tensors: Sequence[torch.Tensor], transport: Transport
     after a one-byte all-gather of each rank's health flag (see the module's docstring). The
     tensors hold their averages once ``wait()`` returns (which returns them). ``weights`` (one per
     rank of the transport): a weighted mean instead."""
-    ok = healthy and all_finite(tensors)
-    flags = transport.start_all_gather_bytes(torch.tensor([int(ok)], dtype=torch.uint8), op=f"{op}_health")
+    flag = health_flag(healthy and all_finite(tensors), transport)
+    ok = flag == HEALTHY
+    flags = transport.start_all_gather_bytes(torch.tensor([flag], dtype=torch.uint8), op=f"{op}_health")
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     for t in tensors:
         by_dtype.setdefault(t.dtype, []).append(t)
@@ -238,7 +255,7 @@ def start_all_reduce_mean_(tensors: Sequence[torch.Tensor], transport: Transport
     def finish():
         for _, _, pending in started:
             pending.wait()
-        keep = settle_health(flags.wait()[:, 0] == 1, transport, op)
+        keep = settle_health(flags.wait()[:, 0], transport, op)
         for group, flat, _ in started:
             flat /= transport.world_size
             if len(keep) < transport.world_size:  # the sum holds the healthy ranks only: rescale

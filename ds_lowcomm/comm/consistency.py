@@ -21,6 +21,12 @@ def param_checksums(params: Iterable[torch.Tensor]) -> list[float]:
     return out
 
 
+def same_checksums(a: list[float], b: list[float]) -> bool:
+    """Whether two lists of :func:`param_checksums` say the same tensors, to a relative 1e-9 (so
+    that copies on different device types agree)."""
+    return len(a) == len(b) and all(math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12) for x, y in zip(a, b))
+
+
 def gather_json(transport: Transport, obj: Any) -> list[Any]:
     """Every rank's JSON-able ``obj``, in rank order (collective over ``transport``, bounded by its
     ``timeout_s``; recorded as start-up traffic)."""
@@ -68,7 +74,5 @@ def assert_same_across_ranks(transport: Transport, settings: dict, params: Itera
         if a != b:
             detail = settings_differences(a, b, "rank 0 has", f"rank {rank} has")
             raise ValueError(f"lowcomm settings differ across ranks ({detail})")
-        if "checksums" in mine:
-            ca, cb = mine["checksums"], theirs["checksums"]
-            if len(ca) != len(cb) or any(not math.isclose(x, y, rel_tol=1e-9, abs_tol=1e-12) for x, y in zip(ca, cb)):
-                raise ValueError(f"rank {rank} {differs}")
+        if "checksums" in mine and not same_checksums(mine["checksums"], theirs["checksums"]):
+            raise ValueError(f"rank {rank} {differs}")

@@ -13,8 +13,9 @@ live peer's state) loading with ``torch.load(weights_only=True)``: tensors and p
 never code (torchft's own loads with ``weights_only=False``). torchft's lighthouse and transports
 are unauthenticated: run them on a private network.
 
-The one torchft internal used (the HTTP transport's loader, replaced) is declared and checked
-with the supported version before use (:data:`INTERNALS`).
+The torchft internals used (the HTTP transport's loader, replaced; the manager's quorum id, read
+to tell a new membership) are declared and checked with the supported version before use
+(:data:`INTERNALS`).
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed.distributed_c10d as c10d
 
-from ..versions import FrameworkInternals, Internal
+from ..versions import FrameworkInternals, Internal, read_instance
 from .ledger import ByteLedger
 from .transport import Transport
 
@@ -33,8 +34,15 @@ DISTRIBUTION = "torchft"
 _HTTP = "torchft.checkpointing.http_transport"
 LOAD_FROM_ADDRESS = Internal(_HTTP, "HTTPTransport._load_from_address", "method", params=("address", "timeout"),
                              match="override", use="loads a peer's state with weights_only=True (SafeHTTPTransport)")
-INTERNALS = FrameworkInternals(DISTRIBUTION, (LOAD_FROM_ADDRESS,), (), {}, "torchft", user="ds_lowcomm",
+QUORUM_ID = Internal("torchft.manager", "Manager._quorum_id", "instance",
+                     use="tells a quorum of new members, whose parameters are compared (optim/fault_tolerance.py)")
+INTERNALS = FrameworkInternals(DISTRIBUTION, (LOAD_FROM_ADDRESS, QUORUM_ID), (), {}, "torchft", user="ds_lowcomm",
                                copies="", label="torchft")
+
+
+def quorum_id(manager) -> int:
+    """The id of ``manager``'s current quorum: the lighthouse bumps it when the members change."""
+    return int(read_instance(DISTRIBUTION, QUORUM_ID, manager))
 
 
 class TorchftTransport(Transport):
@@ -51,6 +59,9 @@ class TorchftTransport(Transport):
         self.device = torch.device("cpu")
         self.timeout_s = timeout_s
         self.failed: Exception | None = None
+        # This replica sits the current exchange out (it has just healed): it sends nothing of its
+        # own and takes the others' mean (comm/collectives.py's flag).
+        self.sits_out = False
 
     @property
     def rank(self) -> int:

@@ -99,7 +99,7 @@ class LowcommRun:
             "engine_ledger": engine,
             "user_ledger": user,
             "activation_ledger": activations,
-            **({"fault_tolerance": {"heals": self.fault_tolerance.heals, "discarded": self.fault_tolerance.discarded}}
+            **({"fault_tolerance": self.fault_tolerance.report()}
                if self.fault_tolerance is not None else {}),
         }
 

@@ -15,7 +15,8 @@ discarded). What the DeepSpeed job adds, here:
   computes with, which the method's partitions only feed after a step; every stage: buffers).
 - :class:`PositionSampler`: the loader of ``training_data`` reads this replica's shard (by
   ``replica_id``, not by who is alive) from where the replica stands: a healed replica reads on
-  where its peer is, not from its shard's start.
+  where its peer is, not from its shard's start (less the steps it jumped over to sit out a sync
+  after its heal: those batches are read, not skipped).
 """
 
 from __future__ import annotations
@@ -105,32 +106,32 @@ class PositionSampler(torch.utils.data.Sampler):
         return iter(mine[start:])
 
 
-def _positioned(engine, training_data, topology, shuffle: bool):
+def _positioned(engine, training_data, topology, shuffle: bool, lag: Callable[[], int]):
     gas, micro = engine.gradient_accumulation_steps(), engine.train_micro_batch_size_per_gpu()
 
-    def position() -> int:
-        return internals.get(engine, _STEPS) * gas * micro
+    def position() -> int:  # lag: the steps the replica jumped over (fault tolerance's data_lag)
+        return (internals.get(engine, _STEPS) - lag()) * gas * micro
 
     sampler = PositionSampler(len(training_data), topology.data_rank, topology.data_world, position, shuffle)
     engine.training_data = training_data
     return engine.deepspeed_io(training_data, data_sampler=sampler)
 
 
-def build_loader(engine, training_data, topology):
+def build_loader(engine, training_data, topology, lag: Callable[[], int]):
     """DeepSpeed's loader of ``training_data`` (``engine.deepspeed_io``: micro batch size, collate_fn,
-    ...) over this replica's shard, read on from the engine's position."""
-    loader = _positioned(engine, training_data, topology, shuffle=True)
+    ...) over this replica's shard, read on from the engine's position less ``lag()`` steps."""
+    loader = _positioned(engine, training_data, topology, shuffle=True, lag=lag)
     engine.training_dataloader = loader
     return loader
 
 
-def build_pipeline_loader(engine, training_data, topology):
+def build_pipeline_loader(engine, training_data, topology, lag: Callable[[], int]):
     """A pipeline engine's repeating loader as DeepSpeed builds it (in order, not shuffled; first and
     last stage), over this pipeline's shard of every replica's, read on from the engine's position
     (each pass of the repeating loader starts where the engine stands)."""
     from deepspeed.utils import RepeatingLoader
 
-    engine.set_dataloader(RepeatingLoader(_positioned(engine, training_data, topology, shuffle=False)))
+    engine.set_dataloader(RepeatingLoader(_positioned(engine, training_data, topology, shuffle=False, lag=lag)))
     first_or_last = engine.is_first_stage() or engine.is_last_stage()
     return engine.training_dataloader if first_or_last else None
 

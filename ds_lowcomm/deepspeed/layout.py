@@ -203,11 +203,12 @@ class TorchftReplica(Layout):
         settings, timeout_s = split.fault_tolerance, split.lowcomm.comm.timeout_s
         world, rank = dist.get_world_size(), dist.get_rank()
         host = settings.host or socket.gethostname()
-        store, address = None, None
-        if world > 1:  # the replica's managers meet in rank 0's store
-            store, address = replica_store(host, TorchDistTransport(topology.replica_group, ledger=ledger,
-                                                                    timeout_s=timeout_s))
-        ft = FaultTolerance(settings, host=host, rank=rank, world_size=world, store=address, store_server=store)
+        store, address, replica = None, None, None
+        if world > 1:  # the replica's managers meet in rank 0's store, and its ranks agree over its own group
+            replica = TorchDistTransport(topology.replica_group, ledger=ledger, timeout_s=timeout_s)
+            store, address = replica_store(host, replica)
+        ft = FaultTolerance(settings, host=host, rank=rank, world_size=world, store=address, store_server=store,
+                            replica_transport=replica)
         return cls(split, model, topology, ledger, fault_tolerance=ft)
 
     def shared_settings(self) -> dict[str, Any]:
@@ -233,7 +234,7 @@ class TorchftReplica(Layout):
     def loader(self, engine, training_data):
         from .fault_tolerance import build_loader
 
-        return build_loader(engine, training_data, self.topology)
+        return build_loader(engine, training_data, self.topology, lambda: self.fault_tolerance.data_lag)
 
 
 @dataclass
@@ -244,7 +245,7 @@ class TorchftPipelineReplica(TorchftReplica, PipelineReplicas):
     def loader(self, engine, training_data):
         from .fault_tolerance import build_pipeline_loader
 
-        return build_pipeline_loader(engine, training_data, self.topology)
+        return build_pipeline_loader(engine, training_data, self.topology, lambda: self.fault_tolerance.data_lag)
 
 
 def choose_layout(split: SplitConfig, model, ledger: ByteLedger) -> Layout:

@@ -62,15 +62,21 @@ class AllReduceAdamW(LowcommOptimizer, torch.optim.AdamW):
             if p.grad is None:  # keep the flat buffer's layout the same on every rank
                 p.grad = torch.zeros_like(p)
         ft = self.fault_tolerance
-        if ft is not None:
-            ft.before_exchange()
-        self._start_mean_(owned, [p.grad for p in owned], "all_reduce").wait()
+        grads = [p.grad for p in owned]
+
+        def exchange():
+            return self._start_mean_(owned, grads, "all_reduce").wait()
+
+        # under fault tolerance the gradients it averages in place are kept, for a try that fails
+        committed = ft is None or self._exchange_in_quorum(grads, exchange) is not None
+        if ft is None:
+            exchange()
         if self.shard is not None:  # AdamW skips parameters without a gradient
             keep = {id(p) for p in owned}
             for p in params:
                 if id(p) not in keep:
                     p.grad = None
-        if ft is None or ft.commit():  # else a peer failed during it: every replica skips this step alike
+        if committed:  # else no replica could commit it: every replica skips this step alike
             torch.optim.AdamW.step(self)
         self._share(params)
         if ft is not None:

@@ -223,25 +223,32 @@ class LowcommOptimizer(torch.optim.Optimizer):
         raise NotImplementedError
 
     # -- live fault tolerance (optim/fault_tolerance.py) ------------------------------------------
-    # Set by FaultTolerance.attach: every exchange runs in a torchft quorum and is committed or
-    # discarded on every replica alike. None: the plain single world.
+    # Set by FaultTolerance.attach: every exchange runs in a torchft quorum and is committed, tried
+    # again among the replicas still alive, or discarded, on every replica alike. None: the plain
+    # single world.
     fault_tolerance = None
+    # State a heal does not carry (a joining replica starts it at zero, as a new replica would): a
+    # replica's own error feedback. The peer's would be sent twice, by the peer and by the joiner.
+    replica_state: ClassVar[tuple[str, ...]] = ()
 
-    def _keep_for_discard(self, params: list[torch.Tensor]) -> None:
-        """Before an exchange under fault tolerance: a copy of what it may change in these
-        parameters' state (momenta, residuals), for a sync that is then discarded."""
-        self.fault_tolerance.before_exchange()
-        self._before_exchange = {id(p): {k: v.clone() for k, v in self.state[p].items() if isinstance(v, torch.Tensor)}
-                                 for p in params}
-
-    def _restore_discarded(self, params: list[torch.Tensor]) -> None:
-        for p in params:
-            before, state = self._before_exchange.pop(id(p), {}), self.state[p]
-            for k in [k for k, v in state.items() if isinstance(v, torch.Tensor) and k not in before]:
-                del state[k]  # made by the discarded exchange (a first step's momentum)
-            for k, v in before.items():
-                state[k].copy_(v)  # in place: an outer optimizer holds the anchors themselves
-
+    def _exchange_in_quorum(self, changed: list[torch.Tensor], exchange):
+        """Under fault tolerance: run ``exchange()`` (one sync, started and landed; returns what
+        landed) until torchft commits it. ``changed``: what the exchange changes in place (error
+        feedback, momenta, the gradients it averages), copied first and put back when it fails,
+        so that it can run again, among the replicas still alive (``FaultTolerance.retry``), or be
+        discarded. Only those tensors are copied, not the method's whole state. Returns what
+        landed, or None when the sync was discarded (every replica alike)."""
+        ft = self.fault_tolerance
+        kept = [t.clone() for t in changed]
+        while True:
+            ft.before_exchange()
+            landed = exchange()
+            if ft.commit():
+                return landed
+            for t, before in zip(changed, kept):
+                t.copy_(before)
+            if not ft.retry():
+                return None
 
     def _owned(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         return params if self.shard is None else self.shard.owned(params)

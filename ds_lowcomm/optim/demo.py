@@ -62,6 +62,7 @@ class DeMoSettings(StatefulSettings):
 class DeMo(LowcommOptimizer):
     method = "demo"
     settings_class = DeMoSettings
+    replica_state = ("momentum",)  # each rank's own, with what it has not sent yet
 
     def __init__(self, params, lr: float = 4e-4, *, weight_decay: float = 0.0, settings: DeMoSettings | None = None,
                  transport: Transport | None = None, shard: ReplicaShard | None = None, ledger_steps: bool = True,
@@ -95,16 +96,18 @@ class DeMo(LowcommOptimizer):
             for p, q, lr, wd, rule in zip(synced, landed, lrs, decays, rules):
                 if q is not None:
                     self._step_along(p, q, lr, wd, rule)
-        elif synced or self.fault_tolerance is not None:  # every rank of a replica asks torchft, owning any or not
-            ft = self.fault_tolerance
-            if ft is not None:  # the momenta as they were, for an exchange that is then discarded
-                self._keep_for_discard(synced)
-            means = self.start_momentum_sync(synced, grads, lrs).wait() if synced else []
-            if ft is None or ft.commit():
+        elif self.fault_tolerance is not None:  # every rank of a replica asks torchft, owning any or not
+            # the exchange changes the momenta (folded in, sent components out): only they are kept
+            momenta = [self._momentum(p) for p in synced]
+            means = self._exchange_in_quorum(
+                momenta, lambda: self.start_momentum_sync(synced, grads, lrs).wait() if synced else [])
+            if means is not None:  # else no replica could commit it: every replica skips this step alike
                 for p, q, lr, wd, rule in zip(synced, means, lrs, decays, rules):
                     self._step_along(p, q, lr, wd, rule)
-            else:  # a peer failed during it: every replica skips this step alike
-                self._restore_discarded(synced)
+        elif synced:
+            means = self.start_momentum_sync(synced, grads, lrs).wait()
+            for p, q, lr, wd, rule in zip(synced, means, lrs, decays, rules):
+                self._step_along(p, q, lr, wd, rule)
         self._share(params)
         if self.fault_tolerance is not None:
             self.fault_tolerance.start_interval()  # the next step's quorum (a joining replica heals)
@@ -144,6 +147,12 @@ class DeMo(LowcommOptimizer):
             direction = q / q.square().mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
         descend_(p, direction, lr, weight_decay)
 
+    def _momentum(self, p: torch.Tensor) -> torch.Tensor:
+        state = self.state[p]
+        if "momentum" not in state:
+            state["momentum"] = torch.zeros_like(p, dtype=self.state_dtype)
+        return state["momentum"]
+
     def _land_in_flight(self, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """overlap: the means of the exchange started at the previous step (None before the first
         one); after a checkpoint they wait in the state instead."""
@@ -180,10 +189,7 @@ class DeMo(LowcommOptimizer):
         momenta = []
         finite = self._grads_finite(grads, "momentum_fold")
         for p, g, lr in zip(params, grads, lrs):
-            state = self.state[p]
-            if "momentum" not in state:
-                state["momentum"] = torch.zeros_like(p, dtype=self.state_dtype)
-            m = state["momentum"]
+            m = self._momentum(p)
             if finite:
                 m.mul_(self.settings.decay)
                 if g is not None:

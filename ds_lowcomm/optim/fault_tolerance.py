@@ -51,8 +51,8 @@ from typing import Any, Mapping
 
 import torch
 
-from ..comm.consistency import gather_json, settings_differences
-from ..comm.torchft import TorchftTransport, safe_http_transport
+from ..comm.consistency import gather_json, param_checksums, same_checksums, settings_differences
+from ..comm.torchft import TorchftTransport, quorum_id, safe_http_transport
 from ..settings import ConfigError, Settings, check_int, check_positive
 
 
@@ -71,6 +71,9 @@ class FaultToleranceSettings(Settings):
     # alive): with the training loop's data, replica_id is an integer below it and names its shard.
     num_replica_groups: int = 0
     min_replicas: int = 1  # a quorum needs at least this many replicas; fewer: syncs are discarded
+    # A sync a peer died or stalled in: how many times its exchange is tried again among the
+    # replicas still alive before it is discarded (0: discarded at once, every replica alike)
+    retries: int = 2
     timeout_s: float = 30.0  # a collective's or a heal's wait for a peer
     quorum_timeout_s: float = 600.0  # a quorum's wait (a restarted replica waits up to one interval)
     host: str = ""  # the address the other replicas reach this one at (default: this machine's hostname)
@@ -84,6 +87,7 @@ class FaultToleranceSettings(Settings):
                               "restarts, is required (or REPLICA_GROUP_ID in the environment)")
         check_int(where, "num_replica_groups", self.num_replica_groups, 0)
         check_int(where, "min_replicas", self.min_replicas, 1)
+        check_int(where, "retries", self.retries, 0)
         for name in ("timeout_s", "quorum_timeout_s"):
             check_positive(where, name, getattr(self, name))
         if not isinstance(self.host, str):
@@ -141,57 +145,85 @@ def check_method(effective: Mapping[str, Any], where: str = "lowcomm") -> None:
                           f"torchft's process group); got {effective.get('transport')!r}")
 
 
-def _cloned(obj: Any) -> Any:
-    """A copy of a state dict whose tensors the training loop will not change under a peer's read."""
+def _to_cpu(obj: Any) -> Any:
+    """A copy of a state in CPU memory, taken straight from wherever its tensors live (no copy on
+    the device): what a joining replica reads over HTTP while this one trains on."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().clone()
+        return obj.detach().to("cpu", copy=True)
     if isinstance(obj, dict):
-        return {k: _cloned(v) for k, v in obj.items()}
+        return {k: _to_cpu(v) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):
-        return type(obj)(_cloned(v) for v in obj)
+        return type(obj)(_to_cpu(v) for v in obj)
     return obj
+
+
+def _tensors(obj: Any):
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors(v)
+    elif isinstance(obj, (list, tuple)):
+        for v in obj:
+            yield from _tensors(v)
 
 
 class FaultTolerance:
     """One replica's membership in the torchft quorum and the transport its method uses."""
 
     def __init__(self, settings: FaultToleranceSettings, host: str | None = None, rank: int = 0, world_size: int = 1,
-                 store: tuple[str, int] | None = None, store_server: Any = None):
+                 store: tuple[str, int] | None = None, store_server: Any = None, replica_transport: Any = None):
         """``rank``/``world_size``: this process within its replica (a replica of several ranks runs
         one manager per rank: rank r meets rank r of every other replica, and heals from it);
         ``store``: the replica's TCPStore (host, port), which rank 0 of a replica of several ranks
         serves (:func:`replica_store`), and ``store_server`` that store on rank 0 (kept alive here:
-        every quorum's process group meets in it); None: one of its own (a one-rank replica)."""
+        every quorum's process group meets in it); None: one of its own (a one-rank replica).
+        ``replica_transport``: the replica's own ranks (a replica of several ranks), over which they
+        agree on what their replica holds. The torchft manager heartbeats from here on: the
+        lighthouse waits for a heartbeating replica at a quorum (replicas started together meet in
+        their first)."""
         settings.validate(WHERE)
         from ..comm.torchft import INTERNALS
 
-        INTERNALS.ensure_checked()  # torchft in the supported range, its internal as declared
-        from torchft import Manager, ProcessGroupGloo
+        INTERNALS.ensure_checked()  # torchft in the supported range, its internals as declared
+        from torchft import ProcessGroupGloo
 
         self.settings = settings
-        host = host or settings.host or socket.gethostname()
-        timeout = timedelta(seconds=settings.timeout_s)
-        pg = ProcessGroupGloo(timeout=timeout)
-        self.transport = TorchftTransport(pg, timeout_s=settings.timeout_s)
+        self.host = host or settings.host or socket.gethostname()
+        self._timeout = timedelta(seconds=settings.timeout_s)
+        self.transport = TorchftTransport(ProcessGroupGloo(timeout=self._timeout), timeout_s=settings.timeout_s)
+        self.replica_transport = replica_transport
         self._store = store_server
         if store is None:
-            self._store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
-            store = (host, self._store.port)
-        self.optimizer, self.stateful, self.after_step = None, (), ()
-        self._mid_step = False  # whether the quorum being taken is inside an optimizer step
+            self._store = torch.distributed.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
+            store = (self.host, self._store.port)
+        # how a joining replica reads this one's state (a background thread serves it)
+        self.checkpoints = safe_http_transport(self._timeout, self.host)
+        from torchft import Manager
+
         lighthouse = settings.lighthouse if "://" in settings.lighthouse else f"http://{settings.lighthouse}"
         self.manager = Manager(
-            pg=pg, min_replica_size=settings.min_replicas, use_async_quorum=False,
+            pg=self.transport.pg, min_replica_size=settings.min_replicas, use_async_quorum=False,
             load_state_dict=self._load, state_dict=self._state, replica_id=settings.replica_id,
             store_addr=store[0], store_port=store[1], rank=rank, world_size=world_size, lighthouse_addr=lighthouse,
-            hostname=host, timeout=timeout, quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
-            connect_timeout=timeout, checkpoint_transport=safe_http_transport(timeout, host),
+            hostname=self.host, timeout=self._timeout, quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
+            connect_timeout=self._timeout, checkpoint_transport=self.checkpoints,
             # not torchft's init_sync: it picks the source replica per rank, and a replica's ranks
             # would start from different replicas' weights; start_interval broadcasts one's instead
             init_sync=False)
         self.transport.manager = self.manager
-        self.heals = 0
-        self.discarded = 0
+        self.optimizer, self.stateful, self.after_step = None, (), ()
+        self._mid_step = False  # whether the quorum being taken is inside an optimizer step
+        self.heals = 0  # states this replica loaded from a peer (restarted, behind, or apart)
+        self.discarded = 0  # syncs no try of which could be committed
+        self.retried = 0  # tries again of a sync a peer failed in, among the replicas still alive
+        self.reconciled = 0  # quorums whose members met holding different parameters (one side healed)
+        self.sat_out = 0  # syncs this replica sat out after a heal (outer methods)
+        self.data_lag = 0  # batches of its shard it jumped over to sit out: read later (data_step)
+        self._sitting_out = False
+        self._tries = 0
+        self._quorum_seen: int | None = None
+        self._served: list[torch.Tensor] = []  # the last state served to a joining replica (CPU)
 
     # -- the method ----------------------------------------------------------------------------
     def attach(self, optimizer, *stateful, after_step=(), settings: Mapping[str, Any] | None = None) -> None:
@@ -217,7 +249,7 @@ class FaultTolerance:
 
     @property
     def step(self) -> int:
-        """This replica's steps (restored by a heal): where it is in its own data shard."""
+        """This replica's steps (restored by a heal): where the training loop stands."""
         from .mtdao import MTDAO
         from .outer import OuterLoop
 
@@ -228,26 +260,46 @@ class FaultTolerance:
             return int(opt.state[params[0]].get(key, 0)) if params else 0
         return self._steps
 
+    @property
+    def data_step(self) -> int:
+        """Where this replica reads its own data shard: its step, less the batches it jumped over
+        to sit out a sync after a heal (read now, in order, rather than skipped)."""
+        return self.step - self.data_lag
+
     # -- called by the method --------------------------------------------------------------------
     def start_interval(self, stepped: bool = True) -> None:
         """After each step (outer methods: after each sync) and at attach (``stepped`` False): a
-        quorum of the replicas alive now; a replica that is behind heals from a peer here."""
+        quorum of the replicas alive now; a replica that is behind heals from a peer here, and
+        replicas new to each other check that they hold the same parameters."""
         self._steps += stepped
+        self._tries = 0
         self.transport.reset()
         self._mid_step = stepped
         try:
             self.manager.start_quorum(allow_heal=True)
         finally:
             self._mid_step = False
-        if self.manager.current_step() == 0 and self.transport.world_size > 1:
+        self._check_members()
+
+    def _check_members(self) -> None:
+        """Once per membership (torchft's quorum id; the lighthouse bumps it when the members
+        change or a commit failed), where there are others: at torchft's step 0 every replica takes
+        the first's weights; later, the members compare their parameters (:meth:`_agree`)."""
+        quorum = quorum_id(self.manager)
+        if quorum == self._quorum_seen or self.transport.world_size <= 1 or self.manager.errored() is not None:
+            return
+        self._quorum_seen = quorum
+        if self.manager.current_step() == 0:
             self._start_alike()
+        else:
+            self._agree()
 
     def _start_alike(self) -> None:
         """No sync committed yet (every participant is at torchft's step 0, or it would have healed:
         so all of them are here): every replica takes the weights of the quorum's first, as
         DeepSpeed's ranks take rank 0's (replicas seeded apart start alike). A failed broadcast is
-        this round's error: the next sync is discarded where it failed, and a replica left behind
-        heals at the next quorum."""
+        this round's error: the next sync is tried again or discarded where it failed, and a
+        replica left behind heals at the next quorum."""
         # the replicas that start together agree on their settings (else every one of them raises)
         everyone = gather_json(self.transport, self.agreed)
         if self.transport.failed is None:  # a failed gather: this round is discarded, no verdict
@@ -256,31 +308,118 @@ class FaultTolerance:
                     raise ConfigError("lowcomm.fault_tolerance: the replicas' settings differ ("
                                       + settings_differences(everyone[0], theirs, "the quorum's replica 0 has",
                                                              f"its replica {replica} has") + ")")
-        tensors = [*self.optimizer._current_params(),
-                   *(t for obj in self.stateful for t in getattr(obj, "tensors", ()))]
+        tensors = {id(t): t for t in (*self.optimizer._current_params(), *self.optimizer.replica_tensors(),  # anchors
+                                      *(t for obj in self.stateful for t in getattr(obj, "tensors", ())))}.values()
         with torch.no_grad():
             for t in tensors:
                 self.transport.broadcast_(t.data, src=0, op="start_alike")
+        if self.transport.failed is not None:
+            self._quorum_seen = None  # not settled: again at the next quorum
+
+    def _agree(self) -> None:
+        """Replicas that meet after syncs committed apart (their first quorums formed without each
+        other, min_replicas 1) are at the same torchft step, so torchft heals none of them: they
+        compare what every replica must hold alike (the method's ``replica_tensors``: outer
+        methods' anchors, the others' parameters, as float64 checksums over the whole replica)
+        and, where they differ, heal from the replicas holding the values most of them hold (ties:
+        the quorum's first), through the same transport a joining replica heals over."""
+        sums = param_checksums(self.optimizer.replica_tensors())
+        if self.replica_transport is not None and self.replica_transport.world_size > 1:  # the replica's, on each rank
+            sums = [x for rank in gather_json(self.replica_transport, sums) for x in rank]
+        everyone = gather_json(self.transport, {"sums": sums, "at": self.checkpoints.metadata()})
+        if self.transport.failed is not None:
+            self._quorum_seen = None
+            return
+        groups: list[list[int]] = []  # ranks holding the same values, in the order of their first
+        for r, theirs in enumerate(everyone):
+            group = next((g for g in groups if same_checksums(everyone[g[0]]["sums"], theirs["sums"])), None)
+            if group is None:
+                groups.append([r])
+            else:
+                group.append(r)
+        if len(groups) == 1:
+            return
+        source = max(groups, key=len)  # the first of the largest: ties go to the quorum's first
+        src, me, step = source[0], self.transport.rank, self.manager.current_step()
+        if me == src:
+            self._serve([r for r in range(len(everyone)) if r not in source], step)
+        gather_json(self.transport, None)  # the source's state is up before anyone asks for it
+        if self.transport.failed is not None:
+            self._quorum_seen = None
+            return
+        self.reconciled += 1
+        print(f"ds_lowcomm fault tolerance: replica {self.settings.replica_id} met replicas holding other parameters "
+              f"at torchft step {step} (quorum ranks {groups}); "
+              + ("it serves its state" if me == src else "it keeps its own" if me in source else "it heals"),
+              file=sys.stderr, flush=True)
+        if me not in source:
+            try:
+                state = self.checkpoints.recv_checkpoint(src_rank=src, metadata=everyone[src]["at"], step=step,
+                                                         timeout=self._timeout)
+            except Exception as err:  # noqa: BLE001  (the source died: this round fails, checked again)
+                self.manager.report_error(err)
+                self._quorum_seen = None
+                return
+            self._load(state["user"]["default"])
+
+    def _serve(self, to: list[int], step: int) -> None:
+        """Stage this replica's state for the quorum ranks ``to`` to read (a background thread serves it)."""
+        self.checkpoints.send_checkpoint(dst_ranks=to, step=step, timeout=self._timeout,
+                                         state_dict={"user": {"default": self._state()},
+                                                     "torchft": self.manager.state_dict()})
 
     def before_exchange(self) -> None:
         self.transport.reset()
+        self.transport.sits_out = self._sitting_out
 
     def commit(self) -> bool:
-        """Whether this sync lands (on every replica alike); False: it is discarded."""
+        """Whether this sync lands (on every replica alike); False: try again (:meth:`retry`) or discard it."""
         ok = self.manager.should_commit()
-        self.discarded += not ok
+        # should_commit stopped the serving of this replica's state (a read in flight finished first)
+        for t in self._served:
+            t.set_()  # its copy freed
+        self._served = []
+        if ok:
+            self._sitting_out = self.transport.sits_out = False
         return ok
+
+    def retry(self) -> bool:
+        """After a sync that failed (a peer died or stalled in it): its exchange again among the
+        previous members still alive (torchft's shrink-only quorum: nobody joins, nobody heals in
+        it, a dead or stopped replica is left out once its heartbeats stop), up to ``retries``
+        times, where they still make ``min_replicas``. False: the sync is discarded."""
+        if self._tries >= self.settings.retries or self.transport.world_size - 1 < self.settings.min_replicas:
+            self.discarded += 1
+            self._sitting_out = self.transport.sits_out = False
+            return False
+        self._tries += 1
+        self.retried += 1
+        self.transport.reset()
+        settled = self._quorum_seen is not None
+        self.manager.start_quorum(allow_heal=False, shrink_only=True)
+        if settled:  # some of the members that agreed at this interval's start, its local progress on: nothing to check
+            self._quorum_seen = quorum_id(self.manager)
+        else:
+            self._check_members()
+        return True
 
     # -- the state a joining replica gets --------------------------------------------------------
     def _state(self) -> dict:
+        """This replica's state for a peer to heal from, copied to CPU memory, less each replica's
+        own error feedback (the method's ``replica_state``: the joiner starts it at zero)."""
         opt = self.optimizer
         params = opt._current_params()
         anchors = [opt.state[p].get("anchor") for p in params]
         if all(a is not None and torch.equal(p, a.to(p.dtype)) for p, a in zip(params, anchors)):
             params = None  # an outer method's quorum follows a sync: the parameters are the anchors, sent once
-        return _cloned({"optimizer": opt.state_dict(), "params": params,
-                        "steps": self._steps, "stateful": [obj.state_dict() for obj in self.stateful],
-                        "mid_step": self._mid_step, "settings": self.agreed})
+        optimizer = opt.state_dict()
+        optimizer["state"] = {i: {k: v for k, v in s.items() if k not in opt.replica_state}
+                              for i, s in optimizer["state"].items()}
+        state = _to_cpu({"optimizer": optimizer, "params": params,
+                         "steps": self._steps, "stateful": [obj.state_dict() for obj in self.stateful],
+                         "mid_step": self._mid_step, "settings": self.agreed})
+        self._served = list(_tensors(state))
+        return state
 
     def _load(self, state: dict) -> None:
         if state["settings"] != self.agreed:  # before anything of the peer's is taken
@@ -305,8 +444,40 @@ class FaultTolerance:
             for finish in self.after_step:
                 finish()
         self.heals += 1
+        at = self.step
+        jumped = self._sit_out()
         print(f"ds_lowcomm fault tolerance: replica {self.settings.replica_id} healed from a peer at step "
-              f"{self.step}: {nbytes} bytes at {time.time():.3f}", file=sys.stderr, flush=True)
+              f"{at}: {nbytes} bytes at {time.time():.3f}"
+              + (f"; it sits out the sync at step {self.step + 1} and reads its shard on from step {self.data_step}"
+                 if jumped else f"; it reads its shard on from step {self.data_step}"), file=sys.stderr, flush=True)
+
+    def _sit_out(self) -> int:
+        """After a heal, outer methods: the replica's position jumps to just before its next sync,
+        which it sits out (it sends nothing of its own and takes the others' mean, as every replica
+        does): it is at that exchange when the others are, however long its heal took, so they do
+        not wait for it. The batches of its shard it jumps over are read later (:attr:`data_step`).
+        Returns the steps jumped."""
+        from .outer import OuterLoop
+
+        opt = self.optimizer
+        params = opt._current_params()
+        if not isinstance(opt, OuterLoop) or not params or "local_step" not in opt.state[params[0]]:
+            return 0
+        jump = opt.steps_to_next_sync(int(opt.state[params[0]]["local_step"])) - 1
+        for p in params:
+            opt.state[p]["local_step"] += jump
+        for _ in range(jump):  # the schedule and the engine's position as the others' will be
+            for finish in self.after_step:
+                finish()
+        self.data_lag += jump
+        self._sitting_out = True
+        self.sat_out += 1
+        return jump
+
+    def report(self) -> dict:
+        """What fault tolerance did on this replica, for the run's report."""
+        return {"heals": self.heals, "discarded": self.discarded, "retried": self.retried,
+                "reconciled": self.reconciled, "sat_out": self.sat_out, "data_lag": self.data_lag}
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)

@@ -156,10 +156,6 @@ class MTDAO(LowcommOptimizer):
         due = [name for name, k in self.periods.items() if t % k == 0]
         if not due:
             return
-        ft = self.fault_tolerance
-        if ft is not None:  # what the exchange changes in place, for a sync torchft then discards
-            self._keep_for_discard(params)
-            kept = [p.detach().clone() for p in params]
         tensors, names = [], []
         for name in due:
             for p in params:
@@ -168,18 +164,26 @@ class MTDAO(LowcommOptimizer):
         compress = self.settings.sync_codec == "topk"
         dense = [x for (p, name), x in zip(names, tensors) if not compress or name == "v"]
         dense_params = [p for (p, name) in names if not compress or name == "v"]
-        pending = self._start_mean_(dense_params, dense, "mtdao_all_reduce") if dense else None
         compressed = [(p, name, x) for (p, name), x in zip(names, tensors) if compress and name != "v"]
-        if compressed:
-            self._sync_compressed(compressed)
-        if pending is not None:
-            pending.wait()
-        if ft is not None:
-            if not ft.commit():  # a peer failed during it: every replica keeps its own values, as before it
-                self._restore_discarded(params)
-                for p, before in zip(params, kept):
-                    p.copy_(before)
-            ft.start_interval()  # the next sync's quorum (a joining replica heals)
+
+        def exchange():
+            pending = self._start_mean_(dense_params, dense, "mtdao_all_reduce") if dense else None
+            if compressed:
+                self._sync_compressed(compressed)
+            if pending is not None:
+                pending.wait()
+            return True
+
+        ft = self.fault_tolerance
+        if ft is None:
+            exchange()
+            return
+        # what the exchange changes in place: the averaged tensors; compressed, also what was synced and is unsent
+        changed = [*dense, *(t for p, name, x in compressed
+                             for t in (x, self.state[p][f"{name}_synced"], self.state[p][f"{name}_unsent"]))]
+        # not committed: every replica keeps its own values, as before the sync (put back)
+        self._exchange_in_quorum(changed, exchange)
+        ft.start_interval()  # the next sync's quorum (a joining replica heals)
 
     def _sync_compressed(self, items: list[tuple[torch.Tensor, str, torch.Tensor]]) -> None:
         """Send the change since the last sync plus the unsent remainder; adopt last sync + mean."""

@@ -288,48 +288,68 @@ class OuterLoop(LowcommOptimizer):
         t = self.state[params[0]]["local_step"]
         for f, fragment in enumerate(self.fragments_of(params)):
             owned = [p for p in fragment if id(p) in owned_ids]
+            if self._sends_at(f, t) and self.fault_tolerance is not None:
+                self._sync_in_quorum(fragment, owned)  # sync_delay 0: sent and landed now
+                continue
             if self._sends_at(f, t):
                 self._send(fragment, owned, t)
             if self.state[fragment[0]].get("sync_sent_at") == t - self.settings.streaming.sync_delay:
                 self._land(fragment, owned)
 
+    def steps_to_next_sync(self, step: int) -> int:
+        """Inner steps from local step ``step`` to the next one at which a fragment syncs."""
+        ahead = 1
+        while not any(self._sends_at(f, step + ahead) for f in range(self.settings.streaming.fragments)):
+            ahead += 1
+        return ahead
+
     def _send(self, fragment: list[torch.Tensor], owned: list[torch.Tensor], step: int) -> None:
         for p in fragment:
             self.state[p]["sync_sent_at"] = step
         if owned:
-            if self.fault_tolerance is not None:  # what the exchange may change, for a discarded sync
-                self._keep_for_discard(owned)
             deltas = [self.state[p]["anchor"] - p.to(self.state_dtype) for p in owned]
             self._in_flight[tuple(id(p) for p in fragment)] = (owned, self._start_combine(owned, deltas))
 
     def _land(self, fragment: list[torch.Tensor], owned: list[torch.Tensor]) -> None:
-        ft = self.fault_tolerance
         if owned:
             in_flight = self._in_flight.pop(tuple(id(p) for p in fragment), None)
             # After state_dict() (a checkpoint) the landed result waits in the state instead.
             updates = in_flight[1].wait() if in_flight else [self.state[p].pop("landed_update") for p in owned]
-        # every rank of a replica asks torchft, its owned parameters or none: the answer is the replica's
-        committed = ft is None or ft.commit()
-        if owned:
-            if committed:
-                self._apply_outer(owned, updates)
-            else:
-                self._discard(owned)
+            self._apply_outer(owned, updates)
         self._share(fragment)
         for p in fragment:
             state = self.state[p]
             del state["sync_sent_at"]
-            state["outer_steps"] += committed
-        if ft is not None:
-            ft.start_interval()
+            state["outer_steps"] += 1
 
-    def _discard(self, params: list[torch.Tensor]) -> None:
-        """A sync torchft did not commit (a peer failed during it; every replica discards it): the
-        state it changed back as it was, the parameters back to the anchors (this interval's local
-        progress is lost, as the others' is, so every replica starts the next one alike)."""
-        self._restore_discarded(params)
-        for p in params:
-            p.copy_(self.state[p]["anchor"].to(p.dtype))
+    def _sync_in_quorum(self, fragment: list[torch.Tensor], owned: list[torch.Tensor]) -> None:
+        """A fragment's sync under fault tolerance: committed by torchft, tried again among the
+        replicas still alive when a peer failed in it, or discarded on every replica alike, the
+        parameters then back to the anchors (this interval's local progress is lost, as the
+        others' is, so every replica starts the next one alike). Then the next quorum."""
+
+        def exchange():
+            deltas = [self.state[p]["anchor"] - p.to(self.state_dtype) for p in owned]
+            return self._start_combine(owned, deltas).wait() if owned else []
+
+        # every rank of a replica asks torchft, its owned parameters or none: the answer is the replica's
+        updates = self._exchange_in_quorum(self._exchanged(owned), exchange)
+        if owned:
+            if updates is not None:
+                self._apply_outer(owned, updates)
+            else:
+                for p in owned:
+                    p.copy_(self.state[p]["anchor"].to(p.dtype))
+        self._share(fragment)
+        for p in fragment:
+            self.state[p]["outer_steps"] += updates is not None
+        self.fault_tolerance.start_interval()
+
+    def _exchanged(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
+        """What a sync changes in place in these parameters' state (kept for a try that fails):
+        nothing here (the pseudo-gradients are made afresh; the anchors and the outer optimizer
+        change only once it is committed)."""
+        return []
 
     def _apply_outer(self, params: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
         """The outer optimizer steps these parameters' anchors along ``updates`` (their ``.grad``;
@@ -415,17 +435,25 @@ class DiLoCo(OuterLoop):
 class DCTDiLoCo(OuterLoop):
     method = "dct_diloco"
     settings_class = DCTDiLoCoSettings
+    replica_state = ("residual",)  # each replica's own pseudo-gradients not sent yet
+
+    def _exchanged(self, params):
+        return [self._residual(p) for p in params]  # decayed, added to and sent from by each sync
+
+    def _residual(self, p: torch.Tensor) -> torch.Tensor:
+        state = self.state[p]
+        if "residual" not in state:
+            state["residual"] = torch.zeros_like(state["anchor"])
+        return state["residual"]
 
     def _start_combine(self, params, deltas):
         finite = all_finite(deltas)  # if not, the residuals stay as they are and this rank sits out
         residuals = []
         for p, delta in zip(params, deltas):
-            state = self.state[p]
-            if "residual" not in state:
-                state["residual"] = torch.zeros_like(delta)
+            residual = self._residual(p)
             if finite:
-                state["residual"].mul_(self.settings.decay).add_(delta)
-            residuals.append(state["residual"])
+                residual.mul_(self.settings.decay).add_(delta)
+            residuals.append(residual)
         # sent components leave the residuals now; the means arrive on wait()
         return self._sync_for(params, "outer_sparse_all_gather").start(residuals, self._healthy() and finite)
 

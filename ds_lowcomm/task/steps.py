@@ -189,7 +189,7 @@ class TorchStep:
             "ledger": summary,
             "codec_s": summary["seconds"].get("codec", 0.0),
             "comm_s": summary["seconds"].get("comm", 0.0),
-            **({"fault_tolerance": {"heals": self.fault_tolerance.heals, "discarded": self.fault_tolerance.discarded}}
+            **({"fault_tolerance": self.fault_tolerance.report()}
                if self.fault_tolerance is not None else {}),
         }
 

@@ -64,9 +64,11 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec, task_type=Referenc
     step: Step = (make_step or default_step(spec))(task.build_model(), spec, rank, task.loss)
     evaluate = step.evaluation(task)
     start_step = step.load(spec.resume_from, spec.resume_tag) if spec.resume_from else 0
-    # a replica over torchft: its position is the quorum's (a heal, at start or later, moves it)
+    # a replica over torchft: its position is the quorum's (a heal, at start or later, moves it), and
+    # it reads its shard from its data_step (the steps it jumped over to sit out a sync, read later)
     ft = getattr(step, "fault_tolerance", None)
     position = (lambda done: done) if ft is None else (lambda done: ft.step)
+    lag = (lambda: 0) if ft is None else (lambda: ft.data_lag)
     start_step = position(start_step)
 
     steps, accum, eval_every = spec.steps, step.accumulation, spec.eval_interval
@@ -77,8 +79,8 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec, task_type=Referenc
     i = start_step
     while i < steps:
         t0 = time.perf_counter()
-        losses = step.train_step(task.train_batch(step.data_rank, step.data_world, i * accum + m, step.micro_batch)
-                                 for m in range(accum))
+        losses = step.train_step(task.train_batch(step.data_rank, step.data_world, (i - lag()) * accum + m,
+                                                  step.micro_batch) for m in range(accum))
         step_times.append(time.perf_counter() - t0)
         train_s += step_times[-1]
         recent = (recent + [[loss.item() for loss in losses]])[-eval_every:]  # the losses of the last steps
