@@ -266,6 +266,73 @@ def test_replicas_with_different_settings_refuse_to_start_together(tmp_path):
                          r"replica 1 has [45]\)", log), log[-2000:]
 
 
+def test_what_fault_tolerance_copies(monkeypatch):
+    """One replica in this process (a lighthouse here, quorums of one). Before a sync, fault
+    tolerance copies only what the exchange changes in place, for a try that fails (diloco:
+    nothing, its pseudo-gradients are made afresh; sparseloco: its residuals; demo: its momenta;
+    adamw: the gradients it averages), where it copied every state tensor (diloco: anchors and
+    outer momentum) and held the copies between syncs. The state it serves a joining replica is a
+    copy in CPU memory (no tensor of it shares memory with the replica's), without the replica's
+    own error feedback, and is freed at the next commit."""
+    import os
+
+    import torch
+
+    from ds_lowcomm.optim.fault_tolerance import FaultTolerance, FaultToleranceSettings
+    from ds_lowcomm.optim.registry import METHOD_CLASSES
+
+    clone, copied = torch.Tensor.clone, []
+
+    def recorded(t, *args, **kwargs):
+        if sys._getframe(1).f_code.co_filename.endswith(os.path.join("optim", "base.py")):
+            copied.append(id(t))
+        return clone(t, *args, **kwargs)
+
+    monkeypatch.setattr(torch.Tensor, "clone", recorded)
+    server, address = _lighthouse(min_replicas=1)
+    try:
+        for method, changed in {"diloco": None, "sparseloco": "residual", "demo": "momentum", "adamw": "grad"}.items():
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+            ft = FaultTolerance(FaultToleranceSettings(lighthouse=address, replica_id="0", timeout_s=10),
+                                host="127.0.0.1")
+            codec = {"topk": 4, "chunk": 8} if method in ("sparseloco", "demo") else {}
+            if method in ("demo", "adamw"):
+                opt = METHOD_CLASSES[method](model.parameters(), lr=1e-2, transport=ft.transport, **codec)
+            else:
+                opt = METHOD_CLASSES[method](torch.optim.AdamW(model.parameters(), lr=1e-2), transport=ft.transport,
+                                             sync_every=2, **codec)
+            ft.attach(opt)
+            params = list(model.parameters())
+
+            def step():
+                copied.clear()
+                model(torch.randn(4, 8)).square().mean().backward()
+                expected = [id(p.grad) for p in params] if changed == "grad" else []
+                opt.step()
+                opt.zero_grad(set_to_none=False)
+                if changed in ("residual", "momentum"):
+                    expected = [id(opt.state[p].get(changed)) for p in params]
+                return expected
+
+            for t in range(4):
+                expected = step()
+                assert copied == (expected if method in ("demo", "adamw") or t % 2 else []), (method, t)
+            assert not [k for k, v in vars(opt).items() if isinstance(v, dict) and k.startswith("_before")], method
+            snapshot = ft._state()
+            live = {t.untyped_storage().data_ptr() for p in params for t in (p, *opt.state[p].values())
+                    if isinstance(t, torch.Tensor)}
+            served = ft._served
+            assert served and all(t.device.type == "cpu" and t.untyped_storage().data_ptr() not in live for t in served)
+            assert not [k for s in snapshot["optimizer"]["state"].values() for k in s if k in ("residual", "momentum")]
+            for _ in range(2):  # to the next commit
+                step()
+            assert all(t.numel() == 0 for t in served), method
+            ft.shutdown()
+    finally:
+        server.shutdown()
+
+
 class _PickledCall:
     def __reduce__(self):  # loading this with pickle would call os.getpid
         return os.getpid, ()
@@ -493,9 +560,9 @@ def test_deepspeed_replicas_as_separate_launches_heal_and_agree(tmp_path, method
     for records in back:
         assert records[-1]["heals"] == 1 and records[-1]["heal_bytes"] > 0 and records[-1]["step"] == DS_STEPS
     sync = DS_SYNC_EVERY if method == "diloco" else 1
-    first = back[0][0]["step"]  # diloco: healed at a sync, it jumped to the step before the next and sat that out
-    healed_at = first - sync
-    assert back[1][0]["step"] == first and first % sync == 0 and 6 <= healed_at <= DS_HOLD_AT + DS_SYNC_EVERY, first
+    resumed = back[0][0]["step"]  # diloco: healed at a sync, it jumped to the step before the next and sat that out
+    healed_at = resumed - sync
+    assert back[1][0]["step"] == resumed and resumed % sync == 0 and 6 <= healed_at <= DS_HOLD_AT + DS_SYNC_EVERY, resumed
     by_step = [{r["step"]: r for r in rs} for rs in (*survivor, *back)]
     after = [s for s in range(healed_at + 1, DS_STEPS + 1) if s % sync == 0]
     if pipeline:  # each stage as its counterpart (and the stages differ)
@@ -503,7 +570,7 @@ def test_deepspeed_replicas_as_separate_launches_heal_and_agree(tmp_path, method
                              for s in after for k in range(2))
     else:
         assert after and all(len({m[s]["digest"] for m in by_step}) == 1 for s in after)  # all four ranks alike
-    for s in range(first, DS_STEPS + 1):  # the engine's position and schedule, as the survivor's
+    for s in range(resumed, DS_STEPS + 1):  # the engine's position and schedule, as the survivor's
         assert by_step[2][s]["lr"] == by_step[0][s]["lr"] and by_step[2][s]["global_samples"] == by_step[0][s]["global_samples"]
     for k in range(2 if not pipeline else 0):  # its own shard, read on: nothing its first life read, nor the survivor
         seen_first = {i for r in first[k] for i in r["samples"]}

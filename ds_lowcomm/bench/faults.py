@@ -24,7 +24,8 @@ from the launch to adamw's held-out loss (adamw trained ``--target-steps`` steps
 ``--steps``, on the same replicas, unshaped link; the methods need more steps than adamw to its
 loss at equal steps, so at ``--steps`` none would reach it inside the run), the
 held-out loss at the end in both runs, the heal bytes (the restarted replicas' loads, from their
-logs) and the kills done. ``faults.json`` adds each replica's heals, the syncs replica 0 discarded,
+logs) and the kills done. ``faults.json`` adds each replica's heals, the syncs replica 0 discarded (and its
+fault-tolerance report: syncs tried again, sat out),
 how long each restarted replica took to be back in sync (restart to heal) and one sync interval's
 seconds to compare with. Needs root (network namespaces).
 """
@@ -294,7 +295,7 @@ def measure(entry: str, net: TestNetwork, spec: TrainSpec, peer, kill_every: flo
     return {"steps_per_s": spec.steps / rows[-1][0], "rows": rows, "kills": run["kills"],
             "final_val_loss": r0["final_val_loss"], "heal_bytes": sum(b for _, b, _ in run["heals"]),
             "heals": run["heals"], "discarded": (r0.get("fault_tolerance") or {}).get("discarded"),
-            "back_in_sync_s": back}
+            "fault_tolerance": r0.get("fault_tolerance"), "back_in_sync_s": back}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:

@@ -102,6 +102,9 @@ class DeMo(LowcommOptimizer):
             means = self._exchange_in_quorum(
                 momenta, lambda: self.start_momentum_sync(synced, grads, lrs).wait() if synced else [])
             if means is not None:  # else no replica could commit it: every replica skips this step alike
+                # a replica that healed at the commit (asynchronous quorum) steps with its peer's schedule
+                by_id = {id(p): g for g in self.param_groups for p in g["params"]}
+                lrs = [by_id[id(p)]["lr"] for p in synced]
                 for p, q, lr, wd, rule in zip(synced, means, lrs, decays, rules):
                     self._step_along(p, q, lr, wd, rule)
         elif synced:

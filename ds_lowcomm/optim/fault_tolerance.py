@@ -12,23 +12,43 @@ demo or adamw:
   the first step, then right after each sync lands) the replicas that are alive form a quorum;
   the interval's exchange runs over them and the mean is over them. demo and adamw: the same at
   every step.
-- **Every sync is committed or discarded on all replicas alike** (torchft's ``should_commit``): a
-  peer that dies or stalls past ``timeout_s`` during the exchange makes it fail, and every
-  participant then restores what the exchange changed (error-feedback residuals, DeMo's momenta)
-  and, outer methods, sets its parameters back to the anchors (the interval's local progress is
-  lost); demo and adamw skip the step; mtdao's replicas keep their own parameters and moments, as
-  before the sync. Never a partial sync applied.
-- **Healing from a peer.** A new or restarted replica joins at the next quorum and gets the full
-  state (parameters, anchors, outer momentum, residuals, the inner optimizer's state, step and sync
-  counters: the optimizer's ``state_dict()``) from a live peer through torchft's HTTP checkpoint
-  transport, loaded with ``weights_only=True`` (:func:`~ds_lowcomm.comm.torchft.safe_http_transport`).
-  It is taken right after a sync, when every replica's parameters equal the anchors, so the
-  healed replica is identical to the others. Its bytes go to the ledger as ``heal``.
-- **Data.** :attr:`FaultTolerance.step` (the replica's steps, restored by the heal) is the
-  position in the replica's own data shard: shard by replica id, not by how many are alive.
-
-- **Starting alike.** While no sync has been committed (torchft's step 0), every quorum's
-  replicas take the weights of its first (a broadcast): replicas seeded apart start alike.
+- **Every sync is committed, tried again, or discarded, on all replicas alike** (torchft's
+  ``should_commit``). A peer that dies or stalls past ``timeout_s`` during the exchange makes it
+  fail; every participant puts back what the exchange changed in place (error-feedback residuals,
+  DeMo's momenta, the gradients adamw averages, what mtdao averages: only those are copied before
+  an exchange, on the device, and dropped once it is committed) and runs it again among the
+  previous members still alive (torchft's shrink-only quorum: nobody joins or heals in it; a dead
+  or stopped replica is out once its heartbeats stop), up to ``retries`` times (2) while they
+  make ``min_replicas``. Where no try is committed the sync is discarded: outer methods set their
+  parameters back to the anchors (the interval's local progress is lost), demo and adamw skip the
+  step, mtdao's replicas keep their own parameters and moments. Never a partial sync applied.
+- **Healing from a peer.** A new, restarted or lagging replica joins at the next quorum and gets
+  its state from a live peer through torchft's HTTP checkpoint transport, loaded with
+  ``weights_only=True`` (:func:`~ds_lowcomm.comm.torchft.safe_http_transport`): parameters,
+  anchors, outer momentum, the inner optimizer's state, step and sync counters (the optimizer's
+  ``state_dict()``), not each replica's own error feedback (the method's ``replica_state``:
+  residuals, DeMo's momenta; the peer's would be sent twice), which starts at zero as a new
+  replica's would. The peer copies it straight to CPU memory when the quorum forms and serves it
+  from the transport's thread while it trains on; the copy is freed at its next commit. It is
+  taken right after a sync, when every replica's parameters equal the anchors, so the healed
+  replica is identical to the others. Its bytes go to the ledger as ``heal``.
+- **Not holding the others up** (outer methods). A healed replica's position jumps to the step
+  before its next sync, which it sits out (it sends nothing of its own, takes the others' mean
+  and is identical after it): it is at that exchange when the others are, however long its heal
+  took, as long as that is under one sync interval.
+- **Data.** :attr:`FaultTolerance.step` (the replica's steps, restored by the heal) is where the
+  training loop stands; :attr:`FaultTolerance.data_step` where it reads its own data shard (shard
+  by replica id, not by how many are alive): the step less the steps it jumped over to sit out a
+  sync, whose batches are read afterwards, in order. A restarted replica resumes its shard at its
+  peer's position: the batches its previous life read since its last committed sync, and those up
+  to the heal, are not read (said in its log line).
+- **Starting alike, and agreeing when meeting.** While no sync has been committed (torchft's step
+  0), every quorum's replicas take the weights of its first (a broadcast): replicas seeded apart
+  start alike. Replicas whose first quorums formed apart (``min_replicas`` 1, one up before the
+  other) and that meet at equal steps are not healed by torchft: at every quorum of new members
+  they compare what must be alike (the method's ``replica_tensors``: anchors or parameters,
+  float64 checksums over the whole replica) and those that differ heal from the replicas holding
+  what most of them hold (ties: the quorum's first).
 
 Streaming DiLoCo's fragments each take a quorum at their own sync. Not yet (:func:`check_method`
 refuses them by name before any work): demo with overlap, a sync_delay > 0 (an exchange in flight
@@ -201,9 +221,14 @@ class FaultTolerance:
         self.checkpoints = safe_http_transport(self._timeout, self.host)
         from torchft import Manager
 
+        # per-step methods: the quorum of the next step computed during its forward and backward
+        # (torchft's async quorum), awaited at its exchange (EXPERIMENT: measured in bench faults)
+        self.async_quorum = os.environ.get("DSLC_FT_ASYNC_QUORUM") == "1"
+        self.transport.whole_group = self.async_quorum
+        self._awaiting: str | None = None  # async: the kind of quorum started and not awaited yet
         lighthouse = settings.lighthouse if "://" in settings.lighthouse else f"http://{settings.lighthouse}"
         self.manager = Manager(
-            pg=self.transport.pg, min_replica_size=settings.min_replicas, use_async_quorum=False,
+            pg=self.transport.pg, min_replica_size=settings.min_replicas, use_async_quorum=self.async_quorum,
             load_state_dict=self._load, state_dict=self._state, replica_id=settings.replica_id,
             store_addr=store[0], store_port=store[1], rank=rank, world_size=world_size, lighthouse_addr=lighthouse,
             hostname=self.host, timeout=self._timeout, quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
@@ -243,8 +268,12 @@ class FaultTolerance:
         self.optimizer, self.stateful, self.after_step = optimizer, stateful, tuple(after_step)
         self.agreed = json.loads(json.dumps(dict(settings) if settings is not None else
                                             {f"lowcomm.{k}": v for k, v in optimizer._record.items()}))
+        if self.async_quorum and optimizer._record["method"] not in ("demo", "adamw"):
+            raise ConfigError("DSLC_FT_ASYNC_QUORUM: the asynchronous quorum is for demo and adamw (a sync every step)")
         optimizer.fault_tolerance = self
         self._steps = 0
+        if self.async_quorum:  # a peer reads this replica's state only between steps (quorum_point)
+            self.manager.disallow_state_dict_read()
         self.start_interval(stepped=False)
 
     @property
@@ -279,7 +308,25 @@ class FaultTolerance:
             self.manager.start_quorum(allow_heal=True)
         finally:
             self._mid_step = False
-        self._check_members()
+        if self.async_quorum:
+            self._awaiting = "interval"
+        else:
+            self._check_members()
+
+    def _quorum_point(self) -> None:
+        """Asynchronous quorum: at the step's exchange, before anything of the step is changed, the
+        quorum started after the last step is awaited; a peer that heals from this replica reads
+        its state now (between steps: the scheduler has stepped, the parameters not yet)."""
+        kind, self._awaiting = self._awaiting, None
+        self.manager.allow_state_dict_read()
+        try:
+            self.manager.wait_quorum()
+        finally:
+            self.manager.disallow_state_dict_read()
+        if kind == "retry" and self._quorum_seen is not None:
+            self._quorum_seen = quorum_id(self.manager)
+        else:
+            self._check_members()
 
     def _check_members(self) -> None:
         """Once per membership (torchft's quorum id; the lighthouse bumps it when the members
@@ -326,12 +373,15 @@ class FaultTolerance:
         sums = param_checksums(self.optimizer.replica_tensors())
         if self.replica_transport is not None and self.replica_transport.world_size > 1:  # the replica's, on each rank
             sums = [x for rank in gather_json(self.replica_transport, sums) for x in rank]
-        everyone = gather_json(self.transport, {"sums": sums, "at": self.checkpoints.metadata()})
+        healing = self.async_quorum and not self.manager.is_participating()  # it takes a peer's state at the commit
+        everyone = gather_json(self.transport, {"sums": sums, "at": self.checkpoints.metadata(), "healing": healing})
         if self.transport.failed is not None:
             self._quorum_seen = None
             return
         groups: list[list[int]] = []  # ranks holding the same values, in the order of their first
         for r, theirs in enumerate(everyone):
+            if theirs["healing"]:
+                continue
             group = next((g for g in groups if same_checksums(everyone[g[0]]["sums"], theirs["sums"])), None)
             if group is None:
                 groups.append([r])
@@ -342,7 +392,7 @@ class FaultTolerance:
         source = max(groups, key=len)  # the first of the largest: ties go to the quorum's first
         src, me, step = source[0], self.transport.rank, self.manager.current_step()
         if me == src:
-            self._serve([r for r in range(len(everyone)) if r not in source], step)
+            self._serve([r for g in groups if g is not source for r in g], step)
         gather_json(self.transport, None)  # the source's state is up before anyone asks for it
         if self.transport.failed is not None:
             self._quorum_seen = None
@@ -352,7 +402,7 @@ class FaultTolerance:
               f"at torchft step {step} (quorum ranks {groups}); "
               + ("it serves its state" if me == src else "it keeps its own" if me in source else "it heals"),
               file=sys.stderr, flush=True)
-        if me not in source:
+        if me not in source and not healing:
             try:
                 state = self.checkpoints.recv_checkpoint(src_rank=src, metadata=everyone[src]["at"], step=step,
                                                          timeout=self._timeout)
@@ -369,8 +419,12 @@ class FaultTolerance:
                                                      "torchft": self.manager.state_dict()})
 
     def before_exchange(self) -> None:
+        if self._awaiting is not None:
+            self._quorum_point()
         self.transport.reset()
-        self.transport.sits_out = self._sitting_out
+        # asynchronous quorum: a replica healing in it takes its peer's state at the commit, and
+        # sits this exchange out (torchft's: it is not participating)
+        self.transport.sits_out = self._sitting_out or (self.async_quorum and not self.manager.is_participating())
 
     def commit(self) -> bool:
         """Whether this sync lands (on every replica alike); False: try again (:meth:`retry`) or discard it."""
@@ -397,7 +451,9 @@ class FaultTolerance:
         self.transport.reset()
         settled = self._quorum_seen is not None
         self.manager.start_quorum(allow_heal=False, shrink_only=True)
-        if settled:  # some of the members that agreed at this interval's start, its local progress on: nothing to check
+        if self.async_quorum:
+            self._awaiting = "retry"
+        elif settled:  # some of the members that agreed at this interval's start, its local progress on: nothing to check
             self._quorum_seen = quorum_id(self.manager)
         else:
             self._check_members()
