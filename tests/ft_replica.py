@@ -44,11 +44,15 @@ def main() -> None:
     ap.add_argument("--hold-at", type=int, default=None, help="at this step, wait for --hold-file to exist")
     ap.add_argument("--hold-file", default=None)
     ap.add_argument("--start-file", default=None, help="before the first quorum, wait for this file to exist")
+    ap.add_argument("--join-file", default=None,
+                    help="before joining at all (its torchft manager heartbeats from then on), wait for this file")
     ap.add_argument("--exit-in-exchange", type=int, default=None,
                     help="in the sync of this step, exit (code 3) as its all-gather would start")
     args = ap.parse_args()
     torch.manual_seed(0)  # the same initial parameters in every replica
     model = torch.nn.Sequential(torch.nn.Linear(8, 32), torch.nn.Tanh(), torch.nn.Linear(32, 1))
+    while args.join_file and not Path(args.join_file).exists():  # imported, not known to the lighthouse yet
+        time.sleep(0.05)
     ft = FaultTolerance(FaultToleranceSettings(lighthouse=args.lighthouse, replica_id=args.replica_id,
                                                timeout_s=args.timeout_s, quorum_timeout_s=120), host="127.0.0.1")
     if args.method == "demo":  # per step: a quorum every step

@@ -208,12 +208,15 @@ def test_replicas_whose_first_quorums_formed_apart_agree_when_they_meet(tmp_path
     server, address = _lighthouse(min_replicas=1, heartbeat_timeout_ms=1000)
     paths = [tmp_path / f"r{i}.jsonl" for i in range(2)]
     holds = [tmp_path / f"hold{i}" for i in range(2)]
-    procs = [_start(address, 0, paths[0], "diloco", extra=("--hold-at", "10", "--hold-file", str(holds[0])))]
+    join = tmp_path / "join1"
+    procs = [_start(address, 0, paths[0], "diloco", extra=("--hold-at", "10", "--hold-file", str(holds[0]))),
+             _start(address, 1, paths[1], "diloco",  # its imports meanwhile; it joins when told
+                    extra=("--hold-at", "14", "--hold-file", str(holds[1]), "--join-file", str(join)))]
     try:
         _wait_for_step(paths[0], 10)  # its quorum for steps 10-15 is formed (alone); it holds
         procs[0].send_signal(signal.SIGSTOP)
         time.sleep(2.0)  # past the heartbeat timeout: replica 1's first quorum cannot wait for it
-        procs.append(_start(address, 1, paths[1], "diloco", extra=("--hold-at", "14", "--hold-file", str(holds[1]))))
+        join.touch()
         _wait_for_step(paths[1], 14)
         procs[0].send_signal(signal.SIGCONT)
         holds[0].touch()
