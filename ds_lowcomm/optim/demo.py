@@ -29,6 +29,11 @@ from .muon import takes_muon_step
 # name its own rule (its "update" key, as torch groups set their own lr): muon_param_groups gives
 # embeddings sign's step, as Muon is run.
 UPDATES = ("sign", "adam", "normalized", "muon")
+# How update "muon" scales the orthogonalised matrix (a param group's "muon_scale"): "rms", RMS
+# about 1 as sign's (DeMo's lrs carry over); "deepspeed", sqrt(max(1, rows / cols)) as DeepSpeed's
+# Muon (the group's lr is then a DeepSpeed Muon lr: a config whose optimizer is DeepSpeed's Muon).
+MUON_SCALES = ("rms", "deepspeed")
+GROUP_RULE_KEYS = ("update", "muon_scale")  # what a param group may set of its own besides lr and weight decay
 
 
 @dataclass(frozen=True)
@@ -71,11 +76,14 @@ class DeMo(LowcommOptimizer):
         settings = self.resolve_settings(settings, flat_settings)
         hyper = AdamSettings.from_flat({"lr": lr, "weight_decay": weight_decay}, where="DeMo")
         super().__init__(params, dict(lr=hyper.lr, weight_decay=hyper.weight_decay))
-        self._init_comm(settings, transport, shard, ledger_steps)
+        # a param group's own rule is a setting every rank must share (recorded only where a group
+        # sets one, so that checkpoints of runs without them load as they did)
+        rules = [{k: g[k] for k in GROUP_RULE_KEYS if k in g} for g in self.param_groups]
+        self._init_comm(settings, transport, shard, ledger_steps, **({"group_rules": rules} if any(rules) else {}))
 
     def _update(self, params):
         owned = {id(p) for p in self._owned(params)}
-        synced, grads, lrs, decays, rules = [], [], [], [], []
+        synced, grads, lrs, decays, rules, scales = [], [], [], [], [], []
         for group in self.param_groups:
             for p in group["params"]:
                 if not p.requires_grad or not p.numel():  # frozen or empty: not decayed, not exchanged (as _current_params)
@@ -87,22 +95,20 @@ class DeMo(LowcommOptimizer):
                 lrs.append(group["lr"])
                 decays.append(group["weight_decay"])
                 rules.append(group.get("update", self.settings.update))
+                scales.append(group.get("muon_scale", "rms"))
         if synced and self.settings.overlap:
             # Step along the exchange started one step ago (landed meanwhile, or landing now),
             # then start this step's: it travels while the caller runs the next forward/backward.
             landed = self._land_in_flight(synced)
             self._in_flight = (tuple(id(p) for p in synced), self.start_momentum_sync(synced, grads, lrs))
-            for p, q, lr, wd, rule in zip(synced, landed, lrs, decays, rules):
-                if q is not None:
-                    self._step_along(p, q, lr, wd, rule)
+            self._step_each(synced, landed, lrs, decays, rules, scales)
         elif synced or self.fault_tolerance is not None:  # every rank of a replica asks torchft, owning any or not
             ft = self.fault_tolerance
             if ft is not None:  # the momenta as they were, for an exchange that is then discarded
                 self._keep_for_discard(synced)
             means = self.start_momentum_sync(synced, grads, lrs).wait() if synced else []
             if ft is None or ft.commit():
-                for p, q, lr, wd, rule in zip(synced, means, lrs, decays, rules):
-                    self._step_along(p, q, lr, wd, rule)
+                self._step_each(synced, means, lrs, decays, rules, scales)
             else:  # a peer failed during it: every replica skips this step alike
                 self._restore_discarded(synced)
         self._share(params)
@@ -112,11 +118,45 @@ class DeMo(LowcommOptimizer):
     def add_param_group(self, param_group: dict) -> None:
         if "update" in param_group:  # a group's own rule: checked as the setting is
             check_choice("DeMo param group", "update", param_group["update"], UPDATES)
+        if "muon_scale" in param_group:
+            check_choice("DeMo param group", "muon_scale", param_group["muon_scale"], MUON_SCALES)
         super().add_param_group(param_group)
 
-    def _step_along(self, p: torch.Tensor, q: torch.Tensor, lr: float, weight_decay: float, rule: str) -> None:
-        """Move ``p`` along the exchanged mean ``q`` (with ``mean_momentum``, along q + beta * u)
-        by the ``update`` rule ``rule`` (its group's, else the settings')."""
+    # Set by an integration whose framework hands DeMo flat pieces of matrices to step (ZeRO 1-3's
+    # partitions): a comm.MatrixAssembly over the replica that orthogonalises each matrix whole,
+    # assembled from its pieces, for the flats it covers (``matrix_flats``: their ids, in the
+    # assembly's order). None: every tensor DeMo steps is a whole parameter.
+    matrix_assembly = None
+    matrix_flats: tuple[int, ...] = ()
+
+    def orthogonalizes(self, group: dict) -> bool:
+        """Whether the matrices (2+ dimensions) of this param group take Muon's orthogonalised step."""
+        return group.get("update", self.settings.update) == "muon"
+
+    def _step_each(self, params, means, lrs, decays, rules, scales) -> None:
+        """Step every parameter along its exchanged mean (None: nothing landed yet, with overlap);
+        the matrices of flat partitions are orthogonalised whole first (one collective)."""
+        means = [None if q is None else self._with_mean_momentum(p, q) for p, q in zip(params, means)]
+        directions = self._assembled_directions(params, means)
+        for p, q, lr, wd, rule, scale in zip(params, means, lrs, decays, rules, scales):
+            if q is not None:
+                self._step_along(p, q, lr, wd, rule, directions.get(id(p)), scale)
+
+    def _assembled_directions(self, params, means) -> dict[int, torch.Tensor]:
+        """With a matrix assembly: each covered flat's muon direction (sign's, its matrices'
+        pieces orthogonalised whole). Every rank of the replica steps the same flats together."""
+        assembly = self.matrix_assembly
+        if assembly is None or all(q is None for q in means):
+            return {}
+        by_id = {id(p): q for p, q in zip(params, means)}
+        inputs = [by_id[i].float() for i in self.matrix_flats]
+        outputs = [q.sign() for q in inputs]
+        groups = self.param_groups
+        assembly.apply_(inputs, outputs, lambda m, x: orthogonalize(x, scale=groups[m.group].get("muon_scale", "rms")))
+        return dict(zip(self.matrix_flats, outputs))
+
+    def _with_mean_momentum(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """``q``, or with ``mean_momentum`` b, q + b * u after u <- b * u + q (per-parameter state)."""
         beta = self.settings.mean_momentum
         if beta:
             state = self.state[p]
@@ -125,6 +165,14 @@ class DeMo(LowcommOptimizer):
             u = state["mean_momentum"]
             u.mul_(beta).add_(q.to(u.dtype))
             q = q.to(u.dtype).add(u, alpha=beta)
+        return q
+
+    def _step_along(self, p: torch.Tensor, q: torch.Tensor, lr: float, weight_decay: float, rule: str,
+                    assembled: torch.Tensor | None = None, scale: str = "rms") -> None:
+        """Move ``p`` along ``q`` (the exchanged mean, with mean momentum folded in) by the
+        ``update`` rule ``rule`` (its group's, else the settings'); ``assembled``: the muon
+        direction of a flat partition, its matrices orthogonalised whole; ``scale``: the group's
+        muon_scale."""
         if rule == "sign":
             direction = q.sign()
         elif rule == "adam":
@@ -138,7 +186,10 @@ class DeMo(LowcommOptimizer):
             v.mul_(beta2).addcmul_(q, q, value=1.0 - beta2)
             direction = q / ((v / (1.0 - beta2 ** state["update_steps"])).sqrt_() + self.settings.eps)
         elif rule == "muon":
-            direction = orthogonalize(q) if q.dim() >= 2 else q.sign()
+            if assembled is not None:
+                direction = assembled
+            else:
+                direction = orthogonalize(q, scale=scale) if q.dim() >= 2 else q.sign()
         else:  # normalized
             q = q.float()
             direction = q / q.square().mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
@@ -165,6 +216,12 @@ class DeMo(LowcommOptimizer):
 
     def load_state_dict(self, state_dict):
         self._in_flight = None
+        lowcomm = state_dict.get("lowcomm") if isinstance(state_dict, dict) else None
+        if lowcomm is not None and "group_rules" in self._record and "group_rules" not in lowcomm["settings"]:
+            # saved before the groups' rules were recorded: the groups then were those of this run
+            # (a run's groups come from its model and settings, which the record compares)
+            saved = {**lowcomm["settings"], "group_rules": self._record["group_rules"]}
+            state_dict = {**state_dict, "lowcomm": {**lowcomm, "settings": saved}}
         super().load_state_dict(state_dict)
 
     def start_momentum_sync(self, params: list[torch.Tensor], grads: list[torch.Tensor | None],
@@ -197,10 +254,12 @@ class DeMo(LowcommOptimizer):
 NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
 
 
-def orthogonalize(q: torch.Tensor, steps: int = 5) -> torch.Tensor:
+def orthogonalize(q: torch.Tensor, steps: int = 5, scale: str = "rms") -> torch.Tensor:
     """``q`` as a matrix (its first dimension by the rest) with its singular values pushed to about 1,
-    scaled by sqrt(max(rows, cols)) so its RMS is about 1, as sign's is: the lr carries over. In
-    fp32 whatever q's dtype (bf16's 8 bits would blur the iteration's cancellations)."""
+    scaled (``scale`` "rms") by sqrt(max(rows, cols)) so its RMS is about 1, as sign's is: the lr
+    carries over; or ("deepspeed") by sqrt(max(1, rows / cols)), as DeepSpeed's Muon (and Jordan's)
+    scales it, so that a DeepSpeed Muon section's lr means what it means there. In fp32 whatever
+    q's dtype (bf16's 8 bits would blur the iteration's cancellations)."""
     x = q.float().reshape(q.shape[0], -1)
     tall = x.shape[0] > x.shape[1]
     if tall:
@@ -212,7 +271,9 @@ def orthogonalize(q: torch.Tensor, steps: int = 5) -> torch.Tensor:
         x = a * x + (b * gram + c * gram @ gram) @ x
     if tall:
         x = x.T
-    return (x * max(x.shape) ** 0.5).reshape(q.shape)
+    rows, cols = x.shape
+    factor = max(rows, cols) ** 0.5 if scale == "rms" else max(1.0, rows / cols) ** 0.5
+    return (x * factor).reshape(q.shape)
 
 
 def muon_param_groups(model: torch.nn.Module) -> list[dict]:
