@@ -212,6 +212,8 @@ def _method_groups(split: SplitConfig, model, params: list, own_groups: bool):
     is run, ``model_param_groups``). With optimizer.type Muon, ``use_muon`` tags (the user's, else
     ``takes_muon_step``'s) split every group into DeepSpeed's Muon and Adam halves (muon.py)."""
     if split.muon is None:
+        if split.lowcomm.effective().get("update") == "muon":  # the decision as tags: your groups keep it too
+            muon.tag_params(model, params, require=False)
         groups = params if own_groups else model_param_groups(split.lowcomm, model, params)
         return groups, split.optimizer.torch_kwargs(), None
     muon.tag_params(model, params)

@@ -102,14 +102,15 @@ class MuonSection(Settings):
                               "optimizer.type AdamW")
 
 
-def tag_params(model: torch.nn.Module, params) -> None:
+def tag_params(model: torch.nn.Module, params, require: bool = True) -> None:
     """``use_muon`` on every trainable parameter, as :func:`takes_muon_step` decides (a tag the
-    user set is kept); parameters passed in ``params`` that the model does not hold must be tagged."""
+    user set is kept); with ``require``, parameters passed in ``params`` that the model does not
+    hold must be tagged (as DeepSpeed's Muon asks)."""
     decision = takes_muon_step(model)
     for p in model.parameters():
         if p.requires_grad and getattr(p, "use_muon", None) is None:
             p.use_muon = decision[id(p)]
-    for group in params:
+    for group in params if require else ():
         for p in (group["params"] if isinstance(group, dict) else [group]):
             if getattr(p, "use_muon", None) is None:
                 raise ConfigError("optimizer.type Muon: a parameter in model_parameters is not the model's and has no "
@@ -202,13 +203,24 @@ def matrix_steps(optimizer, ledger, timeout_s):
             return None
 
         def attach(flats, groups, assembly):
-            optimizer.matrix_assembly, optimizer.matrix_flats = assembly, tuple(id(f) for f in flats)
+            ids = [id(f) for f in flats]
 
-        return MatrixSteps(lambda shape, gid: len(shape) >= 2 and optimizer.orthogonalizes(optimizer.param_groups[gid]),
-                           attach, ledger, timeout_s)
+            def directions(means, fn):  # every flat's muon direction: sign's, its matrices' pieces orthogonalised
+                inputs = [means[i].float() if i in means else torch.zeros(0) for i in ids]
+                outputs = [x.sign() for x in inputs]
+                assembly.apply_(inputs, outputs, fn)
+                return {i: out for i, out in zip(ids, outputs) if i in means}
+
+            optimizer.matrix_directions = directions
+
+        def is_matrix(p, shape, gid):
+            return (len(shape) >= 2 and optimizer.orthogonalizes(optimizer.param_groups[gid])
+                    and getattr(p, "use_muon", None) is not False)
+
+        return MatrixSteps(is_matrix, attach, ledger, timeout_s)
     inner = getattr(optimizer, "inner", None)
     if isinstance(inner, internals.live(internals.MUON_WITH_AUX_ADAM)):
-        return MatrixSteps(lambda shape, gid: bool(inner.param_groups[gid]["use_muon"]),
+        return MatrixSteps(lambda p, shape, gid: bool(inner.param_groups[gid]["use_muon"]),
                            lambda flats, groups, assembly: ZeroMuonUpdate(inner, flats, groups, assembly),
                            ledger, timeout_s)
     return None

@@ -43,7 +43,7 @@ class MatrixSteps:
     assembly)``: this rank's flat partitions in order, each one's param group index; it may
     return a callable run before every step of the method). Its bytes go to ``ledger``."""
 
-    is_matrix: Callable[[tuple, int], bool]  # (the parameter's whole shape, its param group index)
+    is_matrix: Callable[[torch.Tensor, tuple, int], bool]  # (a parameter, its whole shape, its param group index)
     attach: Callable[[list, list, MatrixAssembly], Callable[[], None] | None]
     ledger: ByteLedger
     timeout_s: float | None
@@ -124,7 +124,7 @@ def stage12_partitions(zero) -> list[Partition]:
     return out
 
 
-def stage12_matrices(zero, is_matrix: Callable[[tuple, int], bool]) -> tuple[list[Matrix], object]:
+def stage12_matrices(zero, is_matrix: Callable[[torch.Tensor, tuple, int], bool]) -> tuple[list[Matrix], object]:
     """ZeRO 1/2: every matrix of every group with the pieces each rank of the replica holds (rank
     r holds elements [r * size, (r + 1) * size) of its group's flat buffer), and the group."""
     groups, offsets = get(zero, ds.ZERO12_PARAMS), get(zero, ds.ZERO12_OFFSETS)
@@ -137,7 +137,7 @@ def stage12_matrices(zero, is_matrix: Callable[[tuple, int], bool]) -> tuple[lis
     for i, params in enumerate(groups):
         size, world = int(sizes[i]), dist.get_world_size(group=dp_groups[i])
         for p, offset in zip(params, offsets[i]):
-            if not is_matrix(tuple(p.shape), i):
+            if not is_matrix(p, tuple(p.shape), i):
                 continue
             offset, pieces = int(offset), []
             for r in range(world):
@@ -199,7 +199,7 @@ def _install_stage3(zero, optimizer: LowcommOptimizer, matrix_steps: MatrixSteps
                 layout.append((offset, shape))
             elif real:
                 layout.append((offset, (real,)))
-            if matrix_steps is not None and matrix_steps.is_matrix(shape, group_of[sg]):
+            if matrix_steps is not None and matrix_steps.is_matrix(p, shape, group_of[sg]):
                 pieces = tuple(MatrixPiece(r, r * size, min(size, numel - r * size), sg, offset)
                                for r in range(world) if numel > r * size)
                 matrices.append(Matrix(shape[0], _cols(shape), pieces, group_of[sg]))

@@ -79,13 +79,19 @@ class DeMo(LowcommOptimizer):
         # a param group's own rule is a setting every rank must share (recorded only where a group
         # sets one, so that checkpoints of runs without them load as they did)
         rules = [{k: g[k] for k in GROUP_RULE_KEYS if k in g} for g in self.param_groups]
+        # Matrices tagged ``use_muon = False`` (DeepSpeed's convention; takes_muon_step's decision)
+        # step by sign in a muon group: kept by (group, position), which a framework's swap of the
+        # parameters for master copies keeps (a ZeRO partition's matrices: see matrix_directions)
+        self._not_muon = {(gi, pi) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])
+                          if getattr(p, "use_muon", None) is False}
+        self._group_sizes = [len(g["params"]) for g in self.param_groups]
         self._init_comm(settings, transport, shard, ledger_steps, **({"group_rules": rules} if any(rules) else {}))
 
     def _update(self, params):
         owned = {id(p) for p in self._owned(params)}
         synced, grads, lrs, decays, rules, scales = [], [], [], [], [], []
-        for group in self.param_groups:
-            for p in group["params"]:
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
                 if not p.requires_grad or not p.numel():  # frozen or empty: not decayed, not exchanged (as _current_params)
                     continue
                 if id(p) not in owned:  # another rank of this replica syncs it and sends it here
@@ -94,7 +100,7 @@ class DeMo(LowcommOptimizer):
                 grads.append(p.grad)  # a parameter without a gradient still takes part in the exchange
                 lrs.append(group["lr"])
                 decays.append(group["weight_decay"])
-                rules.append(group.get("update", self.settings.update))
+                rules.append(self.rule_of(p, gi, pi))
                 scales.append(group.get("muon_scale", "rms"))
         if synced and self.settings.overlap:
             # Step along the exchange started one step ago (landed meanwhile, or landing now),
@@ -122,38 +128,56 @@ class DeMo(LowcommOptimizer):
             check_choice("DeMo param group", "muon_scale", param_group["muon_scale"], MUON_SCALES)
         super().add_param_group(param_group)
 
-    # Set by an integration whose framework hands DeMo flat pieces of matrices to step (ZeRO 1-3's
-    # partitions): a comm.MatrixAssembly over the replica that orthogonalises each matrix whole,
-    # assembled from its pieces, for the flats it covers (``matrix_flats``: their ids, in the
-    # assembly's order). None: every tensor DeMo steps is a whole parameter.
-    matrix_assembly = None
-    matrix_flats: tuple[int, ...] = ()
+    # Set by an integration whose framework holds matrices in pieces (ZeRO 1-3's partitions,
+    # Megatron's tensor-parallel shards): ``matrix_directions(means, orthogonalize)`` takes the
+    # exchanged means {id(tensor DeMo steps): q} and returns the muon direction of those of them
+    # that hold matrix pieces, each matrix orthogonalised whole (``orthogonalize(matrix, whole)``,
+    # assembled from its pieces over the ranks that hold them: comm.MatrixAssembly; a collective,
+    # called at the same step on each of them). None: every tensor DeMo steps is a whole parameter.
+    matrix_directions = None
 
     def orthogonalizes(self, group: dict) -> bool:
-        """Whether the matrices (2+ dimensions) of this param group take Muon's orthogonalised step."""
+        """Whether the matrices (2+ dimensions) of this param group take Muon's orthogonalised step
+        (those not tagged ``use_muon = False``)."""
         return group.get("update", self.settings.update) == "muon"
 
-    def _step_each(self, params, means, lrs, decays, rules, scales) -> None:
+    def _step_each(self, params, means, lrs, decays, rules, scales, targets=None) -> None:
         """Step every parameter along its exchanged mean (None: nothing landed yet, with overlap);
-        the matrices of flat partitions are orthogonalised whole first (one collective)."""
+        matrices held in pieces are orthogonalised whole first (one collective). ``targets``: the
+        tensors to move instead (a framework's copies of ``params``; the state is ``params``')."""
         means = [None if q is None else self._with_mean_momentum(p, q) for p, q in zip(params, means)]
         directions = self._assembled_directions(params, means)
-        for p, q, lr, wd, rule, scale in zip(params, means, lrs, decays, rules, scales):
+        for i, (p, q, lr, wd, rule, scale) in enumerate(zip(params, means, lrs, decays, rules, scales)):
             if q is not None:
-                self._step_along(p, q, lr, wd, rule, directions.get(id(p)), scale)
+                self._step_along(p, q, lr, wd, rule, directions.get(id(p)), scale,
+                                 None if targets is None else targets[i])
 
     def _assembled_directions(self, params, means) -> dict[int, torch.Tensor]:
-        """With a matrix assembly: each covered flat's muon direction (sign's, its matrices'
-        pieces orthogonalised whole). Every rank of the replica steps the same flats together."""
-        assembly = self.matrix_assembly
-        if assembly is None or all(q is None for q in means):
+        if self.matrix_directions is None or all(q is None for q in means):
             return {}
-        by_id = {id(p): q for p, q in zip(params, means)}
-        inputs = [by_id[i].float() for i in self.matrix_flats]
-        outputs = [q.sign() for q in inputs]
         groups = self.param_groups
-        assembly.apply_(inputs, outputs, lambda m, x: orthogonalize(x, scale=groups[m.group].get("muon_scale", "rms")))
-        return dict(zip(self.matrix_flats, outputs))
+        return self.matrix_directions(
+            {id(p): q for p, q in zip(params, means) if q is not None},
+            lambda m, x: orthogonalize(x, scale=groups[m.group].get("muon_scale", "rms")))
+
+    def rule_of(self, p: torch.Tensor, group_index: int, position: int) -> str:
+        """The update rule of the tensor at ``position`` of param group ``group_index``: its group's
+        (else the settings'), sign for a matrix tagged ``use_muon = False`` in a muon group."""
+        group = self.param_groups[group_index]
+        rule = group.get("update", self.settings.update)
+        shaped = len(group["params"]) == self._group_sizes[group_index]  # parameters or their copies, not a partition
+        return "sign" if rule == "muon" and shaped and (group_index, position) in self._not_muon else rule
+
+    def step_copies(self, params: list[torch.Tensor], copies: list[torch.Tensor], lrs: list[float],
+                    decays: list[float]) -> None:
+        """Move ``copies`` (a framework's own copies of these parameters of DeMo's: Megatron's fp32
+        main parameters) along the exchanged means in their ``.grad``, by each parameter's rule,
+        with DeMo's state of the parameter (mean momentum, adam's second moment: in DeMo's
+        state_dict). Megatron's inner step (megatron_patches.SignDescent)."""
+        where = {id(p): (gi, pi) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])}
+        rules = [self.rule_of(p, *where[id(p)]) for p in params]
+        scales = [self.param_groups[where[id(p)][0]].get("muon_scale", "rms") for p in params]
+        self._step_each(params, [c.grad for c in copies], lrs, decays, rules, scales, targets=copies)
 
     def _with_mean_momentum(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
         """``q``, or with ``mean_momentum`` b, q + b * u after u <- b * u + q (per-parameter state)."""
@@ -168,11 +192,12 @@ class DeMo(LowcommOptimizer):
         return q
 
     def _step_along(self, p: torch.Tensor, q: torch.Tensor, lr: float, weight_decay: float, rule: str,
-                    assembled: torch.Tensor | None = None, scale: str = "rms") -> None:
+                    assembled: torch.Tensor | None = None, scale: str = "rms",
+                    target: torch.Tensor | None = None) -> None:
         """Move ``p`` along ``q`` (the exchanged mean, with mean momentum folded in) by the
         ``update`` rule ``rule`` (its group's, else the settings'); ``assembled``: the muon
-        direction of a flat partition, its matrices orthogonalised whole; ``scale``: the group's
-        muon_scale."""
+        direction of a tensor holding matrix pieces, its matrices orthogonalised whole; ``scale``:
+        the group's muon_scale; ``target``: what moves (``p`` itself, or a framework's copy of it)."""
         if rule == "sign":
             direction = q.sign()
         elif rule == "adam":
@@ -193,7 +218,7 @@ class DeMo(LowcommOptimizer):
         else:  # normalized
             q = q.float()
             direction = q / q.square().mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
-        descend_(p, direction, lr, weight_decay)
+        descend_(p if target is None else target, direction, lr, weight_decay)
 
     def _land_in_flight(self, params: list[torch.Tensor]) -> list[torch.Tensor | None]:
         """overlap: the means of the exchange started at the previous step (None before the first
