@@ -94,16 +94,10 @@ def tag_muon_params(model_chunks) -> None:
     """The one decision of which parameters take Muon's step (ds_lowcomm.optim.muon.takes_muon_step),
     with Megatron's own marks: its word embeddings and output layer (``is_embedding_or_output_parameter``)
     are tagged ``use_muon = False`` first, as Megatron-Core's Muon leaves them to Adam."""
-    from ds_lowcomm.optim.muon import takes_muon_step
+    from ds_lowcomm.optim.muon import tag_muon_params
 
     for chunk in model_chunks:
-        for p in chunk.parameters():
-            if mi.is_embedding_or_output(p) and getattr(p, "use_muon", None) is None:
-                p.use_muon = False
-        decision = takes_muon_step(chunk)
-        for p in chunk.parameters():
-            if p.requires_grad and getattr(p, "use_muon", None) is None:
-                p.use_muon = decision[id(p)]
+        tag_muon_params(chunk, [p for p in chunk.parameters() if mi.is_embedding_or_output(p)])
 
 
 def tensor_parallel_matrices(demo: DeMo, model_params: list[torch.Tensor]) -> None:

@@ -229,17 +229,11 @@ def rebind(item: Internal, value: Any) -> None:
     setattr(importlib.import_module(item.module), item.name, value)
 
 
-# Megatron's tensor-parallel attributes of a parameter (tensor_model_parallel, partition_dim), set by
-# this function and read, as Megatron reads them, by tensor_parallel_shard below (demo's Muon step)
-SET_TP_ATTRIBUTES = Internal("megatron.core.tensor_parallel.layers", "set_tensor_model_parallel_attributes",
-                             "function", params=("tensor", "is_parallel", "dim", "stride"),
-                             use="reads the attributes it sets on a parameter (tensor_parallel_shard)")
-
-
 def tensor_parallel_shard(param) -> int | None:
     """The dimension along which ``param`` is split over the tensor-parallel group (Megatron's
-    ``tensor_model_parallel`` and ``partition_dim``, as set_tensor_model_parallel_attributes sets
-    them), or None for a parameter every tensor-parallel rank holds whole."""
+    ``tensor_model_parallel`` and ``partition_dim``, as its ``set_tensor_model_parallel_attributes``
+    sets them and its optimizers read them), or None for a parameter every tensor-parallel rank
+    holds whole."""
     if not getattr(param, "tensor_model_parallel", False):
         return None
     return int(getattr(param, "partition_dim"))

@@ -30,7 +30,7 @@ from typing import Any
 import torch
 
 from ..comm import MatrixAssembly
-from ..optim.muon import takes_muon_step
+from ..optim.muon import tag_muon_params
 from ..settings import ConfigError, Settings, check_bool, check_choice, check_fraction, check_nonnegative, check_positive
 from . import internals
 
@@ -103,13 +103,10 @@ class MuonSection(Settings):
 
 
 def tag_params(model: torch.nn.Module, params, require: bool = True) -> None:
-    """``use_muon`` on every trainable parameter, as :func:`takes_muon_step` decides (a tag the
-    user set is kept); with ``require``, parameters passed in ``params`` that the model does not
+    """``use_muon`` on every trainable parameter, as ``takes_muon_step`` decides (a tag the user
+    set is kept: ``tag_muon_params``); with ``require``, parameters passed in ``params`` that the model does not
     hold must be tagged (as DeepSpeed's Muon asks)."""
-    decision = takes_muon_step(model)
-    for p in model.parameters():
-        if p.requires_grad and getattr(p, "use_muon", None) is None:
-            p.use_muon = decision[id(p)]
+    tag_muon_params(model)
     for group in params if require else ():
         for p in (group["params"] if isinstance(group, dict) else [group]):
             if getattr(p, "use_muon", None) is None:
