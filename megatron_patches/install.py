@@ -100,7 +100,7 @@ def tag_muon_params(model_chunks) -> None:
         tag_muon_params(chunk, [p for p in chunk.parameters() if mi.is_embedding_or_output(p)])
 
 
-def tensor_parallel_matrices(demo: DeMo, model_params: list[torch.Tensor]) -> None:
+def tensor_parallel_matrices(demo: DeMo, model_params: list[torch.Tensor], optimizer) -> None:
     """DeMo's muon matrices split over the tensor-parallel group, orthogonalised whole: each is
     assembled from its shards on one owning rank of the group (an all-to-all, comm.MatrixAssembly;
     the tensor-parallel group's fast links, bytes in DeMo's ledger as ``tp_matrix_assembly``),
@@ -118,6 +118,9 @@ def tensor_parallel_matrices(demo: DeMo, model_params: list[torch.Tensor]) -> No
               if p.dim() == 2 and mi.tensor_parallel_shard(p) is not None and demo.rule_of(p, *where[id(p)]) == "muon"]
     if not shards:
         return
+    if len(chained(optimizer)) > 1:  # each would step its own share: the matrices' one collective needs them all
+        raise ConfigError("lowcomm.update muon at tensor parallelism > 1 with a ChainedOptimizer of several "
+                          "optimizers is not supported yet: build one Megatron optimizer over every parameter")
     group = ps.get_tensor_model_parallel_group()
     transport = TorchDistTransport(group, ledger=demo.ledger, timeout_s=demo.transport.timeout_s)
     matrices = []
@@ -356,7 +359,7 @@ def apply(model_chunks, optimizer, config: LowcommConfig | dict | None) -> Megat
         demo = DeMo(params, lr=1.0, settings=config.settings, transport=transport,
                     ledger_steps=False)  # its momenta, exchange and rule's state; lr per step from Megatron's groups
         install_grad_sync(model_chunks, DeMoExchange(demo, lambda: _groups_by_model_param(optimizer)))
-        tensor_parallel_matrices(demo, params)
+        tensor_parallel_matrices(demo, params, optimizer)
         model_of = _model_of_main(optimizer)
         _replace_inner(optimizer, lambda groups: SignDescent(groups, demo, model_of))
         return PerStepOptimizer(optimizer, config, transport, demo=demo)
