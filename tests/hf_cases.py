@@ -35,8 +35,9 @@ class StepCounter(TrainerCallback):
 
 
 class FirstStepMoves(TrainerCallback):
-    """Per parameter, how far the first optimizer step moved its elements: (largest, smallest
-    nonzero) |change| (a sign step moves every element it moves by the same lr)."""
+    """Per parameter, how far the training moved its elements: (largest, smallest nonzero)
+    |change| (with the warmup's lr 0 at the first step, the second is the only one that moves: a
+    sign step moves every element it moves by the same lr)."""
 
     def __init__(self):
         self.moves = {}
@@ -45,8 +46,6 @@ class FirstStepMoves(TrainerCallback):
         self.before = {n: p.detach().float().clone() for n, p in model.named_parameters()}
 
     def on_step_end(self, args, state, control, model=None, **kwargs):
-        if self.moves:
-            return
         for n, p in model.named_parameters():
             d = (p.detach().float() - self.before[n]).abs()
             d = d[d > 0]
