@@ -52,10 +52,12 @@ PLAIN = ("deepspeed", "deepspeed_muon")  # plain DeepSpeed, no lowcomm section
 def entry_config(entry: str, override: dict | None = None) -> tuple[dict, float]:
     """The entry's DeepSpeed config (examples/hf_trainer.json's, its "auto" values the Trainer's)
     and learning rate: the compare recipe's (plain DeepSpeed: adamw's), ``override``
-    ({"lr": .., "lowcomm": {..}}) over it."""
+    ({"lr": .., "lowcomm": {..}, "zero_optimization": {..}}) over it."""
     override = override or {}
     config = json.loads((EXAMPLES / "hf_trainer.json").read_text())
     config.pop("lowcomm")
+    if "zero_optimization" in override:  # another ZeRO stage than the example's 1
+        config["zero_optimization"] = dict(override["zero_optimization"])
     config["optimizer"]["params"]["torch_adam"] = True  # torch's AdamW in plain DeepSpeed too (no op to build on CPU)
     if entry == "deepspeed_muon":
         config["optimizer"] = {"type": "Muon", "params": {"lr": "auto", "adam_lr": MUON_ADAM_LR, "momentum": 0.95,
