@@ -309,6 +309,25 @@ def state_bytes_per_element(method: str, settings: dict, param_bytes: int = 4) -
     return 2 * param_bytes + state + outer_state + residual  # inner AdamW, anchor, outer optimizer, residual
 
 
+def muon_memory(shapes, other: set[int], gpus: int, zero_stage: int, state_bytes: int = 4) -> dict[str, float]:
+    """Optimizer bytes per GPU of demo with Muon's step (``update`` muon) against DeepSpeed's own Muon,
+    both over ``shapes`` (``other``: the indices of the tensors that take the other rule:
+    embeddings, an output head; 1-D ones always), partitioned over ``gpus`` at ZeRO >= 1.
+    Persistent: DeepSpeed's Muon keeps a momentum (fp32) per Muon element and Adam's two moments
+    per other element; demo one momentum (``state_bytes``) per element. Transient, demo's step at
+    ZeRO >= 1: the exchanged mean and the direction of its partition (fp32 each) and the whole
+    matrices it owns while they are orthogonalised (about its share of the Muon elements)."""
+    muon = sum(math.prod(s) for i, s in enumerate(shapes) if len(s) >= 2 and i not in other)
+    total = sum(math.prod(s) for s in shapes)
+    share = gpus if zero_stage >= 1 else 1
+    deepspeed = (4 * muon + 8 * (total - muon)) / share
+    demo = state_bytes * total / share
+    transient = (2 * 4 * total + 4 * muon) / share if zero_stage >= 1 else 2 * 4 * total
+    return {"muon_elements": muon, "elements": total, "deepspeed_muon_state_bytes_per_gpu": deepspeed,
+            "demo_muon_state_bytes_per_gpu": demo, "added_state_bytes_per_gpu": demo - deepspeed,
+            "demo_muon_transient_bytes_per_gpu": transient}
+
+
 # -- bytes on the wire and the time model --------------------------------------------------------
 def ring_rounds(kind: str, replicas: int) -> tuple[int, float]:
     """(rounds, the share of the payload each round carries) of one collective between ``replicas``
@@ -489,6 +508,8 @@ def add_arguments(p) -> None:
     p.add_argument("--config", default=None, help="JSON {method: {lowcomm settings}} over the recipes")
     p.add_argument("--steps-ratio", default=None, help="JSON {method: steps to target over adamw's}")
     p.add_argument("--json", default=None, help="also write the result here")
+    p.add_argument("--muon", action="store_true",
+                   help="also: optimizer bytes per GPU of demo's Muon step against DeepSpeed's own Muon")
 
 
 def run_plan(args) -> dict:
@@ -508,6 +529,16 @@ def run_plan(args) -> dict:
                         codec_gbps=args.codec_gbps, methods=methods, steps_ratio=ratio)
     result = plan(inputs)
     print(format_table(result))
+    if getattr(args, "muon", False):
+        shapes = model_shapes(args.model)
+        # the embeddings (the GPT's token and position tables) and an untied output head
+        other = {0, *([1] if args.model.startswith("gpt") or args.model == "reference" else []),
+                 *([len(shapes) - 1] if args.model.startswith("llama") and len(shapes[-1]) == 2 else [])}
+        result["muon"] = m = muon_memory(shapes, other, args.gpus_per_replica, args.zero_stage)
+        print(f"Muon at ZeRO {args.zero_stage}, per GPU: DeepSpeed's Muon state "
+              f"{m['deepspeed_muon_state_bytes_per_gpu'] / 1e9:.3f} GB, demo (update muon) "
+              f"{m['demo_muon_state_bytes_per_gpu'] / 1e9:.3f} GB: added {m['added_state_bytes_per_gpu'] / 1e9:+.3f} GB; "
+              f"demo's step adds {m['demo_muon_transient_bytes_per_gpu'] / 1e9:.3f} GB while it runs")
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1, default=str)

@@ -44,21 +44,21 @@ class Windows(torch.utils.data.Dataset):
         return {"input_ids": x, "labels": x}
 
 
-def llama(width: int, layers: int) -> LlamaForCausalLM:
+def llama(width: int, layers: int, tied: bool = True) -> LlamaForCausalLM:
     torch.manual_seed(0)
     config = LlamaConfig(vocab_size=256, hidden_size=width, intermediate_size=width * 8 // 3 // 8 * 8,
                          num_hidden_layers=layers, num_attention_heads=max(1, width // 32),
-                         num_key_value_heads=max(1, width // 64), max_position_embeddings=512, tie_word_embeddings=True)
+                         num_key_value_heads=max(1, width // 64), max_position_embeddings=512, tie_word_embeddings=tied)
     return LlamaForCausalLM(config)
 
 
 def run(deepspeed_config, out: str, steps: int = 20, save_steps: int = 0, resume: str | None = None, width: int = 64,
         layers: int = 2, seq: int = 128, batch: int = 8, lr: float = 3e-3, corpus: ByteCorpus | None = None,
-        callbacks=None, eval_windows: int = 64) -> dict:
+        callbacks=None, eval_windows: int = 64, tied: bool = True) -> dict:
     """Train with the Trainer (``deepspeed_config``: a path or a dict) and report what happened
     (every rank's parameter digest; the method's bytes where the config has a lowcomm section)."""
     corpus = corpus or ByteCorpus()
-    model = llama(width, layers)
+    model = llama(width, layers, tied)
     training = TrainingArguments(
         output_dir=out, deepspeed=deepspeed_config, per_device_train_batch_size=batch,
         per_device_eval_batch_size=batch, max_steps=steps, learning_rate=lr, warmup_steps=2,

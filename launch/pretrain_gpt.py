@@ -77,6 +77,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--check-for-large-grads", action="store_true", help="Megatron's unexpectedly-large-gradient check")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="start each bucket's sync during backward")
     p.add_argument("--use-distributed-optimizer", action="store_true")
+    p.add_argument("--optimizer", default="adam", choices=("adam", "muon"),
+                   help="Megatron's Adam, or Megatron-Core's Muon (needs the emerging-optimizers package; with the "
+                        "outer methods: their inner optimizer)")
     p.add_argument("--clip-grad", type=float, default=0.0, help="Megatron's grad clipping (needs CUDA; 0 on CPU)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--data", default=None, help="text file or directory (default: the Python standard library)")
@@ -168,11 +171,16 @@ def main(argv=None) -> dict | None:
     if args.overlap_grad_reduce:  # as Megatron-LM's training loop: the schedules drive the bucket syncs
         config.no_sync_func = model.no_sync
         config.grad_sync_func = model.start_grad_sync
-    optimizer = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=args.lr, weight_decay=args.weight_decay,
-                                                       clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
-                                                       initial_loss_scale=args.initial_loss_scale,
-                                                       use_distributed_optimizer=args.use_distributed_optimizer),
-                                       [model])
+    opt_config = OptimizerConfig(optimizer=args.optimizer, lr=args.lr, weight_decay=args.weight_decay,
+                                 clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+                                 initial_loss_scale=args.initial_loss_scale,
+                                 use_distributed_optimizer=args.use_distributed_optimizer)
+    if args.optimizer == "muon":  # Megatron-Core's own (megatron/core/optimizer/muon.py), as Megatron-LM builds it
+        from megatron_patches.install import megatron_muon_optimizer
+
+        optimizer = megatron_muon_optimizer(opt_config, [model])
+    else:
+        optimizer = get_megatron_optimizer(opt_config, [model])
     if args.fp16:  # as Megatron-LM's setup: the schedules scale the loss by the dynamic loss scale
         config.grad_scale_func = optimizer.scale_loss
     if lowcomm is not None:

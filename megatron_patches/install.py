@@ -65,17 +65,86 @@ GRAD_SYNC_METHODS = ("adamw", "demo")  # replace the bucket-level gradient all-r
 class SignDescent(torch.optim.Optimizer):
     """DeMo's update as Megatron's inner optimizer: the gradient it is given is already the
     exchanged mean of the momenta's components (grad_sync.DeMoExchange). Takes Megatron's
-    param_group dicts as they are, so Megatron's scheduler keeps setting their lr."""
+    param_group dicts as they are, so Megatron's scheduler keeps setting their lr. With ``demo``
+    it steps through DeMo's own rule (``update`` sign, adam, normalized, muon; ``mean_momentum``)
+    with DeMo's state of the model parameter each of its tensors is (or is the fp32 main copy of:
+    ``model_of``), so that state is in the method's checkpoints; a matrix split over the
+    tensor-parallel group is orthogonalised whole (:func:`tensor_parallel_matrices`). Without
+    ``demo``, DeMo's sign step."""
 
-    def __init__(self, param_groups: list[dict]):
+    def __init__(self, param_groups: list[dict], demo: DeMo | None = None, model_of: dict | None = None):
         super().__init__(param_groups, {"lr": 0.0, "weight_decay": 0.0})
+        self.demo, self.model_of = demo, model_of or {}
 
     @torch.no_grad()
     def step(self, closure=None):
+        if self.demo is not None:
+            mains = [p for g in self.param_groups for p in g["params"]]
+            self.demo.step_copies([self.model_of.get(id(p), p) for p in mains], mains,
+                                  [g["lr"] for g in self.param_groups for _ in g["params"]],
+                                  [g["weight_decay"] for g in self.param_groups for _ in g["params"]])
+            return
         for group in self.param_groups:
             for p in group["params"]:
                 if p.grad is not None:
                     sign_step_(p, p.grad, group["lr"], group["weight_decay"])
+
+
+def tag_muon_params(model_chunks) -> None:
+    """The one decision of which parameters take Muon's step (ds_lowcomm.optim.muon.takes_muon_step),
+    with Megatron's own marks: its word embeddings and output layer (``is_embedding_or_output_parameter``)
+    are tagged ``use_muon = False`` first, as Megatron-Core's Muon leaves them to Adam."""
+    from ds_lowcomm.optim.muon import tag_muon_params
+
+    for chunk in model_chunks:
+        tag_muon_params(chunk, [p for p in chunk.parameters() if mi.is_embedding_or_output(p)])
+
+
+def tensor_parallel_matrices(demo: DeMo, model_params: list[torch.Tensor], optimizer) -> None:
+    """DeMo's muon matrices split over the tensor-parallel group, orthogonalised whole: each is
+    assembled from its shards on one owning rank of the group (an all-to-all, comm.MatrixAssembly;
+    the tensor-parallel group's fast links, bytes in DeMo's ledger as ``tp_matrix_assembly``),
+    Newton-Schulz runs there once, and every rank takes its shard of the result. A shard split
+    along its columns (a row-parallel layer) is assembled as the transpose's rows."""
+    from megatron.core import parallel_state as ps
+
+    from ds_lowcomm.comm import Matrix, MatrixAssembly, MatrixPiece, TorchDistTransport
+
+    tp = ps.get_tensor_model_parallel_world_size()
+    if tp == 1 or demo.settings.update != "muon":
+        return
+    where = {id(p): (gi, pi) for gi, g in enumerate(demo.param_groups) for pi, p in enumerate(g["params"])}
+    shards = [(p, mi.tensor_parallel_shard(p)) for p in model_params
+              if p.dim() == 2 and mi.tensor_parallel_shard(p) is not None and demo.rule_of(p, *where[id(p)]) == "muon"]
+    if not shards:
+        return
+    if len(chained(optimizer)) > 1:  # each would step its own share: the matrices' one collective needs them all
+        raise ConfigError("lowcomm.update muon at tensor parallelism > 1 with a ChainedOptimizer of several "
+                          "optimizers is not supported yet: build one Megatron optimizer over every parameter")
+    group = ps.get_tensor_model_parallel_group()
+    transport = TorchDistTransport(group, ledger=demo.ledger, timeout_s=demo.transport.timeout_s)
+    matrices = []
+    for k, (p, dim) in enumerate(shards):
+        rows, cols = p.shape if dim == 0 else (p.shape[1], p.shape[0])  # a column split: the transpose's rows
+        n = p.numel()
+        matrices.append(Matrix(rows * tp, cols, tuple(MatrixPiece(r, r * n, n, k, 0) for r in range(tp)),
+                               where[id(p)][0]))
+    assembly = MatrixAssembly(matrices, transport, transport.rank, tp, op="tp_matrix_assembly")
+    ids = [id(p) for p, _ in shards]
+    split_dim = {id(m): dim for m, (_, dim) in zip(assembly.matrices, shards)}
+
+    def directions(means, fn):
+        inputs = [(means[id(p)] if dim == 0 else means[id(p)].T).float().reshape(-1) for p, dim in shards]
+        outputs = [x.clone() for x in inputs]
+
+        def whole(m, x):  # orthogonalised as the matrix it is (a column split: transposed back and forth)
+            return fn(m, x) if split_dim[id(m)] == 0 else fn(m, x.T).T
+
+        assembly.apply_(inputs, outputs, whole)
+        return {i: (out.view(p.shape) if dim == 0 else out.view(p.shape[1], p.shape[0]).T)
+                for i, (p, dim), out in zip(ids, shards, outputs)}
+
+    demo.matrix_directions = directions
 
 
 class PerStepOptimizer(MegatronLowcomm):
@@ -118,6 +187,18 @@ class PerStepOptimizer(MegatronLowcomm):
         self.ledger.load_state_dict(state_dict["lowcomm"]["ledger"])
 
 
+def megatron_muon_optimizer(config, model_chunks):
+    """Megatron-Core's Muon (``get_megatron_muon_optimizer``: TensorParallelMuon on the hidden
+    matrices, Adam on the rest, chained), as Megatron-LM's ``--optimizer muon`` builds it without
+    the layer-wise distributed optimizer. It needs NVIDIA's emerging-optimizers package: refused
+    by name where it is missing."""
+    muon = mi.live(mi.MEGATRON_MUON_OPTIMIZER)
+    if not mi.live(mi.HAVE_EMERGING_OPTIMIZERS):
+        raise ConfigError("--optimizer muon: Megatron-Core's Muon needs NVIDIA's emerging-optimizers package, which is "
+                          "not importable here (pip install emerging-optimizers, from NVIDIA's repository)")
+    return muon(config, model_chunks)
+
+
 def _is_megatron_optimizer(optimizer) -> bool:
     return all(optimizer_kind(opt) != "torch" for opt in chained(optimizer))
 
@@ -138,12 +219,6 @@ def _check_supported(model_chunks, optimizer, cfg: LowcommConfig) -> None:
         raise ConfigError("lowcomm.overlap must be false with Megatron-Core: DeMo's exchange already runs in "
                           "Megatron's bucket-level gradient sync (overlap_grad_reduce overlaps it with the "
                           "backward pass); allowed: false")
-    if cfg.method == "demo" and cfg.settings.update != "sign":
-        raise ConfigError(f"lowcomm.update {cfg.settings.update!r} is not supported with Megatron-Core yet (its "
-                          "inner optimizer steps along the exchanged mean by sign); allowed: sign")
-    if cfg.method == "demo" and cfg.settings.mean_momentum:
-        raise ConfigError(f"lowcomm.mean_momentum {cfg.settings.mean_momentum!r} is not supported with Megatron-Core "
-                          "yet (its inner optimizer steps along the exchanged mean alone); allowed: 0")
     if ps.get_context_parallel_world_size() != 1:
         raise ConfigError("Megatron-Core with context parallelism > 1 is not supported by ds_lowcomm yet")
     if len(model_chunks) != 1:
@@ -169,9 +244,18 @@ def _check_supported(model_chunks, optimizer, cfg: LowcommConfig) -> None:
     if isinstance(optimizer, chained_optimizer) and type(optimizer) is not chained_optimizer:
         raise ConfigError(f"{type(optimizer).__name__} is not supported by ds_lowcomm yet: pass the optimizer "
                           "get_megatron_optimizer builds without a distributed optimizer")
+    if isinstance(optimizer, mi.live(mi.LAYER_WISE_OPTIMIZER)):
+        raise ConfigError("Megatron's LayerWiseDistributedOptimizer (Muon's layer-wise distributed optimizer) is not "
+                          "supported by ds_lowcomm yet: build Megatron's Muon without it (a ChainedOptimizer)")
     for opt in chained(optimizer):
         if isinstance(opt, mi.live(mi.DISTRIBUTED_OPTIMIZER)):
             raise ConfigError("Megatron's DistributedOptimizer is not supported by ds_lowcomm yet")
+        if cfg.method in ("demo", "mtdao") and optimizer_kind(opt) != "torch" and isinstance(
+                torch_optimizer(opt), mi.live(mi.TENSOR_PARALLEL_MUON)):
+            raise ConfigError(f"--optimizer muon (Megatron's Muon) with lowcomm.method {cfg.method!r}: {cfg.method} "
+                              "replaces the optimizer's step with its own; for DeMo's Muon step use "
+                              "--lowcomm-update muon with Megatron's Adam, or an outer method (diloco, dct_diloco, "
+                              "sparseloco) around Megatron's Muon")
         kind = optimizer_kind(opt)  # refuses any other type
         if cfg.method in ("demo", "mtdao") and kind != "torch" and mi.get(opt, mi.OPTIMIZER_CONFIG).fp16:
             raise ConfigError(f"lowcomm.method {cfg.method!r} with fp16 is not supported: a dynamic loss scale "
@@ -193,6 +277,17 @@ def _groups_by_model_param(optimizer) -> dict[int, dict]:
         for i, group in enumerate(torch_optimizer(opt).param_groups):
             for p in group["params"] + (list(model_groups[i]) if model_groups is not None else []):
                 out[id(p)] = group
+    return out
+
+
+def _model_of_main(optimizer) -> dict[int, torch.Tensor]:
+    """id(fp32 main copy) -> the model's bf16/fp16 parameter it copies (mixed precision); the
+    model's fp32 parameters are stepped as they are."""
+    out: dict[int, torch.Tensor] = {}
+    for opt in chained(optimizer):
+        if optimizer_kind(opt) == "float16":
+            for model_group, main_group in zip(mi.get(opt, mi.FLOAT16_GROUPS), mi.get(opt, mi.FP32_FROM_FLOAT16_GROUPS)):
+                out.update({id(main): p for p, main in zip(model_group, main_group)})
     return out
 
 
@@ -258,10 +353,15 @@ def apply(model_chunks, optimizer, config: LowcommConfig | dict | None) -> Megat
         return PerStepOptimizer(optimizer, config, transport)
 
     if config.method == "demo":
-        demo = DeMo(_model_params(model_chunks), lr=1.0, settings=config.settings, transport=transport,
-                    ledger_steps=False)  # its momenta and exchange; lr per step from Megatron's groups
+        if config.settings.update == "muon":
+            tag_muon_params(model_chunks)
+        params = _model_params(model_chunks)
+        demo = DeMo(params, lr=1.0, settings=config.settings, transport=transport,
+                    ledger_steps=False)  # its momenta, exchange and rule's state; lr per step from Megatron's groups
         install_grad_sync(model_chunks, DeMoExchange(demo, lambda: _groups_by_model_param(optimizer)))
-        _replace_inner(optimizer, SignDescent)
+        tensor_parallel_matrices(demo, params, optimizer)
+        model_of = _model_of_main(optimizer)
+        _replace_inner(optimizer, lambda groups: SignDescent(groups, demo, model_of))
         return PerStepOptimizer(optimizer, config, transport, demo=demo)
 
     assert config.method == "mtdao", config.method

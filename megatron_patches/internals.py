@@ -107,6 +107,8 @@ FLOAT16_OPTIMIZER = Internal(_OPTIMIZER, "Float16OptimizerWithFloat16Params", "c
                              use="bf16/fp16 model parameters with fp32 main copies")
 FLOAT16_GROUPS = Internal(_OPTIMIZER, "Float16OptimizerWithFloat16Params.float16_groups", "instance",
                           use="maps the model's bf16 parameters to their param groups (demo)")
+FP32_FROM_FLOAT16_GROUPS = Internal(_OPTIMIZER, "Float16OptimizerWithFloat16Params.fp32_from_float16_groups", "instance",
+                                    use="maps the fp32 main copies to the model's bf16 parameters (demo's state)")
 COPY_MAIN_TO_MODEL = Internal(_OPTIMIZER, "Float16OptimizerWithFloat16Params._copy_main_params_to_model_params",
                               "method", params=(), use="copies the synced fp32 main parameters into the model")
 FP32_OPTIMIZER = Internal(_OPTIMIZER, "FP32Optimizer", "class", use="fp32 training: steps the model's parameters")
@@ -115,6 +117,16 @@ CHAINED_OPTIMIZERS = Internal(_OPTIMIZER, "ChainedOptimizer.chained_optimizers",
                               use="reads the optimizers it chains")
 DISTRIBUTED_OPTIMIZER = Internal(_DISTRIB_OPTIMIZER, "DistributedOptimizer", "class",
                                  use="refuses the distributed optimizer")
+
+_MUON = "megatron.core.optimizer.muon"
+MEGATRON_MUON_OPTIMIZER = Internal(_MUON, "get_megatron_muon_optimizer", "function",
+                                   params=("config", "model_chunks"), use="builds Megatron's Muon (--optimizer muon)")
+HAVE_EMERGING_OPTIMIZERS = Internal(_MUON, "HAVE_EMERGING_OPTIMIZERS", "attribute",
+                                    use="refuses --optimizer muon by name where its package is missing")
+TENSOR_PARALLEL_MUON = Internal(_MUON, "TensorParallelMuon", "class",
+                                use="refuses Megatron's Muon under demo and mtdao, which replace its step")
+LAYER_WISE_OPTIMIZER = Internal("megatron.core.optimizer.layer_wise_optimizer", "LayerWiseDistributedOptimizer",
+                                "class", use="refuses the layer-wise distributed optimizer")
 
 # --- Pipeline p2p (activations.py) ----------------------------------------------------------------
 SCHEDULES_P2P = Internal(_SCHEDULES, "P2PCommunicator", "class",
@@ -217,6 +229,22 @@ def rebind(item: Internal, value: Any) -> None:
     setattr(importlib.import_module(item.module), item.name, value)
 
 
+def tensor_parallel_shard(param) -> int | None:
+    """The dimension along which ``param`` is split over the tensor-parallel group (Megatron's
+    ``tensor_model_parallel`` and ``partition_dim``, as its ``set_tensor_model_parallel_attributes``
+    sets them and its optimizers read them), or None for a parameter every tensor-parallel rank
+    holds whole."""
+    if not getattr(param, "tensor_model_parallel", False):
+        return None
+    return int(getattr(param, "partition_dim"))
+
+
+def is_embedding_or_output(param) -> bool:
+    """Megatron marks its word embeddings and output layer with ``is_embedding_or_output_parameter``
+    (its own Muon leaves them to Adam, as ds_lowcomm's decision does)."""
+    return bool(getattr(param, "is_embedding_or_output_parameter", False))
+
+
 def is_expert_parallel(param) -> bool:
     """Megatron marks expert-parallel parameters with ``allreduce = False`` and leaves the
     attribute off every other parameter: absent means True, as Megatron's own readers take it
@@ -225,5 +253,5 @@ def is_expert_parallel(param) -> bool:
 
 
 __all__ = ["COPIED", "DISTRIBUTION", "FrameworkInternalsError", "ITEMS", "LOOKED_UP", "check_override",
-           "ensure_checked", "get", "is_expert_parallel", "live", "problems", "put", "rebind",
-           "replace_method"]
+           "ensure_checked", "get", "is_embedding_or_output", "is_expert_parallel", "live", "problems", "put",
+           "rebind", "replace_method", "tensor_parallel_shard"]

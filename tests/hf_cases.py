@@ -34,6 +34,24 @@ class StepCounter(TrainerCallback):
         self.steps += 1
 
 
+class FirstStepMoves(TrainerCallback):
+    """Per parameter, how far the training moved its elements: (largest, smallest nonzero)
+    |change| (with the warmup's lr 0 at the first step, the second is the only one that moves: a
+    sign step moves every element it moves by the same lr)."""
+
+    def __init__(self):
+        self.moves = {}
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self.before = {n: p.detach().float().clone() for n, p in model.named_parameters()}
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        for n, p in model.named_parameters():
+            d = (p.detach().float() - self.before[n]).abs()
+            d = d[d > 0]
+            self.moves[n] = (d.max().item(), d.min().item()) if d.numel() else (0.0, 0.0)
+
+
 def config(lowcomm=None):
     base = json.loads((ROOT / "examples" / "hf_trainer.json").read_text())
     base["optimizer"]["params"]["torch_adam"] = True  # torch's AdamW in plain DeepSpeed too (no op to build)
@@ -111,6 +129,12 @@ def main() -> None:
     own = config(demo)  # no optimizer section: the Trainer builds torch's AdamW (2 groups), ds_lowcomm takes it over
     del own["optimizer"]
     reports["demo_trainer_optimizer"] = hf_trainer.run(own, str(work / "demo_own"), **kw)
+    # update muon with the Trainer's own AdamW groups and an untied head: the one decision of
+    # which parameters take Muon's step holds there too (the embedding and the head by sign)
+    moves = FirstStepMoves()
+    hf_trainer.run(own | {"lowcomm": {**demo, "update": "muon"}}, str(work / "demo_muon_own"), tied=False,
+                   callbacks=[moves], **{**kw, "steps": 2})
+    reports["demo_muon_untied_moves"] = moves.moves
     reports["diloco"] = hf_trainer.run(config({"method": "diloco", "sync_every": 3, "replica_size": 1}),
                                        str(work / "diloco"), **kw)
     # the README's command, as written there (its script's main() with its arguments: 20 steps, 64 wide)

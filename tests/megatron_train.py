@@ -19,13 +19,13 @@ def batch(gen: torch.Generator):
 
 
 def train(lowcomm, steps, *, lr=1e-2, micro=1, overlap=False, bf16=False, on_inner_step=None, seed=1234,
-          nan_in_grads=False):
+          nan_in_grads=False, after_apply=None):
     """Build the model (same initial parameters in every replica), train ``steps`` iterations,
     each replica on its own batches (every rank of a replica the same ones). Returns the model,
     the optimizer (ds_lowcomm's wrapper when ``lowcomm`` is given) and, per step, the mean loss
     on the last pipeline stage (None elsewhere) and the digest of this rank's parameters.
     ``nan_in_grads``: Megatron's NaN check on (``check_for_nan_in_grad``) and a NaN weight, so
-    every gradient is NaN."""
+    every gradient is NaN. ``after_apply(opt, model)``: called once ds_lowcomm is in."""
     from megatron.core import parallel_state as ps
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed.finalize_model_grads import finalize_model_grads
@@ -60,6 +60,8 @@ def train(lowcomm, steps, *, lr=1e-2, micro=1, overlap=False, bf16=False, on_inn
     megatron_opt = get_megatron_optimizer(
         OptimizerConfig(optimizer="adam", lr=lr, weight_decay=0.01, clip_grad=0.0, bf16=bf16), [model])
     opt = apply([model], megatron_opt, lowcomm) if lowcomm is not None else megatron_opt
+    if after_apply is not None:
+        after_apply(opt, model)
     if nan_in_grads:
         with torch.no_grad():
             next(p for p in model.parameters() if p.dim() == 2).fill_(float("nan"))

@@ -47,3 +47,14 @@ def test_flat_section_lands_in_the_components_and_back(path):
         owner = owners.get(key, settings)
         got = getattr(owner, key)
         assert (list(got) if isinstance(got, tuple) else got) == value, key
+
+
+@pytest.mark.parametrize("path", sorted((CONFIGS[0].parent / "megatron").glob("*.json")), ids=lambda p: p.name)
+def test_shipped_megatron_section_is_valid(path, tmp_path):
+    """configs/megatron/: lowcomm sections for Megatron's --lowcomm-config, read as pretrain_gpt reads them."""
+    import argparse
+
+    from megatron_patches.args import add_lowcomm_args, lowcomm_config
+
+    args = add_lowcomm_args(argparse.ArgumentParser()).parse_args(["--lowcomm-config", str(path)])
+    assert lowcomm_config(args).effective()["method"] == json.loads(path.read_text())["method"]

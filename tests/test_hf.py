@@ -56,6 +56,19 @@ def test_demo_through_the_trainer(cases):
     assert resumed["digests"] == demo["digests"] and resumed["held_out_loss"] == demo["held_out_loss"]
 
 
+def test_muon_decision_with_the_trainers_own_groups(cases):
+    """update muon with the Trainer's two AdamW groups and an untied output head: the embedding and
+    the head step by sign (every element moved by the same lr), the hidden matrices by Muon's
+    orthogonalised step (moves of many sizes)."""
+    moves = cases["demo_muon_untied_moves"]
+    for name in ("model.embed_tokens.weight", "lm_head.weight"):
+        largest, smallest = moves[name]
+        assert largest > 0 and (largest - smallest) / largest < 1e-3, (name, moves[name])
+    for name in ("model.layers.0.self_attn.q_proj.weight", "model.layers.1.mlp.down_proj.weight"):
+        largest, smallest = moves[name]
+        assert largest > 10 * smallest > 0, (name, moves[name])
+
+
 def test_diloco_through_the_trainer(cases):
     """diloco with sync_every 3 over 6 steps: the replicas identical after the sync at step 6
     (they trained apart in between: their losses differ from demo's and plain's)."""

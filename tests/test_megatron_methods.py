@@ -33,6 +33,37 @@ MTDAO = {"method": "mtdao", "sync_every": 2}
 DCT_DILOCO = {"method": "dct_diloco", "sync_every": 3, "topk": 32, "chunk": 16}
 STREAMING = {"method": "diloco", "sync_every": 4, "fragments": 2, "sync_delay": 1}
 DILOCO_BF16 = {"method": "diloco", "sync_every": 2}
+DEMO_MUON = {**DEMO, "update": "muon", "mean_momentum": 0.5}
+
+
+def _check_whole_matrices(record):
+    """after_apply: beside demo's tensor-parallel assembly of each split matrix, the reference: the
+    shards all-gathered across the tensor-parallel group, the whole matrix orthogonalised here and
+    this rank's shard of it taken; the largest difference is recorded."""
+    def install(opt, model):
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from ds_lowcomm.optim.demo import orthogonalize
+        from megatron_patches.internals import tensor_parallel_shard
+
+        demo, tp = opt.demo, ps.get_tensor_model_parallel_world_size()
+        assembled = demo.matrix_directions
+        params = {id(p): p for p in model.parameters()}
+
+        def directions(means, fn):
+            out = assembled(means, fn)
+            for i, direction in out.items():
+                dim, q = tensor_parallel_shard(params[i]), means[i]
+                shards = [torch.empty_like(q) for _ in range(tp)]
+                dist.all_gather(shards, q.contiguous(), group=ps.get_tensor_model_parallel_group())
+                ref = orthogonalize(torch.cat(shards, dim)).chunk(tp, dim)[ps.get_tensor_model_parallel_rank()]
+                record["max_diff"] = max(record.get("max_diff", 0.0), (ref - direction).abs().max().item())
+                record["matrices"] = len(out)
+            return out
+
+        demo.matrix_directions = directions if assembled is not None else None
+    return install
 
 
 def _init(tp, pp):
@@ -61,6 +92,11 @@ def _layout_worker(rank, world, tp, pp):
     out["adamw_bytes"] = _bytes(opt)
     _, opt, out["demo"], out["demo_digests"] = train(DEMO, 6, micro=micro)
     out["demo_bytes"] = _bytes(opt)
+    if pp == 1:  # DeMo's Muon step through Megatron's path (a split matrix orthogonalised whole at TP 2)
+        out["muon_check"] = {}
+        _, opt, out["demo_muon"], out["demo_muon_digests"] = train(DEMO_MUON, 6,
+                                                                   after_apply=_check_whole_matrices(out["muon_check"]))
+        out["demo_muon_ops"] = {op: row[0] for op, row in opt.ledger.by_op.items()}
     if pp > 1:
         out["activations"] = _activations(micro)
     if (tp, pp) == (1, 1):
@@ -187,6 +223,27 @@ def test_demo_in_the_bucket_sync(layout):
         _replicas_agree(results, "demo_bf16_digests")
         for r in results:
             assert r["demo_bf16"][-1] < r["demo_bf16"][0]
+
+
+def test_demo_muon_through_megatrons_path(layout):
+    """update muon (with mean momentum) through Megatron's optimizer: SignDescent steps by DeMo's
+    rule with DeMo's state; the replicas stay identical and the loss falls; at TP 2 every matrix
+    Megatron splits across the tensor-parallel group is orthogonalised whole (equal to gathering
+    it and orthogonalising here), its shards assembled by one all-to-all each way."""
+    (tp, pp), results = layout
+    if pp > 1:
+        pytest.skip("checked without pipeline stages")
+    _replicas_agree(results, "demo_muon_digests")
+    for r in _last_stage(results):
+        losses = r["demo_muon"]
+        assert sum(losses[-2:]) / 2 < 0.95 * sum(losses[:2]) / 2, losses
+    for r in results:
+        if tp == 1:
+            assert "max_diff" not in r["muon_check"] and "tp_matrix_assembly" not in r["demo_muon_ops"]
+        else:  # the 2 layers' qkv, proj, fc1, fc2 (the embedding and output layer step by sign)
+            # (directions' entries are O(1): fp32 rounding of two Newton-Schulz orders)
+            assert r["muon_check"]["matrices"] == 8 and r["muon_check"]["max_diff"] < 1e-4, r["muon_check"]
+            assert r["demo_muon_ops"]["tp_matrix_assembly"] == 2 * 6
 
 
 def test_pipeline_activation_codecs(layout):
@@ -345,7 +402,7 @@ RESUME_CASES = {  # diloco resumes in torch_dist at TP 2 x DP 2 (the last case)
     # a warmup (the lr set in the param groups each iteration, as Megatron's scheduler does): DeMo
     # reads the groups after the load replaced them
     "demo-torch_dist": ["--lowcomm-method", "demo", "--lowcomm-topk", "8", "--lowcomm-chunk", "16",
-                        "--lr-warmup-iters", "15"],
+                        "--lr-warmup-iters", "15", "--lowcomm-update", "muon", "--lowcomm-mean-momentum", "0.5"],
     "sparseloco-torch_dist": ["--lowcomm-method", "sparseloco", "--lowcomm-sync-every", "4"],
     "sparseloco-torch": ["--lowcomm-method", "sparseloco", "--lowcomm-sync-every", "4", "--ckpt-format", "torch"],
     "stock-torch_dist": [],

@@ -74,3 +74,28 @@ def test_muon_with_adamw_is_torch_two_optimizers():
     for a, b in zip(model.parameters(), twin.parameters()):
         assert torch.equal(a, b)
     assert not torch.equal(model.hidden.weight, UntiedHead().hidden.weight)
+
+
+def test_matrix_assembly_owners():
+    """One owner per matrix: the holder of its largest piece (fewest bytes moved); equal pieces
+    (ZeRO 3) go to the least loaded rank; a matrix held whole moves nothing."""
+    from ds_lowcomm.comm import Matrix, MatrixAssembly, MatrixPiece
+
+    cut = Matrix(4, 4, (MatrixPiece(0, 0, 5, 0, 11), MatrixPiece(1, 5, 11, 0, 0)))  # mostly on rank 1
+    even = [Matrix(4, 2, (MatrixPiece(0, 0, 4, 1, 0), MatrixPiece(1, 4, 4, 1, 0))) for _ in range(2)]
+    whole = Matrix(2, 2, (MatrixPiece(0, 0, 4, 0, 0),))
+    assembly = MatrixAssembly([whole], None, 0, 2)
+    assert assembly.owners == [0] and not assembly.exchanges  # nothing cut: no collective, no transport needed
+    from ds_lowcomm.comm.assemble import _owners
+
+    # cut: rank 1 holds 11 of 16; the even ones: rank 0, less loaded than rank 1 after the cut one
+    assert _owners([cut, *even, whole], 2) == [1, 0, 0, 0]
+
+
+def test_plan_muon_memory_by_hand():
+    from ds_lowcomm.plan import muon_memory
+
+    m = muon_memory([(10, 4), (4, 4), (4,), (10, 4)], {0, 3}, gpus=2, zero_stage=2)
+    # DeepSpeed's Muon: a momentum per Muon element (16), Adam's two moments per other (84), over 2 GPUs
+    assert m["deepspeed_muon_state_bytes_per_gpu"] == (4 * 16 + 8 * 84) / 2
+    assert m["demo_muon_state_bytes_per_gpu"] == 4 * 100 / 2 and m["added_state_bytes_per_gpu"] == (400 - 736) / 2

@@ -36,20 +36,34 @@ from .netns import TestNetwork, check_can_create
 from .runs import LINKS, effective_shape
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-ENTRIES = ("deepspeed", "adamw", "demo", "diloco", "dct_diloco", "sparseloco", "mtdao")
+ENTRIES = ("deepspeed", "deepspeed_muon", "adamw", "demo", "demo_muon", "diloco", "dct_diloco", "sparseloco", "mtdao")
+# deepspeed_muon: plain DeepSpeed with its own Muon ("type": "Muon", the Trainer's lr as Muon's lr,
+# Adam's half at plain DeepSpeed's tuned AdamW lr); demo_muon: demo stepping along Muon's
+# orthogonalised q (configs/demo_muon.json's recipe: 2 of each 16x16 block, embeddings and head by sign)
+MUON_ADAM_LR = 1e-3
+DEMO_MUON = {"lr": 6e-3, "lowcomm": {"method": "demo", "update": "muon", "topk": 2, "chunk": 16, "decay": 0.995,
+                                     "value_dtype": "int8"}}
 COLUMNS = ["entry", "link", "steps", "held_out_loss", "bytes_sent_per_worker", "step_s"]
 TARGET_RATIO = 100.0
+LOSS_MARGIN = 0.01  # issue 42's target: within 1% of plain DeepSpeed's best held-out loss
+PLAIN = ("deepspeed", "deepspeed_muon")  # plain DeepSpeed, no lowcomm section
 
 
 def entry_config(entry: str, override: dict | None = None) -> tuple[dict, float]:
     """The entry's DeepSpeed config (examples/hf_trainer.json's, its "auto" values the Trainer's)
     and learning rate: the compare recipe's (plain DeepSpeed: adamw's), ``override``
-    ({"lr": .., "lowcomm": {..}}) over it."""
+    ({"lr": .., "lowcomm": {..}, "zero_optimization": {..}}) over it."""
     override = override or {}
     config = json.loads((EXAMPLES / "hf_trainer.json").read_text())
     config.pop("lowcomm")
+    if "zero_optimization" in override:  # another ZeRO stage than the example's 1
+        config["zero_optimization"] = dict(override["zero_optimization"])
     config["optimizer"]["params"]["torch_adam"] = True  # torch's AdamW in plain DeepSpeed too (no op to build on CPU)
-    recipe = RECIPES["adamw" if entry == "deepspeed" else entry]
+    if entry == "deepspeed_muon":
+        config["optimizer"] = {"type": "Muon", "params": {"lr": "auto", "adam_lr": MUON_ADAM_LR, "momentum": 0.95,
+                                                         "weight_decay": "auto", "torch_adam": True}}
+        return config, override.get("lr", 0.02)
+    recipe = DEMO_MUON if entry == "demo_muon" else RECIPES["adamw" if entry == "deepspeed" else entry]
     lr = override.get("lr", recipe["lr"])
     if entry == "deepspeed":
         return config, lr
@@ -99,7 +113,9 @@ def run_entry(net: TestNetwork, entry: str, args, port: int, override: dict | No
         for i in range(net.hosts):
             env = {**os.environ, **net.env(i, port), "RANK": str(i), "WORLD_SIZE": str(net.hosts), "LOCAL_RANK": "0",
                    "LOCAL_WORLD_SIZE": "1", "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu", "CUDA_VISIBLE_DEVICES": "",
-                   "PYTHONUNBUFFERED": "1"}
+                   "PYTHONUNBUFFERED": "1",
+                   # DeepSpeed's Muon kernels are torch.compile'd: eager here, as every other entry runs
+                   "TORCHDYNAMO_DISABLE": "1"}
             logs.append(open(Path(tmp) / f"worker{i}.log", "w+"))
             procs.append(subprocess.Popen(net.command(i, [sys.executable, "-m", "ds_lowcomm.bench.hf", "--worker",
                                                           str(Path(tmp) / "job.json")]),
@@ -181,18 +197,20 @@ def target_verdict(rows: list[dict]) -> dict:
     per_link = {}
     for link in dict.fromkeys(r["link"] for r in rows):
         here = [r for r in rows if r["link"] == link]
-        plain = next((r for r in here if r["entry"] == "deepspeed"), None)
+        # plain DeepSpeed's best: its AdamW or its own Muon, whichever reached the lower held-out loss
+        plain = min((r for r in here if r["entry"] in PLAIN), key=lambda r: r["held_out_loss"], default=None)
         if plain is None:
             continue
         reach = {r["entry"]: plain["bytes_sent_per_worker"] / r["bytes_sent_per_worker"]
-                 for r in here if r["entry"] != "deepspeed" and r["held_out_loss"] <= plain["held_out_loss"]}
+                 for r in here if r["entry"] not in PLAIN
+                 and r["held_out_loss"] <= plain["held_out_loss"] * (1 + LOSS_MARGIN)}
         best = max(reach.items(), key=lambda kv: kv[1]) if reach else None
-        per_link[link] = {"deepspeed_loss": plain["held_out_loss"], "reach": reach,
+        per_link[link] = {"deepspeed_loss": plain["held_out_loss"], "deepspeed_entry": plain["entry"], "reach": reach,
                           "met": bool(best and best[1] >= TARGET_RATIO), "best": best}
     summary = "; ".join(
         f"{link}: " + (f"best {v['best'][0]} at {v['best'][1]:.0f}x fewer bytes" if v["best"] else "no method reached it")
         + f" (target {TARGET_RATIO:.0f}x: {'met' if v['met'] else 'missed'})" for link, v in per_link.items())
-    return {"per_link": per_link, "summary": f"plain DeepSpeed's held-out loss: {summary}"}
+    return {"per_link": per_link, "summary": f"within {LOSS_MARGIN:.0%} of plain DeepSpeed's best held-out loss: {summary}"}
 
 
 if __name__ == "__main__":

@@ -1,5 +1,6 @@
 """The compressed collective backend: transports, the byte ledger, sparse and dense collectives."""
 
+from .assemble import Matrix, MatrixAssembly, MatrixPiece
 from .build import build_transport
 from .collectives import (NonFiniteError, Pieces, SparseAllGather, all_finite, all_reduce_mean_,
                           start_all_reduce_mean_)
@@ -11,5 +12,5 @@ from .topology import ReplicaTopology
 from .transport import CollectiveError, Pending, TorchDistTransport, Transport, backend_device
 
 __all__ = [
-    "ByteLedger", "CollectiveError", "NonFiniteError", "all_finite", "Pending", "Pieces", "Piece", "ReplicaShard", "ReplicaTopology", "Routes", "SparseAllGather", "assert_same_across_ranks", "TorchDistTransport", "Transport", "all_reduce_mean_", "backend_device", "build_transport", "start_all_reduce_mean_",
+    "ByteLedger", "CollectiveError", "Matrix", "MatrixAssembly", "MatrixPiece", "NonFiniteError", "all_finite", "Pending", "Pieces", "Piece", "ReplicaShard", "ReplicaTopology", "Routes", "SparseAllGather", "assert_same_across_ranks", "TorchDistTransport", "Transport", "all_reduce_mean_", "backend_device", "build_transport", "start_all_reduce_mean_",
 ]

@@ -81,6 +81,12 @@ class Transport:
     def _broadcast(self, buf: torch.Tensor, src: int) -> None:
         raise NotImplementedError
 
+    def _all_to_all(self, send: torch.Tensor, out: torch.Tensor, send_splits: list[int],
+                    recv_splits: list[int]) -> Callable[[], object]:
+        """Start sending ``send``'s consecutive parts (``send_splits`` elements, one per rank) to
+        each rank, receiving each rank's part for this one into ``out`` (``recv_splits``)."""
+        raise NotImplementedError(f"{type(self).__name__} has no all-to-all")
+
     # -- the collectives ----------------------------------------------------------------------
     def start_all_gather_bytes(self, payload: torch.Tensor, op: str = "all_gather") -> Pending:
         """Flat uint8 payload of equal length on every rank -> Pending of (world_size, length) uint8."""
@@ -119,6 +125,25 @@ class Transport:
         n = tensor.numel() * tensor.element_size()
         self._book(op, n if self.rank == src else 0, 0 if self.rank == src else n, start)
         return tensor
+
+    def start_all_to_all(self, send: torch.Tensor, send_splits: list[int], recv_splits: list[int],
+                         op: str = "all_to_all") -> Pending:
+        """Flat ``send`` cut into ``send_splits`` (elements per rank, in rank order) -> Pending of
+        a flat tensor of ``recv_splits`` (what each rank sent this one). A rank's part for itself
+        is moved but not counted: the ledger books what crosses to other ranks."""
+        start = time.perf_counter()
+        buf = self._stage(send)
+        out = torch.empty(sum(recv_splits), dtype=buf.dtype, device=buf.device)
+        landed = self._all_to_all(buf, out, list(send_splits), list(recv_splits))
+        size = buf.element_size()
+        self._book(op, (sum(send_splits) - send_splits[self.rank]) * size,
+                   (sum(recv_splits) - recv_splits[self.rank]) * size, start)
+
+        def finish():
+            self._landed(landed, op)
+            return out if out.device == send.device else out.to(send.device)
+
+        return Pending(finish, self.ledger)
 
     def all_gather_bytes(self, payload: torch.Tensor, op: str = "all_gather") -> torch.Tensor:
         return self.start_all_gather_bytes(payload, op).wait()
@@ -222,6 +247,10 @@ class TorchDistTransport(Transport):
         opts = self._options(c10d.AllreduceOptions())
         opts.reduceOp = dist.ReduceOp.SUM
         return self._waiter(self._pg.allreduce([buf], opts))
+
+    def _all_to_all(self, send, out, send_splits, recv_splits):
+        opts = self._options(c10d.AllToAllOptions())
+        return self._waiter(self._pg.alltoall_base(out, send, recv_splits, send_splits, opts))
 
     def _broadcast(self, buf, src):
         opts = self._options(c10d.BroadcastOptions())

@@ -28,11 +28,12 @@ ADAM_SWITCHES = {
 class SplitConfig:
     lowcomm: LowcommConfig
     deepspeed: dict[str, Any]  # what deepspeed.initialize receives
-    optimizer: AdamSettings  # lr, betas, eps, weight_decay of the config's "optimizer"
+    optimizer: AdamSettings | None  # lr, betas, eps, weight_decay of an Adam/AdamW "optimizer" (None: Muon)
     zero_stage: int
     activations: ActivationSettings  # lowcomm.activations: codecs between pipeline stages
     replicas: tuple = ()  # lowcomm.replicas: replicas of different shapes (hetero.ReplicaSpec), or ()
     fault_tolerance: Any = None  # lowcomm.fault_tolerance (FaultToleranceSettings): one replica of several jobs
+    muon: Any = None  # optimizer.type Muon: DeepSpeed's Muon section (muon.MuonSection); then optimizer is None
 
 
 def load_config(config: str | Path | dict) -> dict[str, Any]:
@@ -85,12 +86,6 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
     if (ds.get("zero_optimization") or {}).get("elastic_checkpoint"):
         raise ConfigError("zero_optimization.elastic_checkpoint must be false with lowcomm: elastic checkpoints "
                           "keep only per-group optimizer state and would drop the method's state")
-    low_precision = [k for k in ("fp16", "bf16") if (ds.get(k) or {}).get("enabled")]
-    if lowcomm.effective().get("update") == "muon" and (stage >= 1 or low_precision):
-        # muon orthogonalises each weight matrix; there the optimizer holds flat pieces of them
-        raise ConfigError(f"lowcomm.update muon needs zero_optimization.stage 0 in fp32 (ZeRO 1-3 and DeepSpeed's "
-                          f"fp16/bf16 optimizers hand the method flat pieces, not weight matrices); got stage "
-                          f"{stage}{''.join(f', {k}.enabled true' for k in low_precision)}. Use update sign there")
     fragments = lowcomm.effective().get("fragments", 1)
     if stage >= 1 and fragments > 1:
         raise ConfigError(f"lowcomm.fragments must be 1 with zero_optimization.stage {stage} (ZeRO 1-3 hand the "
@@ -101,9 +96,41 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
         raise ConfigError('optimizer: a section {"type": "AdamW", "params": {"lr": ...}} is required (it is the '
                           "per-step optimizer, or the inner optimizer of outer-loop methods)")
     kind = str(opt.get("type", "")).lower()
-    if kind not in INNER_OPTIMIZERS:
-        raise ConfigError(f"optimizer.type must be one of Adam, AdamW with lowcomm; got {opt.get('type')!r}")
-    params = dict(opt["params"])
+    if kind not in (*INNER_OPTIMIZERS, "muon"):
+        raise ConfigError(f"optimizer.type must be one of Adam, AdamW, Muon with lowcomm; got {opt.get('type')!r}")
+    muon = None
+    if kind == "muon":  # DeepSpeed's Muon: the inner optimizer of outer methods, or demo's Muon step (muon.py)
+        from .muon import MuonSection
+
+        muon = MuonSection.from_flat(dict(opt["params"]), where="optimizer.params", strict=True)
+        muon.check_for(lowcomm.method)
+    if muon is not None or lowcomm.effective().get("update") == "muon":
+        if replicas:
+            raise ConfigError("lowcomm.replicas (replicas of different shapes): not with Muon's step (lowcomm.update "
+                              "muon or optimizer.type Muon) yet; use replica_size")
+    if muon is not None:
+        optimizer = None
+        params = {}
+    else:
+        params = dict(opt["params"])
+    if muon is None:
+        optimizer = _adam_settings(kind, params, opt)
+    # ds_lowcomm builds the optimizer (every method, the adamw baseline included, so that its
+    # bytes are counted the same way) and hands it to DeepSpeed as a client optimizer.
+    ds.pop("optimizer")
+    if stage >= 1:
+        ds["zero_allow_untested_optimizer"] = True
+    if replicas:
+        from .hetero import check_replicas
+
+        check_replicas(replicas, lowcomm, stage, replica_size_given)
+    if fault_tolerance is not None:
+        _check_fault_tolerance(fault_tolerance, lowcomm, ds, stage, replicas, replica_size_given)
+    return SplitConfig(lowcomm, ds, optimizer, stage, activations, replicas, fault_tolerance, muon)
+
+
+def _adam_settings(kind: str, params: dict, opt: dict) -> AdamSettings:
+    """An Adam/AdamW section's params, checked (DeepSpeed's switches honoured where they match)."""
     for key, allowed in ADAM_SWITCHES.items():
         if key in params and params.pop(key) not in allowed:
             raise ConfigError(f"optimizer.params.{key} must be {' or '.join(str(a).lower() for a in allowed)} with "
@@ -116,19 +143,7 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
         raise ConfigError("optimizer.params.lr must be a number > 0; got None")
     # DeepSpeed's AdamW, like torch's, decays weights by 0.01 unless told otherwise.
     params.setdefault("weight_decay", 0.01 if kind == "adamw" else 0.0)
-    optimizer = AdamSettings.from_flat(params, where="optimizer.params")
-    # ds_lowcomm builds the optimizer (every method, the adamw baseline included, so that its
-    # bytes are counted the same way) and hands it to DeepSpeed as a client optimizer.
-    ds.pop("optimizer")
-    if stage >= 1:
-        ds["zero_allow_untested_optimizer"] = True
-    if replicas:
-        from .hetero import check_replicas
-
-        check_replicas(replicas, lowcomm, stage, replica_size_given)
-    if fault_tolerance is not None:
-        _check_fault_tolerance(fault_tolerance, lowcomm, ds, stage, replicas, replica_size_given)
-    return SplitConfig(lowcomm, ds, optimizer, stage, activations, replicas, fault_tolerance)
+    return AdamSettings.from_flat(params, where="optimizer.params")
 
 
 def _check_fault_tolerance(settings, lowcomm, ds: dict, stage: int, replicas, replica_size_given: bool) -> None:

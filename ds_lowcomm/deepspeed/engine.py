@@ -42,7 +42,7 @@ from .data import patch_world_batch_and_io, replica_batch_config, report_global_
 from .layout import choose_layout
 from .overflow import agree_on_overflow
 from .state import STATE
-from . import hetero, internals, zero
+from . import hetero, internals, muon, zero
 
 
 @dataclass
@@ -92,6 +92,8 @@ class LowcommRun:
             **self._per_step(),
             "method_seconds": dict(self.ledger.seconds),  # "codec", "comm"
             "engine_comm_seconds": self.engine_ledger.seconds.get("comm", 0.0),
+            # Muon's matrices assembled from ZeRO partitions inside the replica (in engine_bytes_sent too)
+            "matrix_assembly_bytes_sent": self.engine_ledger.by_op.get("matrix_assembly", [0, 0, 0])[1],
             "activation_bytes_sent": activations["bytes_sent"],  # pipeline stage boundaries
             "user_bytes_sent": user["bytes_sent"],
             "user_bytes_received": user["bytes_received"],
@@ -155,18 +157,17 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         "zero_optimization.stage": split.zero_stage,
         # every replica skips an overflowed step together (overflow.py): one precision everywhere
         **{f"{k}.enabled": bool(split.deepspeed.get(k, {}).get("enabled", False)) for k in ("fp16", "bf16")},
-        **{f"optimizer.params.{k}": v for k, v in split.optimizer.flat().items()}}
+        **{f"optimizer.params.{k}": v for k, v in (split.optimizer or split.muon).flat().items()}}
     assert_same_across_ranks(TorchDistTransport(ledger=engine_ledger, timeout_s=timeout_s), layout.agreed_settings)
     global_batch = replica_batch_config(split.deepspeed, topology)  # train_batch_size counts every replica
     params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     layout.broadcast_initial_state(params)  # before the optimizer's own check of equal starts
 
     # 3. The method's optimizer, handed to DeepSpeed as a client optimizer.
-    # the user's own groups as given; else the plain loop's (update muon: the embeddings by sign)
-    groups = params if model_parameters is not None else model_param_groups(split.lowcomm, model, params)
+    groups, hyper, inner_factory = _method_groups(split, model, params, model_parameters is not None)
     opt = build_optimizer(layout.method_settings(), groups, transport=layout.transport(), shard=layout.shard(),
                           ledger_steps=False,  # engine.step closes the ledgers' steps (_patch_engine)
-                          **split.optimizer.torch_kwargs())
+                          inner_factory=inner_factory, **hyper)
     opt.framework_setup = True  # DeepSpeed's construction-time step() calls are not training steps
     engine, ds_opt, loader, sched = deepspeed.initialize(
         args=args, model=model, optimizer=opt, model_parameters=params, training_data=None,  # loader: below
@@ -181,8 +182,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         # Inside a replica DeepSpeed averages gradients as usual; with one data-parallel rank per
         # replica there is nothing to average and the method does all the communication.
         internals.put(engine, layout.backward_allreduce_flag(), topology.data_per_replica > 1)
-    else:  # the method on ZeRO's flat partitions: parameter pieces, one exchange per step
-        zero.install(engine.optimizer, opt, split.zero_stage)
+    else:  # the method on ZeRO's flat partitions: parameter pieces, one exchange per step; Muon's
+        # matrices assembled over the replica (its bytes in the engine ledger, op matrix_assembly)
+        zero.install(engine.optimizer, opt, split.zero_stage, muon.matrix_steps(opt, engine_ledger, timeout_s))
     patch_world_batch_and_io(engine, topology)  # the user's set_train_batch_size and deepspeed_io
     if training_data:
         loader = layout.loader(engine, training_data)
@@ -203,6 +205,24 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     return engine, ds_opt, loader, sched
 
 
+def _method_groups(split: SplitConfig, model, params: list, own_groups: bool):
+    """What the method's optimizer is built from: its param groups, its lr and Adam settings, and
+    (DeepSpeed's Muon as an outer method's inner optimizer) the inner optimizer's factory.
+    The user's own groups are kept as given; without them, the plain loop's (update muon: as Muon
+    is run, ``model_param_groups``). With optimizer.type Muon, ``use_muon`` tags (the user's, else
+    ``takes_muon_step``'s) split every group into DeepSpeed's Muon and Adam halves (muon.py)."""
+    if split.muon is None:
+        if split.lowcomm.effective().get("update") == "muon":  # the decision as tags: your groups keep it too
+            muon.tag_params(model, params, require=False)
+        groups = params if own_groups else model_param_groups(split.lowcomm, model, params)
+        return groups, split.optimizer.torch_kwargs(), None
+    muon.tag_params(model, params)
+    lr = {"lr": split.muon.lr or split.muon.muon_lr or 0.02}  # every group carries its own (DeepSpeed's halves)
+    if split.lowcomm.method == "demo":
+        return muon.demo_groups(params, split.muon), lr, None
+    return params, lr, lambda _: muon.build_inner(params, split.muon)
+
+
 def _checked_config(args, config, config_params, optimizer, mpu, model) -> SplitConfig:
     """The config's sections, checked (``ConfigError`` naming the field), and what ds_lowcomm
     takes over from ``deepspeed.initialize``'s arguments refused."""
@@ -219,6 +239,10 @@ def _checked_config(args, config, config_params, optimizer, mpu, model) -> Split
         raise ConfigError("mpu=: the data-parallel layout comes from lowcomm.replica_size; leave mpu out")
     from deepspeed.pipe import PipelineModule
 
+    if isinstance(model, PipelineModule) and split.zero_stage >= 1 and (
+            split.muon is not None or split.lowcomm.effective().get("update") == "muon"):
+        raise ConfigError("Muon's step (lowcomm.update muon or optimizer.type Muon) with a pipeline: only at "
+                          f"zero_optimization.stage 0; got {split.zero_stage}")
     compressing = (split.activations.forward, split.activations.backward) != ("none", "none")
     if compressing and not isinstance(model, PipelineModule) and not split.replicas:  # replicas: the pipelined ones
         raise ConfigError("lowcomm.activations: codecs between pipeline stages need DeepSpeed's pipeline engine "

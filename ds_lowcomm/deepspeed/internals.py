@@ -147,6 +147,28 @@ PARAM_DS_NUMEL = Internal(_PARAMS, "Init.ds_numel", "instance",
                           use="reads a ZeRO 3 parameter's whole size (zero.py, engine.py)")
 PARAM_DS_SHAPE = Internal(_PARAMS, "Init.ds_shape", "instance", use="reads a ZeRO 3 parameter's whole shape (zero.py)")
 
+# ZeRO 3's sub-group -> param group map (a sub-group's matrices take their group's Muon settings: zero.py)
+ZERO3_SUBGROUP_TO_GROUP = Internal(_Z3, "DeepSpeedZeroOptimizer_Stage3.sub_group_to_group_id", "instance",
+                                   use="reads which param group each ZeRO 3 sub-group steps in (zero.py)")
+
+# --- DeepSpeed's Muon (muon.py): its grouping, its optimizer, its Newton-Schulz ----------------------
+_MUON = "deepspeed.runtime.zero.muon.original_muon"
+_MUON_OPT = "deepspeed.runtime.zero.muon.muon_optimizer"
+_usemuon = "builds DeepSpeed's Muon as its optimizer section says (muon.py)"
+MUON_PARAM_GROUPS = Internal(_ENGINE, "DeepSpeedEngine._muon_param_groups", "function",
+                             ("model_parameters", "optimizer_parameters"), use=_usemuon)
+MUON_WITH_AUX_ADAM = Internal(_MUON_OPT, "MuonWithAuxAdam", "class", use=_usemuon)
+MUON_WITH_AUX_ADAM_INIT = Internal(_MUON_OPT, "MuonWithAuxAdam.__init__", "method",
+                                   ("param_groups", "adam_optimizer", "adam_optimizer_kwargs", "adam_w_mode",
+                                    "fallback_to_inline"), use=_usemuon)
+_usens = "orthogonalises the matrices assembled from ZeRO partitions with DeepSpeed's own iteration (muon.py)"
+GRAM_NEWTON_SCHULZ = Internal(_MUON, "zeropower_via_gram_newtonschulz", "function", ("G", "steps"), use=_usens)
+NEWTON_SCHULZ5 = Internal(_MUON, "zeropower_via_newtonschulz5", "function", ("G", "steps"), use=_usens)
+ASPECT_RATIO_SCALE = Internal(_MUON, "_aspect_ratio_scale", "function", ("rows", "cols"), use=_usens)
+MUON_UPDATE = Internal(_MUON, "muon_update", "function", ("grad", "momentum", "beta", "ns_steps", "nesterov",
+                                                          "ns_method"),
+                       use="ZeroMuonUpdate does its steps on ZeRO partitions (muon.py); its body is digested below")
+
 # --- Pipelines (pipeline.py, hetero.py, engine.py) ----------------------------------------------------
 _usegrid = "reads the pipeline grid, and narrows its data-parallel group to a replica (pipeline.py)"
 MODULE_GRID = Internal(_MODULE, "PipelineModule.mpu", "method", (),
@@ -335,6 +357,7 @@ STORED_ELSEWHERE = {
 # of each body's tokens (comments and layout left out) as copied, from deepspeed 0.19.8. Another
 # body means DeepSpeed changed what the copy is built on: the copy must be looked at again.
 COPIED = {
+    MUON_UPDATE: "6235d166a43d9e65",  # muon.ZeroMuonUpdate follows it step by step
     EXEC_SEND_ACTIVATIONS: "8fa315232e8c1e46",
     EXEC_RECV_ACTIVATIONS: "cee17a4f74c1f4ab",
     EXEC_SEND_GRADS: "e7b788327412b7d7",
@@ -345,7 +368,8 @@ COPIED = {
 # --- The checks and the access (one implementation for both integrations: versions.FrameworkInternals) -------
 _INTERNALS = FrameworkInternals(
     DISTRIBUTION, ITEMS, LOOKED_UP, COPIED, "deepspeed", stored_elsewhere=STORED_ELSEWHERE, user="ds_lowcomm",
-    copies="ds_lowcomm's version of it was copied from (ds_lowcomm/deepspeed/activations.py)", label="deepspeed")
+    copies="ds_lowcomm's version of it was copied or written from (ds_lowcomm/deepspeed/activations.py, muon.py)",
+    label="deepspeed")
 
 stored_by_class = _INTERNALS.stored_by_class  # (cls, attr): whether DeepSpeed code of cls stores attr
 problems = _INTERNALS.problems  # every way the installed DeepSpeed differs from ITEMS, LOOKED_UP and COPIED
@@ -356,6 +380,12 @@ put = _INTERNALS.put  # (obj, item, value): set it; it must already be there
 method = _INTERNALS.method  # (obj, item, of_class=False): obj's method item, bound; the named error where missing
 check_override = _INTERNALS.check_override  # (item, fn): fn accepts what the framework passes the replaced item
 replace_method = _INTERNALS.replace_method  # (obj, item, fn): fn in place of the method item on this one object
+
+
+def static(item: Internal):
+    """The function of a declared static method (a ``function`` item named ``Class.name``)."""
+    obj = live(item)
+    return obj.__func__ if isinstance(obj, staticmethod) else obj
 
 
 def grid(module) -> Any:

@@ -29,6 +29,11 @@ from .muon import takes_muon_step
 # name its own rule (its "update" key, as torch groups set their own lr): muon_param_groups gives
 # embeddings sign's step, as Muon is run.
 UPDATES = ("sign", "adam", "normalized", "muon")
+# How update "muon" scales the orthogonalised matrix (a param group's "muon_scale"): "rms", RMS
+# about 1 as sign's (DeMo's lrs carry over); "deepspeed", sqrt(max(1, rows / cols)) as DeepSpeed's
+# Muon (the group's lr is then a DeepSpeed Muon lr: a config whose optimizer is DeepSpeed's Muon).
+MUON_SCALES = ("rms", "deepspeed")
+GROUP_RULE_KEYS = ("update", "muon_scale")  # what a param group may set of its own besides lr and weight decay
 
 
 @dataclass(frozen=True)
@@ -72,13 +77,22 @@ class DeMo(LowcommOptimizer):
         settings = self.resolve_settings(settings, flat_settings)
         hyper = AdamSettings.from_flat({"lr": lr, "weight_decay": weight_decay}, where="DeMo")
         super().__init__(params, dict(lr=hyper.lr, weight_decay=hyper.weight_decay))
-        self._init_comm(settings, transport, shard, ledger_steps)
+        # a param group's own rule is a setting every rank must share (recorded only where a group
+        # sets one, so that checkpoints of runs without them load as they did)
+        rules = [{k: g[k] for k in GROUP_RULE_KEYS if k in g} for g in self.param_groups]
+        # Matrices tagged ``use_muon = False`` (DeepSpeed's convention; takes_muon_step's decision)
+        # step by sign in a muon group: kept by (group, position), which a framework's swap of the
+        # parameters for master copies keeps (a ZeRO partition's matrices: see matrix_directions)
+        self._not_muon = {(gi, pi) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])
+                          if getattr(p, "use_muon", None) is False}
+        self._group_sizes = [len(g["params"]) for g in self.param_groups]
+        self._init_comm(settings, transport, shard, ledger_steps, **({"group_rules": rules} if any(rules) else {}))
 
     def _update(self, params):
         owned = {id(p) for p in self._owned(params)}
-        synced, grads, lrs, decays, rules = [], [], [], [], []
-        for group in self.param_groups:
-            for p in group["params"]:
+        synced, grads, lrs, decays, rules, scales = [], [], [], [], [], []
+        for gi, group in enumerate(self.param_groups):
+            for pi, p in enumerate(group["params"]):
                 if not p.requires_grad or not p.numel():  # frozen or empty: not decayed, not exchanged (as _current_params)
                     continue
                 if id(p) not in owned:  # another rank of this replica syncs it and sends it here
@@ -87,15 +101,14 @@ class DeMo(LowcommOptimizer):
                 grads.append(p.grad)  # a parameter without a gradient still takes part in the exchange
                 lrs.append(group["lr"])
                 decays.append(group["weight_decay"])
-                rules.append(group.get("update", self.settings.update))
+                rules.append(self.rule_of(p, gi, pi))
+                scales.append(group.get("muon_scale", "rms"))
         if synced and self.settings.overlap:
             # Step along the exchange started one step ago (landed meanwhile, or landing now),
             # then start this step's: it travels while the caller runs the next forward/backward.
             landed = self._land_in_flight(synced)
             self._in_flight = (tuple(id(p) for p in synced), self.start_momentum_sync(synced, grads, lrs))
-            for p, q, lr, wd, rule in zip(synced, landed, lrs, decays, rules):
-                if q is not None:
-                    self._step_along(p, q, lr, wd, rule)
+            self._step_each(synced, landed, lrs, decays, rules, scales)
         elif self.fault_tolerance is not None:  # every rank of a replica asks torchft, owning any or not
             # the exchange changes the momenta (folded in, sent components out): only they are kept
             momenta = [self._momentum(p) for p in synced]
@@ -105,12 +118,10 @@ class DeMo(LowcommOptimizer):
                 # a replica that healed at the commit (asynchronous quorum) steps with its peer's schedule
                 by_id = {id(p): g for g in self.param_groups for p in g["params"]}
                 lrs = [by_id[id(p)]["lr"] for p in synced]
-                for p, q, lr, wd, rule in zip(synced, means, lrs, decays, rules):
-                    self._step_along(p, q, lr, wd, rule)
+                self._step_each(synced, means, lrs, decays, rules, scales)
         elif synced:
             means = self.start_momentum_sync(synced, grads, lrs).wait()
-            for p, q, lr, wd, rule in zip(synced, means, lrs, decays, rules):
-                self._step_along(p, q, lr, wd, rule)
+            self._step_each(synced, means, lrs, decays, rules, scales)
         self._share(params)
         if self.fault_tolerance is not None:
             self.fault_tolerance.start_interval()  # the next step's quorum (a joining replica heals)
@@ -118,11 +129,63 @@ class DeMo(LowcommOptimizer):
     def add_param_group(self, param_group: dict) -> None:
         if "update" in param_group:  # a group's own rule: checked as the setting is
             check_choice("DeMo param group", "update", param_group["update"], UPDATES)
+        if "muon_scale" in param_group:
+            check_choice("DeMo param group", "muon_scale", param_group["muon_scale"], MUON_SCALES)
         super().add_param_group(param_group)
 
-    def _step_along(self, p: torch.Tensor, q: torch.Tensor, lr: float, weight_decay: float, rule: str) -> None:
-        """Move ``p`` along the exchanged mean ``q`` (with ``mean_momentum``, along q + beta * u)
-        by the ``update`` rule ``rule`` (its group's, else the settings')."""
+    # Set by an integration whose framework holds matrices in pieces (ZeRO 1-3's partitions,
+    # Megatron's tensor-parallel shards): ``matrix_directions(means, orthogonalize)`` takes the
+    # exchanged means {id(tensor DeMo steps): q} and returns the muon direction of those of them
+    # that hold matrix pieces, each matrix orthogonalised whole (``orthogonalize(matrix, whole)``,
+    # assembled from its pieces over the ranks that hold them: comm.MatrixAssembly; a collective,
+    # called at the same step on each of them). None: every tensor DeMo steps is a whole parameter.
+    matrix_directions = None
+
+    def orthogonalizes(self, group: dict) -> bool:
+        """Whether the matrices (2+ dimensions) of this param group take Muon's orthogonalised step
+        (those not tagged ``use_muon = False``)."""
+        return group.get("update", self.settings.update) == "muon"
+
+    def _step_each(self, params, means, lrs, decays, rules, scales, targets=None) -> None:
+        """Step every parameter along its exchanged mean (None: nothing landed yet, with overlap);
+        matrices held in pieces are orthogonalised whole first (one collective). ``targets``: the
+        tensors to move instead (a framework's copies of ``params``; the state is ``params``')."""
+        means = [None if q is None else self._with_mean_momentum(p, q) for p, q in zip(params, means)]
+        directions = self._assembled_directions(params, means)
+        for i, (p, q, lr, wd, rule, scale) in enumerate(zip(params, means, lrs, decays, rules, scales)):
+            if q is not None:
+                self._step_along(p, q, lr, wd, rule, directions.get(id(p)), scale,
+                                 None if targets is None else targets[i])
+
+    def _assembled_directions(self, params, means) -> dict[int, torch.Tensor]:
+        if self.matrix_directions is None or all(q is None for q in means):
+            return {}
+        groups = self.param_groups
+        return self.matrix_directions(
+            {id(p): q for p, q in zip(params, means) if q is not None},
+            lambda m, x: orthogonalize(x, scale=groups[m.group].get("muon_scale", "rms")))
+
+    def rule_of(self, p: torch.Tensor, group_index: int, position: int) -> str:
+        """The update rule of the tensor at ``position`` of param group ``group_index``: its group's
+        (else the settings'), sign for a matrix tagged ``use_muon = False`` in a muon group."""
+        group = self.param_groups[group_index]
+        rule = group.get("update", self.settings.update)
+        shaped = len(group["params"]) == self._group_sizes[group_index]  # parameters or their copies, not a partition
+        return "sign" if rule == "muon" and shaped and (group_index, position) in self._not_muon else rule
+
+    def step_copies(self, params: list[torch.Tensor], copies: list[torch.Tensor], lrs: list[float],
+                    decays: list[float]) -> None:
+        """Move ``copies`` (a framework's own copies of these parameters of DeMo's: Megatron's fp32
+        main parameters) along the exchanged means in their ``.grad``, by each parameter's rule,
+        with DeMo's state of the parameter (mean momentum, adam's second moment: in DeMo's
+        state_dict). Megatron's inner step (megatron_patches.SignDescent)."""
+        where = {id(p): (gi, pi) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])}
+        rules = [self.rule_of(p, *where[id(p)]) for p in params]
+        scales = [self.param_groups[where[id(p)][0]].get("muon_scale", "rms") for p in params]
+        self._step_each(params, [c.grad for c in copies], lrs, decays, rules, scales, targets=copies)
+
+    def _with_mean_momentum(self, p: torch.Tensor, q: torch.Tensor) -> torch.Tensor:
+        """``q``, or with ``mean_momentum`` b, q + b * u after u <- b * u + q (per-parameter state)."""
         beta = self.settings.mean_momentum
         if beta:
             state = self.state[p]
@@ -131,6 +194,15 @@ class DeMo(LowcommOptimizer):
             u = state["mean_momentum"]
             u.mul_(beta).add_(q.to(u.dtype))
             q = q.to(u.dtype).add(u, alpha=beta)
+        return q
+
+    def _step_along(self, p: torch.Tensor, q: torch.Tensor, lr: float, weight_decay: float, rule: str,
+                    assembled: torch.Tensor | None = None, scale: str = "rms",
+                    target: torch.Tensor | None = None) -> None:
+        """Move ``p`` along ``q`` (the exchanged mean, with mean momentum folded in) by the
+        ``update`` rule ``rule`` (its group's, else the settings'); ``assembled``: the muon
+        direction of a tensor holding matrix pieces, its matrices orthogonalised whole; ``scale``:
+        the group's muon_scale; ``target``: what moves (``p`` itself, or a framework's copy of it)."""
         if rule == "sign":
             direction = q.sign()
         elif rule == "adam":
@@ -144,11 +216,14 @@ class DeMo(LowcommOptimizer):
             v.mul_(beta2).addcmul_(q, q, value=1.0 - beta2)
             direction = q / ((v / (1.0 - beta2 ** state["update_steps"])).sqrt_() + self.settings.eps)
         elif rule == "muon":
-            direction = orthogonalize(q) if q.dim() >= 2 else q.sign()
+            if assembled is not None:
+                direction = assembled
+            else:
+                direction = orthogonalize(q, scale=scale) if q.dim() >= 2 else q.sign()
         else:  # normalized
             q = q.float()
             direction = q / q.square().mean().sqrt().clamp_min(torch.finfo(torch.float32).tiny)
-        descend_(p, direction, lr, weight_decay)
+        descend_(p if target is None else target, direction, lr, weight_decay)
 
     def _momentum(self, p: torch.Tensor) -> torch.Tensor:
         state = self.state[p]
@@ -177,6 +252,12 @@ class DeMo(LowcommOptimizer):
 
     def load_state_dict(self, state_dict):
         self._in_flight = None
+        lowcomm = state_dict.get("lowcomm") if isinstance(state_dict, dict) else None
+        if lowcomm is not None and "group_rules" in self._record and "group_rules" not in lowcomm["settings"]:
+            # saved before the groups' rules were recorded: the groups then were those of this run
+            # (a run's groups come from its model and settings, which the record compares)
+            saved = {**lowcomm["settings"], "group_rules": self._record["group_rules"]}
+            state_dict = {**state_dict, "lowcomm": {**lowcomm, "settings": saved}}
         super().load_state_dict(state_dict)
 
     def start_momentum_sync(self, params: list[torch.Tensor], grads: list[torch.Tensor | None],
@@ -206,10 +287,12 @@ class DeMo(LowcommOptimizer):
 NEWTON_SCHULZ = (3.4445, -4.7750, 2.0315)
 
 
-def orthogonalize(q: torch.Tensor, steps: int = 5) -> torch.Tensor:
+def orthogonalize(q: torch.Tensor, steps: int = 5, scale: str = "rms") -> torch.Tensor:
     """``q`` as a matrix (its first dimension by the rest) with its singular values pushed to about 1,
-    scaled by sqrt(max(rows, cols)) so its RMS is about 1, as sign's is: the lr carries over. In
-    fp32 whatever q's dtype (bf16's 8 bits would blur the iteration's cancellations)."""
+    scaled (``scale`` "rms") by sqrt(max(rows, cols)) so its RMS is about 1, as sign's is: the lr
+    carries over; or ("deepspeed") by sqrt(max(1, rows / cols)), as DeepSpeed's Muon (and Jordan's)
+    scales it, so that a DeepSpeed Muon section's lr means what it means there. In fp32 whatever
+    q's dtype (bf16's 8 bits would blur the iteration's cancellations)."""
     x = q.float().reshape(q.shape[0], -1)
     tall = x.shape[0] > x.shape[1]
     if tall:
@@ -221,7 +304,9 @@ def orthogonalize(q: torch.Tensor, steps: int = 5) -> torch.Tensor:
         x = a * x + (b * gram + c * gram @ gram) @ x
     if tall:
         x = x.T
-    return (x * max(x.shape) ** 0.5).reshape(q.shape)
+    rows, cols = x.shape
+    factor = max(rows, cols) ** 0.5 if scale == "rms" else max(1.0, rows / cols) ** 0.5
+    return (x * factor).reshape(q.shape)
 
 
 def muon_param_groups(model: torch.nn.Module) -> list[dict]:

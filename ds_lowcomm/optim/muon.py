@@ -37,6 +37,21 @@ def takes_muon_step(model: torch.nn.Module) -> dict[int, bool]:
     return decision
 
 
+def tag_muon_params(model: torch.nn.Module, not_muon: Iterable = ()) -> None:
+    """Write :func:`takes_muon_step`'s decision onto ``model``'s trainable parameters as
+    ``use_muon`` tags, as DeepSpeed's Muon asks for them, where a parameter has none; ``not_muon``:
+    parameters a framework marks as taking the other rule (Megatron's embedding and output
+    layer), tagged False first. Integrations whose optimizer sees copies or partitions of the
+    parameters read the decision back from the tags."""
+    for p in not_muon:
+        if getattr(p, "use_muon", None) is None:
+            p.use_muon = False
+    decision = takes_muon_step(model)
+    for p in model.parameters():
+        if p.requires_grad and getattr(p, "use_muon", None) is None:
+            p.use_muon = decision[id(p)]
+
+
 def split_muon_params(model: torch.nn.Module, params: Iterable | None = None) -> tuple[list, list]:
     """(Muon's, the others') among ``params`` (default: the model's trainable parameters, shared
     ones once), in their order, by :func:`takes_muon_step`."""
