@@ -64,15 +64,16 @@ class DeMo(LowcommOptimizer):
 
     def __init__(self, params, lr: float = 4e-4, *, weight_decay: float = 0.0, settings: DeMoSettings | None = None,
                  transport: Transport | None = None, shard: ReplicaShard | None = None, ledger_steps: bool = True,
-                 **flat_settings):
+                 clip_grad: float = 0.0, **flat_settings):
         """``flat_settings``: decay, topk, chunk, value_dtype, transform, average, state_dtype, overlap,
         update, mean_momentum, beta2, eps (or one ``settings=DeMoSettings(...)``)."""
         settings = self.resolve_settings(settings, flat_settings)
         hyper = AdamSettings.from_flat({"lr": lr, "weight_decay": weight_decay}, where="DeMo")
         super().__init__(params, dict(lr=hyper.lr, weight_decay=hyper.weight_decay))
-        self._init_comm(settings, transport, shard, ledger_steps)
+        self._init_comm(settings, transport, shard, ledger_steps, clip_grad)
 
     def _update(self, params):
+        self._clip_(params)  # this rank's gradient, before it enters its momentum
         owned = {id(p) for p in self._owned(params)}
         synced, grads, lrs, decays, rules = [], [], [], [], []
         for group in self.param_groups:
