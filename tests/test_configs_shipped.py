@@ -22,6 +22,7 @@ def test_each_method_has_a_config_with_its_recipe(method):
     split = split_config(json.loads((CONFIGS[0].parent / f"{method}.json").read_text()))
     recipe = RECIPES[method]
     assert split.optimizer.lr == recipe["lr"]
+    assert split.deepspeed["gradient_clipping"] == recipe.get("clip_grad", 0.0)
     for key, value in recipe["lowcomm"].items():
         got = getattr(split.lowcomm, key)
         assert (list(got) if isinstance(got, tuple) else got) == value, key

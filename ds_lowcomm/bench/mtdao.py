@@ -28,6 +28,7 @@ import hashlib
 import json
 from pathlib import Path
 
+from ..compare import MTDAO_PUBLISHED, MTDAO_TWO_MOMENTA
 from ..task.spec import TrainSpec
 from ..task.train import train_worker
 from ..workers import run_local_workers
@@ -36,14 +37,8 @@ from .sweep import parse_grid
 from .time_to_loss import steps_to_target
 from .tuning import parse_seeds, with_settings
 
-# The authors' 16M recipe (mosaic_mup_16M_qhadamw.toml): one slow momentum 0.999 weighted 0.98
-# beside the gradient's 0.02, beta2 0.999, synchronous Adam (0.9, 0.999) for the first third, then
-# momentum zeroed, lr x4, parameters and both moments averaged every 32 steps.
-PUBLISHED = {"method": "mtdao", "sync_every": 32, "momentum_betas": [0.999], "momentum_weights": [0.98],
-             "beta2": 0.999, "warm_betas": [0.9, 0.999], "switch_lr_scale": 4.0}
-# The recipe ds_lowcomm ran before issue 43 (compare's "mtdao" until then): two momenta from step
-# 1, beta2 the spec's 0.95, no warm start.
-TWO_MOMENTA = {"method": "mtdao", "sync_every": 32, "momentum_betas": [0.9, 0.999], "momentum_weights": [0.5, 0.3]}
+# The authors' 16M recipe (compare's mtdao recipe) and the one ds_lowcomm ran before issue 43
+PUBLISHED, TWO_MOMENTA = MTDAO_PUBLISHED, MTDAO_TWO_MOMENTA
 
 # entry -> (lowcomm section, lr, spec fields); "switch_step": True is replaced by a third of the steps.
 ENTRIES = {

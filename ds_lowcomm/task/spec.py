@@ -33,7 +33,7 @@ FLAGS = {
     "--data": "data", "--max-train-bytes": "max_train_bytes", "--device": "device", "--backend": "backend",
     "--save-dir": "save_dir", "--save-at": "save_at", "--save-every": "save_every",
     "--deepspeed_config": "deepspeed_config",
-    "--pipeline-stages": "pipeline_stages", "--clip-grad": "clip_grad", "--lr-decay": "lr_decay",
+    "--pipeline-stages": "pipeline_stages", "--lr-decay": "lr_decay",
     "--seq-len": "model.seq_len", "--n-layer": "model.n_layer", "--n-head": "model.n_head", "--n-embd": "model.n_embd",
 }
 ZERO_IS_UNSET = ("eval_every", "save_at", "save_every")
