@@ -117,6 +117,10 @@ class PlanInputs:
     codec_gbps: float | None = None  # GB/s of fp32 elements through encode + decode; None: the device's default
     methods: dict[str, dict] = field(default_factory=lambda: {m: dict(RECIPES[m]["lowcomm"]) for m in RECIPES})
     steps_ratio: dict[str, float] = field(default_factory=lambda: dict(STEPS_RATIO))
+    # The fraction of a run's steps a method spends synchronous before its own scheme starts (mtdao's
+    # warm start: a dense gradient all-reduce every step, as adamw's): its steps are averaged over both
+    warm_start: dict[str, float] = field(default_factory=lambda: {m: RECIPES[m]["warm_start"] for m in RECIPES
+                                                                   if "warm_start" in RECIPES[m]})
 
     def validate(self) -> None:
         def positive(name, value, integer=False):
@@ -145,6 +149,9 @@ class PlanInputs:
             raise ConfigError(f"plan: methods must name some of {', '.join(METHODS)}; got {', '.join(unknown) or 'none'}")
         for m, ratio in self.steps_ratio.items():
             positive(f"steps_ratio.{m}", ratio)
+        for m, f in self.warm_start.items():
+            if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 <= f < 1:
+                raise ConfigError(f"plan: warm_start.{m} must be a fraction in [0, 1); got {f!r}")
 
 
 # -- what a method sends --------------------------------------------------------------------------
@@ -176,13 +183,21 @@ def _state_bytes(settings: dict) -> int:
 
 
 def planned_ledger(method: str, settings: dict, shapes, steps: int) -> dict[str, tuple[int, int]]:
-    """What a run of ``steps`` steps records in its ledger per op (start-up left out): (calls, bytes sent)."""
+    """What a run of ``steps`` steps records in its ledger per op (start-up left out): (calls, bytes
+    sent). mtdao's ``switch_step`` S: S steps of a dense gradient mean, then syncs counted from S."""
     every, messages = sync_messages(method, settings, shapes)
+    warm = min(steps, settings.get("switch_step", 0)) if method == "mtdao" else 0
     out: dict[str, tuple[int, int]] = {}
-    for m in messages:
-        calls, sent = out.get(m.op, (0, 0))
-        out[m.op] = (calls + steps // every, sent + steps // every * m.nbytes)
+    for m, n in [*((m, warm) for m in warm_messages(shapes)), *((m, (steps - warm) // every) for m in messages)]:
+        if n:
+            calls, sent = out.get(m.op, (0, 0))
+            out[m.op] = (calls + n, sent + n * m.nbytes)
     return out
+
+
+def warm_messages(shapes, grad_bytes: int = 4) -> list[Message]:
+    """One step of mtdao's warm start: the gradients' dense mean."""
+    return dense_messages("mtdao_grad_all_reduce", sum(math.prod(s) for s in shapes), grad_bytes)
 
 
 def sync_messages(method: str, settings: dict, shapes, grad_bytes: int = 4,
@@ -228,7 +243,8 @@ def state_bytes_per_element(method: str, settings: dict, param_bytes: int = 4) -
     if method == "mtdao":
         moments = len(settings["momentum_betas"])
         extra = 2 * 4 * (1 + moments) if settings["sync_codec"] == "topk" else 0  # synced + unsent, fp32
-        return state * (moments + 1) + extra
+        outer = 2 * state if settings.get("outer_optimizer", "none") == "sgd" else 0  # anchor, outer momentum
+        return state * (moments + 1) + extra + outer
     outer = settings.get("outer_optimizer", "sgd")
     outer_state = (state if settings.get("outer_momentum", 0.0) else 0) if outer == "sgd" else 2 * state
     residual = state if method in ("dct_diloco", "sparseloco") else 0
@@ -266,12 +282,21 @@ def plan_method(method: str, inputs: PlanInputs, shapes=None) -> dict[str, Any]:
     codec_sync = sum(m.codec_elements for m in messages) / g * 4 / (gbps * 1e9)
     overlapped = bool(settings.get("overlap")) or bool(settings.get("sync_delay"))
     comm_step, codec_step = comm_sync / every, codec_sync / every
+    warm = inputs.warm_start.get(method, 0.0)
+    if warm:  # that share of the steps all-reduce the gradients, as adamw does
+        comm_warm = sum(message_seconds(dataclasses.replace(m, nbytes=m.nbytes / g if g > 1 else m.nbytes),
+                                        inputs.replicas, rate, latency) for m in warm_messages(shapes, inputs.grad_bytes))
+        comm_step = warm * comm_warm + (1 - warm) * comm_step
+        codec_step *= 1 - warm
+        per_worker_sync_step = warm * elements * inputs.grad_bytes / g + (1 - warm) * per_worker_sync / every
+    else:
+        per_worker_sync_step = per_worker_sync / every
     exposed = max(0.0, comm_step - inputs.compute_s) if overlapped else comm_step
     step_s = inputs.compute_s + codec_step + exposed
     state = state_bytes_per_element(method, settings, inputs.param_bytes) * elements
     per_gpu = state / g if inputs.zero_stage >= 1 else state
     return {"method": method, "sync_every": every, "bytes_per_sync": per_worker_sync,
-            "bytes_per_step": per_worker_sync / every, "messages_per_sync": len(messages),
+            "bytes_per_step": per_worker_sync_step, "warm_start": warm, "messages_per_sync": len(messages),
             "comm_s_per_step": comm_step, "codec_s_per_step": codec_step, "step_s": step_s,
             "state_bytes_per_gpu": per_gpu, "parameters": elements, "settings": settings}
 
