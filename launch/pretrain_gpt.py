@@ -77,7 +77,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--check-for-large-grads", action="store_true", help="Megatron's unexpectedly-large-gradient check")
     p.add_argument("--overlap-grad-reduce", action="store_true", help="start each bucket's sync during backward")
     p.add_argument("--use-distributed-optimizer", action="store_true")
-    p.add_argument("--clip-grad", type=float, default=0.0, help="Megatron's grad clipping (needs CUDA; 0 on CPU)")
+    p.add_argument("--clip-grad", type=float, default=0.0, help="Megatron's gradient clipping (0: none) of the gradients its optimizer holds: the mean (stock, adamw), "
+                        "each replica's own (mtdao, the outer methods)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--data", default=None, help="text file or directory (default: the Python standard library)")
     p.add_argument("--eval-iters", type=int, default=2, help="held-out micro batches evaluated at the end")
