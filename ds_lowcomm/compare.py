@@ -35,9 +35,10 @@ MTDAO_TWO_MOMENTA = {"method": "mtdao", "sync_every": 32, "momentum_betas": [0.9
                      "momentum_weights": [0.5, 0.3]}
 
 # The reference task's recipe per method: learning rate of the per-step (or inner) optimizer
-# and the lowcomm settings; a recipe may also set the spec's ``clip_grad`` and ``lr_decay``, and
-# ``warm_start`` f: its lowcomm ``switch_step`` and the warm-up are f x --steps (mtdao's authors warm up
-# over their warm start). Chosen on this task with 2 workers; see docs/results.md.
+# and the lowcomm settings; a recipe (and --config's override of it) may also set the spec's
+# ``weight_decay``, ``clip_grad`` and ``lr_decay``, and ``warm_start`` f: its lowcomm ``switch_step``
+# and the warm-up are f x --steps (mtdao's authors warm up over their warm start; 0: none). Chosen on
+# this task with 2 workers; see docs/results.md.
 RECIPES: dict[str, dict] = {
     "adamw": {"lr": 1e-3, "lowcomm": {"method": "adamw"}},
     # the 900-step sweep of docs/bench/sweep.csv: lr 2e-3 and Psyche's decay 0.995 reach adamw's
@@ -101,8 +102,9 @@ def build_specs(methods: list[str], base: TrainSpec, overrides: dict, workers: i
         recipe, over = RECIPES[method], overrides.get(method, {})
         lowcomm = copy.deepcopy(recipe["lowcomm"])
         fields = {k: over.get(k, recipe.get(k, getattr(base, k))) for k in RECIPE_FIELDS}
-        if "warm_start" in recipe:  # a fraction of this run's steps
-            switch = max(1, round(base.steps * recipe["warm_start"]))
+        warm = over.get("warm_start", recipe.get("warm_start"))  # a fraction of this run's steps (0: none)
+        if warm:
+            switch = max(1, round(base.steps * warm))
             lowcomm["switch_step"], fields["warmup"] = switch, switch
         spec = dataclasses.replace(
             base, lowcomm={**lowcomm, **over.get("lowcomm", {}), "method": method},

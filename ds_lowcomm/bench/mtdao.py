@@ -69,7 +69,7 @@ def entry_spec(entry: str, steps: int, eval_every: int, model: dict) -> TrainSpe
     lowcomm, lr, fields = ENTRIES[entry]
     lowcomm = {k: (steps // 3 if v is True else v) for k, v in lowcomm.items()}
     base = dict(steps=steps, warmup=steps // 3, lr_decay="none", clip_grad=1.0, eval_every=eval_every, model=model,
-                label=entry, verbose=False)
+                label=entry)
     return TrainSpec(**{**base, **fields}, lowcomm=lowcomm, lr=lr)
 
 
@@ -79,7 +79,8 @@ def _run(rank: int, world: int, spec: TrainSpec) -> dict:
 
 
 def run_cached(out: Path, entry: str, combo: dict, spec: TrainSpec) -> dict:
-    key = json.dumps(spec.to_dict(), sort_keys=True)
+    # the training's fields (not its progress lines or label)
+    key = json.dumps({k: v for k, v in spec.to_dict().items() if k not in ("verbose", "label")}, sort_keys=True)
     path = out / "runs" / f"{entry}-s{spec.seed}-{hashlib.sha256(key.encode()).hexdigest()[:12]}.json"
     if path.exists():
         return json.loads(path.read_text())
