@@ -302,7 +302,7 @@ def _clipping_worker(rank, world):
     out = {}
     model, ref = tiny_model(), tiny_model()
     opt = AllReduceAdamW(model.parameters(), lr=1e-2, clip_grad=CLIP)
-    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)  # (ds_lowcomm's default decay)
     for s in range(3):
         for m in (model, ref):
             tiny_loss(m, rank, s).backward()
