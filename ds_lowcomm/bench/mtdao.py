@@ -96,11 +96,13 @@ def run_cached(out: Path, entry: str, combo: dict, spec: TrainSpec) -> dict:
 
 def table(out: Path, steps: int, target: float | None) -> list[dict]:
     """Every cached run of ``steps`` steps as a row (steps to ``target`` from its history)."""
-    rows = []
+    rows, seen = [], set()
     for path in sorted((out / "runs").glob("*.json")):
         r = json.loads(path.read_text())
-        if r["steps"] != steps:
+        run = (r["entry"], r["seed"], r["lr"], json.dumps(r["settings"], sort_keys=True))
+        if r["steps"] != steps or run in seen:  # (one run cached under two names is one row)
             continue
+        seen.add(run)
         rows.append({"entry": r["entry"], "steps": r["steps"], "seed": r["seed"], "final_val_loss": r["final_val_loss"],
                      "steps_to_target": steps_to_target(r["history"], target) if target is not None else None,
                      "target_loss": target, "bytes_sent_per_worker": r["bytes_sent_per_worker"], "lr": r["lr"],
