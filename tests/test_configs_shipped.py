@@ -48,3 +48,17 @@ def test_flat_section_lands_in_the_components_and_back(path):
         owner = owners.get(key, settings)
         got = getattr(owner, key)
         assert (list(got) if isinstance(got, tuple) else got) == value, key
+
+
+def test_mtdao_recipe_warm_start_follows_the_run_length():
+    """compare's mtdao recipe is the authors': its switch and warm-up a third of --steps, their
+    clipping and held peak; an override may drop the warm start (the recipe before issue 43)."""
+    from ds_lowcomm.compare import build_specs
+    from ds_lowcomm.task.spec import TrainSpec
+
+    spec, = build_specs(["mtdao"], TrainSpec(steps=300, warmup=20), {}, workers=2)
+    assert (spec.lowcomm["switch_step"], spec.warmup, spec.clip_grad, spec.lr_decay) == (100, 100, 1.0, "none")
+    assert spec.lowcomm_config.settings.switch_lr_scale == 4.0 and spec.lowcomm_config.settings.beta2 == 0.999
+    old, = build_specs(["mtdao"], TrainSpec(steps=300, warmup=20),
+                       {"mtdao": {"warm_start": 0, "clip_grad": 0.0, "lr_decay": "cosine"}}, workers=2)
+    assert ("switch_step" not in old.lowcomm, old.warmup, old.clip_grad, old.lr_decay) == (True, 20, 0.0, "cosine")
