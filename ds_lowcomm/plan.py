@@ -154,6 +154,10 @@ class PlanInputs:
     codec_gbps: float | None = None  # GB/s of fp32 elements through encode + decode; None: the device's default
     methods: dict[str, dict] = field(default_factory=lambda: {m: dict(RECIPES[m]["lowcomm"]) for m in RECIPES})
     steps_ratio: dict[str, float] = field(default_factory=lambda: dict(STEPS_RATIO))
+    # The fraction of a run's steps a method spends synchronous before its own scheme starts (mtdao's
+    # warm start: a dense gradient all-reduce every step, as adamw's): its steps are averaged over both
+    warm_start: dict[str, float] = field(default_factory=lambda: {m: RECIPES[m]["warm_start"] for m in RECIPES
+                                                                   if "warm_start" in RECIPES[m]})
 
     def validate(self) -> None:
         def positive(name, value, integer=False):
@@ -187,6 +191,9 @@ class PlanInputs:
             raise ConfigError(f"plan: methods must name some of {', '.join(METHODS)}; got {', '.join(unknown) or 'none'}")
         for m, ratio in self.steps_ratio.items():
             positive(f"steps_ratio.{m}", ratio)
+        for m, f in self.warm_start.items():
+            if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 <= f < 1:
+                raise ConfigError(f"plan: warm_start.{m} must be a fraction in [0, 1); got {f!r}")
 
 
 # -- what a method sends --------------------------------------------------------------------------
@@ -219,14 +226,29 @@ def _state_bytes(settings: dict) -> int:
 
 def planned_ledger(method: str, settings: dict, shapes, steps: int) -> dict[str, tuple[int, int]]:
     """What a run of ``steps`` steps records in its ledger per op (start-up left out): (calls, bytes
-    sent). A streaming outer method's fragments each sync on their own step of every H."""
+    sent). A streaming outer method's fragments each sync on their own step of every H; mtdao's
+    ``switch_step`` S: S steps of a dense gradient mean, then syncs counted from S."""
     every = sync_messages(method, settings, shapes)[0]
+    warm = min(steps, settings.get("switch_step", 0)) if method == "mtdao" else 0
     out: dict[str, tuple[int, int]] = {}
-    for f, messages in enumerate(fragment_messages(method, settings, shapes)):
-        syncs = fragment_syncs(settings, f, steps) if every > 1 else steps
-        for m in messages:
+
+    def add(m: Message, n: int) -> None:
+        if n:
             calls, sent = out.get(m.op, (0, 0))
-            out[m.op] = (calls + syncs, sent + syncs * m.nbytes)
+            out[m.op] = (calls + n, sent + n * m.nbytes)
+
+    for m in warm_messages(shapes) if warm else []:
+        add(m, warm)
+    fragments = fragment_messages(method, settings, shapes)
+    for f, messages in enumerate(fragments):
+        if every == 1:
+            syncs = steps - warm
+        elif len(fragments) == 1:
+            syncs = (steps - warm) // every
+        else:
+            syncs = fragment_syncs(settings, f, steps - warm)
+        for m in messages:
+            add(m, syncs)
     return out
 
 
@@ -257,6 +279,11 @@ def fragment_messages(method: str, settings: dict, shapes, grad_bytes: int = 4,
     """The messages of one sync of each streaming fragment (one list without streaming)."""
     return [sync_messages(method, settings, part, grad_bytes, param_bytes)[1]
             for part in fragment_shapes(settings, shapes)]
+
+
+def warm_messages(shapes, grad_bytes: int = 4) -> list[Message]:
+    """One step of mtdao's warm start: the gradients' dense mean."""
+    return dense_messages("mtdao_grad_all_reduce", sum(math.prod(s) for s in shapes), grad_bytes)
 
 
 def sync_messages(method: str, settings: dict, shapes, grad_bytes: int = 4,
@@ -302,7 +329,8 @@ def state_bytes_per_element(method: str, settings: dict, param_bytes: int = 4) -
     if method == "mtdao":
         moments = len(settings["momentum_betas"])
         extra = 2 * 4 * (1 + moments) if settings["sync_codec"] == "topk" else 0  # synced + unsent, fp32
-        return state * (moments + 1) + extra
+        outer = 2 * state if settings.get("outer_optimizer", "none") == "sgd" else 0  # anchor, outer momentum
+        return state * (moments + 1) + extra + outer
     outer = settings.get("outer_optimizer", "sgd")
     outer_state = (state if settings.get("outer_momentum", 0.0) else 0) if outer == "sgd" else 2 * state
     residual = state if method in ("dct_diloco", "sparseloco") else 0
@@ -425,12 +453,22 @@ def plan_method(method: str, inputs: PlanInputs, shapes=None) -> dict[str, Any]:
     else:
         exposed_sync = comm_sync
     comm_step, codec_step, exposed_step = comm_sync / every, codec_sync / every, exposed_sync / every
+    bytes_step, wire_step = per_worker_sync / every, wire_sync / every
+    warm = inputs.warm_start.get(method, 0.0)
+    if warm:  # mtdao's warm start: that share of the steps all-reduce the gradients in the step (not overlapped)
+        warm_msgs = [_share(m, g) for m in warm_messages(shapes, inputs.grad_bytes)]
+        comm_warm = sum(message_seconds(m, n, rate, latency) for m in warm_msgs)
+        comm_step = warm * comm_warm + (1 - warm) * comm_step
+        exposed_step = warm * comm_warm + (1 - warm) * exposed_step
+        codec_step *= 1 - warm
+        bytes_step = warm * sum(m.nbytes for m in warm_msgs) + (1 - warm) * bytes_step
+        wire_step = warm * sum(wire_bytes_sent(m.kind, m.nbytes, n) for m in warm_msgs) + (1 - warm) * wire_step
     step_s = inputs.compute_s + codec_step + exposed_step
     state = state_bytes_per_element(method, settings, inputs.param_bytes) * elements
     per_gpu = state / g if inputs.zero_stage >= 1 else state
     return {"method": method, "sync_every": every, "replicas": n, "bytes_per_sync": per_worker_sync,
-            "bytes_per_step": per_worker_sync / every, "wire_bytes_per_sync": wire_sync,
-            "wire_bytes_per_step": wire_sync / every, "messages_per_sync": len(messages),
+            "bytes_per_step": bytes_step, "wire_bytes_per_sync": wire_sync, "wire_bytes_per_step": wire_step,
+            "warm_start": warm, "messages_per_sync": len(messages),
             "comm_s_per_step": comm_step, "exposed_comm_s_per_step": exposed_step, "codec_s_per_step": codec_step,
             "step_s": step_s, "state_bytes_per_gpu": per_gpu, "parameters": elements, "settings": settings}
 

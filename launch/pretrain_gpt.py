@@ -80,7 +80,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--optimizer", default="adam", choices=("adam", "muon"),
                    help="Megatron's Adam, or Megatron-Core's Muon (needs the emerging-optimizers package; with the "
                         "outer methods: their inner optimizer)")
-    p.add_argument("--clip-grad", type=float, default=0.0, help="Megatron's grad clipping (needs CUDA; 0 on CPU)")
+    p.add_argument("--clip-grad", type=float, default=0.0, help="Megatron's gradient clipping (0: none) of the gradients its optimizer holds: the mean (stock, adamw), "
+                        "each replica's own (mtdao, the outer methods)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--data", default=None, help="text file or directory (default: the Python standard library)")
     p.add_argument("--eval-iters", type=int, default=2, help="held-out micro batches evaluated at the end")

@@ -337,7 +337,7 @@ def test_megatron_benchmark_refuses_iterations_shorter_than_a_sync_interval(monk
 
     monkeypatch.setattr(megatron, "run_entry", lambda *a: (_ for _ in ()).throw(AssertionError("a run started")))
     with pytest.raises(SystemExit, match=r"--iters 10 is shorter than the sync interval of diloco \(20 iterations\), "
-                                         r"mtdao \(32 iterations\): it would never sync; use --iters >= 32"):
+                                         r"mtdao \(132 iterations\): it would never sync; use --iters >= 132"):
         megatron.main(["--iters", "10", "--entries", "stock", "demo", "diloco", "mtdao", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match=r"sync interval of diloco \(40 iterations\)"):
         megatron.main(["--iters", "30", "--entries", "diloco", "--out", str(tmp_path), "--", "--lowcomm-sync-every",

@@ -44,6 +44,13 @@ from ds_lowcomm.config import ConfigError, LowcommConfig, check_lr
         ({"method": "mtdao", "momentum_sync_every": [8, 8]}, r"lowcomm.momentum_sync_every must be a list with one period"),
         ({"method": "mtdao", "second_moment_sync_every": 0}, r"lowcomm.second_moment_sync_every must be an integer >= 1"),
         ({"method": "mtdao", "sync_codec": "powersgd"}, r"lowcomm.sync_codec must be one of dense, topk; got 'powersgd'"),
+        ({"method": "mtdao", "beta2": 1.0}, r"lowcomm.beta2 must be a number in \[0.0, 1.0\); got 1.0"),
+        ({"method": "mtdao", "switch_step": -1}, r"lowcomm.switch_step must be an integer >= 0; got -1"),
+        ({"method": "mtdao", "warm_betas": [0.9]}, r"lowcomm.warm_betas must be a list of two numbers"),
+        ({"method": "mtdao", "switch_lr_scale": 0}, r"lowcomm.switch_lr_scale must be a number > 0; got 0"),
+        ({"method": "mtdao", "outer_optimizer": "adam"}, r"lowcomm.outer_optimizer must be one of none, sgd; got 'adam'"),
+        ({"method": "mtdao", "outer_optimizer": "sgd", "sync_codec": "topk"},
+         r"lowcomm.outer_optimizer sgd needs sync_codec dense"),
     ],
 )
 def test_bad_settings(raw, message):

@@ -22,6 +22,7 @@ def test_each_method_has_a_config_with_its_recipe(method):
     split = split_config(json.loads((CONFIGS[0].parent / f"{method}.json").read_text()))
     recipe = RECIPES[method]
     assert split.optimizer.lr == recipe["lr"]
+    assert split.deepspeed["gradient_clipping"] == recipe.get("clip_grad", 0.0)
     for key, value in recipe["lowcomm"].items():
         got = getattr(split.lowcomm, key)
         assert (list(got) if isinstance(got, tuple) else got) == value, key
@@ -58,3 +59,17 @@ def test_shipped_megatron_section_is_valid(path, tmp_path):
 
     args = add_lowcomm_args(argparse.ArgumentParser()).parse_args(["--lowcomm-config", str(path)])
     assert lowcomm_config(args).effective()["method"] == json.loads(path.read_text())["method"]
+
+
+def test_mtdao_recipe_warm_start_follows_the_run_length():
+    """compare's mtdao recipe is the authors': its switch and warm-up a third of --steps, their
+    clipping and held peak; an override may drop the warm start (the recipe before issue 43)."""
+    from ds_lowcomm.compare import build_specs
+    from ds_lowcomm.task.spec import TrainSpec
+
+    spec, = build_specs(["mtdao"], TrainSpec(steps=300, warmup=20), {}, workers=2)
+    assert (spec.lowcomm["switch_step"], spec.warmup, spec.clip_grad, spec.lr_decay) == (100, 100, 1.0, "none")
+    assert spec.lowcomm_config.settings.switch_lr_scale == 4.0 and spec.lowcomm_config.settings.beta2 == 0.999
+    old, = build_specs(["mtdao"], TrainSpec(steps=300, warmup=20),
+                       {"mtdao": {"warm_start": 0, "clip_grad": 0.0, "lr_decay": "cosine"}}, workers=2)
+    assert ("switch_step" not in old.lowcomm, old.warmup, old.clip_grad, old.lr_decay) == (True, 20, 0.0, "cosine")

@@ -34,7 +34,10 @@ LOWCOMM = {
 }
 # Streaming syncs cut the model into parameter fragments: ZeRO 0 only (ZeRO 1/2 hand one flat partition).
 ZERO0_ONLY = {"diloco_streaming": {"method": "diloco", "sync_every": 3, "fragments": 3, "sync_delay": 1},
-              "demo_muon": {"method": "demo", "topk": 4, "chunk": 8, "update": "muon"}}  # embeddings by sign both ways
+              "demo_muon": {"method": "demo", "topk": 4, "chunk": 8, "update": "muon"},  # embeddings by sign both ways
+              # the authors' recipe: its warm start's gradient mean, the switch, lr x4, its own beta2
+              "mtdao_recipe": {"method": "mtdao", "sync_every": 3, "momentum_betas": [0.999], "momentum_weights": [0.98],
+                               "beta2": 0.999, "switch_step": 2, "switch_lr_scale": 4.0}}
 
 
 def ds_config(method, stage=0, replica_size=1, **extra):
@@ -138,14 +141,28 @@ def _foundation_match_worker(rank, world, workdir):
         plain = train_worker(rank, world, spec)
         out[method] = (ds["params_digests"][rank], plain["params_digest"],
                        _training_bytes(ds["ledgers"][rank]["method"]), _training_bytes(plain["ledger"]))
+    # DeepSpeed's gradient_clipping with mtdao's local steps: DeepSpeed clips each replica's gradient
+    # before the method's step, as the plain loop's clip_grad does (DeepSpeed's norm rounds otherwise)
+    ds = _run(ds_config("mtdao", 0, gradient_clipping=0.05), workdir, "mtdao_clipped")
+    plain = train_worker(rank, world, TrainSpec(lowcomm=LOWCOMM["mtdao"], lr=3e-3, betas=(0.9, 0.95), steps=6, batch=4,
+                                                warmup=2, eval_every=3, seed=0, clip_grad=0.05, max_train_bytes=200000,
+                                                model={"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 32},
+                                                verbose=False))
+    out["clipped"] = (ds["final_val_loss"], plain["final_val_loss"])
     return out
 
 
 def test_deepspeed_path_matches_plain_torch_distributed(two_ranks):
     for rank_result in (r["foundation"] for r in two_ranks):
+        clipped = rank_result.pop("clipped")
         for method, (ds_digest, plain_digest, ds_bytes, plain_bytes) in rank_result.items():
             assert ds_digest == plain_digest, method
             assert ds_bytes == plain_bytes > 0, method
+    # DeepSpeed's gradient_clipping is honoured with mtdao: the plain loop's clip_grad's loss, not the unclipped one's
+    ds_loss, plain_loss = clipped
+    unclipped = two_ranks[0][("stage", 0)]["mtdao"]["metrics"]["final_val_loss"]
+    assert ds_loss == pytest.approx(plain_loss, rel=1e-5)
+    assert abs(ds_loss - unclipped) > 100 * abs(ds_loss - plain_loss) and abs(ds_loss - unclipped) > 1e-3
 
 
 def _replica_worker(rank, world, stage, workdir):

@@ -35,6 +35,7 @@ def _jobs(world):
                  ("demo_adam", _demo_worker, (5, False, "adam")), ("demo_normalized", _demo_worker, (5, False, "normalized")),
                  ("demo_muon", _demo_worker, (5, False, "muon")),
                  ("demo_outer", _demo_worker, (5, False, "sign", 0.8)),
+                 ("clipping", _clipping_worker, ()),
                  ("zero_first", _zero_first_gradients_worker, ()),  # these two build groups of their own
                  ("nonfinite", _nonfinite_worker, ())]
     return jobs
@@ -302,6 +303,52 @@ def test_diloco_h1_is_parameter_averaging(world, launches):
     results = launches(world, "diloco_h1")
     assert all(worst < 1e-6 for worst, _ in results)
     assert len({d for _, d in results}) == 1
+
+
+CLIP = 0.05
+
+
+def _clipping_worker(rank, world):
+    """clip_grad: adamw clips the mean gradient (DDP's all-reduce, then torch's clip), the outer
+    methods each replica's own before the inner step; equal bits with those references."""
+    from ds_lowcomm.optim import AllReduceAdamW
+
+    out = {}
+    model, ref = tiny_model(), tiny_model()
+    opt = AllReduceAdamW(model.parameters(), lr=1e-2, clip_grad=CLIP)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2, weight_decay=0.0)  # (ds_lowcomm's default decay)
+    for s in range(3):
+        for m in (model, ref):
+            tiny_loss(m, rank, s).backward()
+        opt.step()
+        for p in ref.parameters():
+            dist.all_reduce(p.grad)
+            p.grad /= world
+        norm = torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    out["adamw"] = (all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters())), float(norm))
+    model, ref = tiny_model(), tiny_model()
+    opt = DiLoCo(torch.optim.AdamW(model.parameters(), lr=1e-2), sync_every=10, clip_grad=CLIP)
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    for s in range(3):  # no sync yet: local steps on each replica's own clipped gradient
+        for m in (model, ref):
+            tiny_loss(m, rank, s).backward()
+        opt.step()
+        torch.nn.utils.clip_grad_norm_(ref.parameters(), CLIP)
+        ref_opt.step()
+        opt.zero_grad()
+        ref_opt.zero_grad()
+    out["diloco"] = all(torch.equal(a, b) for a, b in zip(model.parameters(), ref.parameters()))
+    return out
+
+
+def test_clip_grad_clips_the_gradient_each_step_uses(launches):
+    for r in launches(2, "clipping"):
+        equal, norm = r["adamw"]
+        assert equal and norm > 2 * CLIP  # the clipping bit
+        assert r["diloco"]
 
 
 def _sync_schedule_worker(rank, world, method):

@@ -60,7 +60,8 @@ def one_rank_world(tmp_path_factory):
     ("demo", {"value_dtype": "fp32"}), ("diloco", {}), ("diloco", {"outer_optimizer": "adam"}),
     ("diloco", {"fragments": 2, "sync_delay": 1}), ("dct_diloco", {}),
     ("dct_diloco", {"value_dtype": "fp16"}), ("sparseloco", {}), ("mtdao", {}),
-    ("mtdao", {"sync_codec": "topk", "topk": 8, "chunk": 8})])
+    ("mtdao", {"sync_codec": "topk", "topk": 8, "chunk": 8}), ("mtdao", {"outer_optimizer": "sgd", "switch_step": 1}),
+    ("mtdao", {"momentum_betas": [0.9, 0.999], "momentum_weights": [0.5, 0.3], "switch_step": 2})])
 def test_the_memory_figure_is_the_optimizer_state(one_rank_world, method, extra):
     """The planner's state bytes per element x the model's elements = the tensors the method holds
     after a sync (its own state and, for the outer methods, the inner AdamW's and the outer

@@ -52,6 +52,12 @@ def test_errors_name_the_flag(argv, message):
         ({"lowcomm": {"method": "powersgd"}}, "lowcomm.method must be one of"),
         ({"model": {"width": 8}}, "model: unknown field"),
         ({"data_limits": {}}, "spec: unknown field"),
+        ({"clip_grad": -1.0}, r"clip_grad must be a number >= 0 \(0: no clipping\); got -1.0"),
+        ({"clip_grad": 1.0, "deepspeed_config": "c.json"}, "clip_grad: with deepspeed_config the config's gradient_clipping"),
+        ({"lr_decay": "linear"}, "lr_decay must be one of cosine, none; got 'linear'"),
+        ({"lowcomm": {"method": "mtdao", "switch_step": 10, "fault_tolerance": {"lighthouse": "127.0.0.1:1",
+                                                                             "replica_id": "0", "num_replica_groups": 2}}},
+         "lowcomm.switch_step must be 0 with lowcomm.fault_tolerance"),
     ],
 )
 def test_field_errors(fields, message):

@@ -29,13 +29,16 @@ COLUMNS = ["tp", "entry", "iters", "bytes_per_step_per_worker", "x_fewer_than_st
 
 
 def steps_per_sync(name: str, extra: list[str]) -> int:
-    """Iterations between an entry's syncs: ``--lowcomm-sync-every`` among the extra arguments,
-    else its config's ``sync_every``, else 1 (stock, adamw and demo exchange every step)."""
-    if "--lowcomm-sync-every" in extra[:-1]:
-        return int(extra[extra.index("--lowcomm-sync-every") + 1])
-    if not ENTRIES[name]:
-        return 1
-    return int(json.loads(Path(ENTRIES[name][1]).read_text())["lowcomm"].get("sync_every", 1))
+    """Iterations to an entry's first sync: ``--lowcomm-sync-every`` among the extra arguments,
+    else its config's ``sync_every``, else 1 (stock, adamw and demo exchange every step); after
+    mtdao's warm start (``switch_step``), whose syncs are counted from it."""
+    def given(flag: str):
+        return int(extra[extra.index(flag) + 1]) if flag in extra[:-1] else None
+
+    section = json.loads(Path(ENTRIES[name][1]).read_text())["lowcomm"] if ENTRIES[name] else {}
+    every = given("--lowcomm-sync-every") or section.get("sync_every", 1)
+    switch = given("--lowcomm-switch-step")
+    return int(every + (section.get("switch_step", 0) if switch is None else switch))
 
 
 def run_entry(name: str, tp: int, iters: int, extra: list[str]) -> dict:

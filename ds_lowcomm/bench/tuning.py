@@ -14,7 +14,7 @@ from pathlib import Path
 
 # The spec's fields a grid may set (the optimizer and its schedule; the budget, evaluations and
 # seeds have their own flags)
-SPEC_KEYS = ("lr", "betas", "weight_decay", "warmup")
+SPEC_KEYS = ("lr", "betas", "weight_decay", "warmup", "clip_grad", "lr_decay")
 # A peer's settings a grid may set (``peer.<key>``), by peer kind (see ds_lowcomm.bench.peers)
 PEER_SETTINGS = {
     "ddp_powersgd": ("rank", "start_iter"),

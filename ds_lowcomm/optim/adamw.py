@@ -51,10 +51,11 @@ class AllReduceAdamW(LowcommOptimizer, torch.optim.AdamW):
     settings_class = AllReduceSettings
 
     def __init__(self, params, lr: float = AdamSettings.lr, *, transport: Transport | None = None,
-                 shard: ReplicaShard | None = None, ledger_steps: bool = True, **adamw_kwargs):
+                 shard: ReplicaShard | None = None, ledger_steps: bool = True, clip_grad: float = 0.0,
+                 **adamw_kwargs):
         adam = AdamSettings.from_flat({"lr": lr, **adamw_kwargs}, where="optimizer", strict=True)
         torch.optim.AdamW.__init__(self, params, **adam.torch_kwargs())
-        self._init_comm(AllReduceSettings(), transport, shard, ledger_steps)
+        self._init_comm(AllReduceSettings(), transport, shard, ledger_steps, clip_grad)
 
     def _update(self, params):
         owned = self._owned(params)
@@ -71,6 +72,7 @@ class AllReduceAdamW(LowcommOptimizer, torch.optim.AdamW):
         committed = ft is None or self._exchange_in_quorum(grads, exchange) is not None
         if ft is None:
             exchange()
+        self._clip_(params)  # the mean gradient, as DDP clips after its all-reduce
         if self.shard is not None:  # AdamW skips parameters without a gradient
             keep = {id(p) for p in owned}
             for p in params:

@@ -49,7 +49,12 @@ class LowcommOptimizer(torch.optim.Optimizer):
     - ``shard``: at ZeRO 0 with replicas of several ranks, this rank syncs only the parameters it
       owns and shares them inside its replica (see comm/shard.py);
     - ``ledger_steps``: whether ``step()`` closes a ledger step (the DeepSpeed glue closes it at
-      the engine's step boundary instead, since ZeRO steps once per parameter group).
+      the engine's step boundary instead, since ZeRO steps once per parameter group);
+    - ``clip_grad``: > 0 scales the gradient the method's step uses to that global 2-norm at most
+      (torch's ``clip_grad_norm_``): the mean gradient of a synchronous step (adamw, mtdao's warm
+      start: as DDP clips after its all-reduce), this rank's own gradient otherwise (local steps,
+      DeMo's momentum). Under DeepSpeed and Megatron their own clipping runs instead (before the
+      method's step, on the replica's gradient) and this stays 0.
     """
 
     method: ClassVar[str] = ""
@@ -69,9 +74,17 @@ class LowcommOptimizer(torch.optim.Optimizer):
         return cls.settings_class.from_flat(flat, where=f"{cls.__name__}", strict=True)
 
     def _init_comm(self, settings: Settings, transport: Transport | None, shard: ReplicaShard | None,
-                   ledger_steps: bool, **record: Any) -> None:
+                   ledger_steps: bool, clip_grad: float = 0.0, **record: Any) -> None:
         """Attach the settings and the transport and check, on every rank, that all ranks agree
         on the settings (and ``record``'s extras) and start from the same parameters."""
+        if not (isinstance(clip_grad, (int, float)) and not isinstance(clip_grad, bool) and 0 <= clip_grad < float("inf")):
+            raise ValueError(f"clip_grad must be a number >= 0 (0: no clipping); got {clip_grad!r}")
+        if clip_grad and shard is not None:
+            raise ValueError("clip_grad with a replica shard: the framework that shards the replica clips "
+                             "(DeepSpeed's gradient_clipping)")
+        self.clip_grad = float(clip_grad)
+        if clip_grad:  # (absent at 0, so that the records of checkpoints saved before it still match)
+            record = {**record, "clip_grad": self.clip_grad}
         self.settings = settings
         self.transport = transport if transport is not None else TorchDistTransport()
         self.shard = shard
@@ -173,6 +186,13 @@ class LowcommOptimizer(torch.optim.Optimizer):
         if self.transport.nonfinite == "raise":
             self._unhealthy = True
         return False
+
+    def _clip_(self, params: list[torch.Tensor]) -> None:
+        """``clip_grad``: scale the gradients of ``params`` together to that 2-norm at most."""
+        if self.clip_grad:
+            with_grad = [p for p in params if p.grad is not None]
+            if with_grad:
+                torch.nn.utils.clip_grad_norm_(with_grad, self.clip_grad)
 
     def _healthy(self) -> bool:
         """This rank's health flag for the exchange it starts now (see :meth:`_grads_finite`)."""

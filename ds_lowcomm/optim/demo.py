@@ -71,7 +71,7 @@ class DeMo(LowcommOptimizer):
 
     def __init__(self, params, lr: float = 4e-4, *, weight_decay: float = 0.0, settings: DeMoSettings | None = None,
                  transport: Transport | None = None, shard: ReplicaShard | None = None, ledger_steps: bool = True,
-                 **flat_settings):
+                 clip_grad: float = 0.0, **flat_settings):
         """``flat_settings``: decay, topk, chunk, value_dtype, transform, average, state_dtype, overlap,
         update, mean_momentum, beta2, eps (or one ``settings=DeMoSettings(...)``)."""
         settings = self.resolve_settings(settings, flat_settings)
@@ -86,9 +86,10 @@ class DeMo(LowcommOptimizer):
         self._not_muon = {(gi, pi) for gi, g in enumerate(self.param_groups) for pi, p in enumerate(g["params"])
                           if getattr(p, "use_muon", None) is False}
         self._group_sizes = [len(g["params"]) for g in self.param_groups]
-        self._init_comm(settings, transport, shard, ledger_steps, **({"group_rules": rules} if any(rules) else {}))
+        self._init_comm(settings, transport, shard, ledger_steps, clip_grad, **({"group_rules": rules} if any(rules) else {}))
 
     def _update(self, params):
+        self._clip_(params)  # this rank's gradient, before it enters its momentum
         owned = {id(p) for p in self._owned(params)}
         synced, grads, lrs, decays, rules, scales = [], [], [], [], [], []
         for gi, group in enumerate(self.param_groups):

@@ -160,6 +160,9 @@ def check_method(effective: Mapping[str, Any], where: str = "lowcomm") -> None:
     if effective.get("overlap"):
         raise ConfigError(f"{where}.overlap must be false with {where}.fault_tolerance (an exchange in flight across a "
                           "quorum change is not supported yet)")
+    if method == "mtdao" and effective.get("switch_step", 0):
+        raise ConfigError(f"{where}.switch_step must be 0 with {where}.fault_tolerance (mtdao's warm start, a gradient "
+                          f"all-reduce every step, does not run in torchft's quorums yet); got {effective['switch_step']}")
     if effective.get("transport", "torch") != "torch":
         raise ConfigError(f"{where}.transport must be torch with {where}.fault_tolerance (the exchange runs over "
                           f"torchft's process group); got {effective.get('transport')!r}")

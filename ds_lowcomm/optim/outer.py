@@ -209,7 +209,7 @@ class OuterLoop(LowcommOptimizer):
 
     def __init__(self, inner: torch.optim.Optimizer, *, settings: OuterSettings | None = None,
                  transport: Transport | None = None, shard: ReplicaShard | None = None, ledger_steps: bool = True,
-                 **flat_settings):
+                 clip_grad: float = 0.0, **flat_settings):
         """``flat_settings``: the method's settings as keywords (``sync_every=500``, ...), or one
         ``settings=`` object of the method's settings class."""
         settings = self.resolve_settings(settings, flat_settings)
@@ -223,7 +223,7 @@ class OuterLoop(LowcommOptimizer):
         # each fragment's anchors at its first sync (and again after a load replaced the anchors).
         self.anchor_optimizer: torch.optim.Optimizer | None = None
         self._anchor_ids: set[int] = set()
-        self._init_comm(settings, transport, shard, ledger_steps, inner=type(inner).__name__)
+        self._init_comm(settings, transport, shard, ledger_steps, clip_grad, inner=type(inner).__name__)
 
     @property
     def param_groups(self):
@@ -282,6 +282,7 @@ class OuterLoop(LowcommOptimizer):
                     # update (equal but for the sign of zeros), and checkpoints keep their keys.
                     state["outer_momentum"] = torch.zeros_like(state["anchor"])
         if self._grads_finite([p.grad for p in params], "inner_step"):  # else this replica skips this inner step
+            self._clip_(params)  # this replica's own gradient, before its inner step
             self.inner.step()
         for p in params:
             self.state[p]["local_step"] += 1

@@ -116,19 +116,21 @@ def build_optimizer(
     shard: ReplicaShard | None = None,
     ledger_steps: bool = True,
     inner_factory: Callable[[Iterable], torch.optim.Optimizer] | None = None,
+    clip_grad: float = 0.0,
     **adam,
 ) -> LowcommOptimizer:
     """The optimizer for ``cfg.method``. ``lr`` and ``adam`` (betas, eps, weight_decay; see
     :class:`AdamSettings` for their defaults) are the per-step optimizer's (AdamW's, DeMo's;
-    MT-DAO takes its beta2 from ``betas[1]``, its first moments from its own settings) or, for
-    outer-loop methods, the inner AdamW's, unless ``inner_factory(params)`` builds another inner
-    optimizer. ``transport``, ``shard`` and ``ledger_steps``: see :class:`LowcommOptimizer`;
+    MT-DAO takes its beta2 from ``betas[1]`` unless its settings name one, its first moments from
+    its settings) or, for outer-loop methods, the inner AdamW's, unless ``inner_factory(params)``
+    builds another inner optimizer. ``transport``, ``shard``, ``ledger_steps`` and ``clip_grad``:
+    see :class:`LowcommOptimizer`;
     without ``transport``, torch.distributed's default group. ``cfg.comm.timeout_s`` bounds every
     collective of the transport and of the shard's, the start-up check included."""
     cfg.validate()
     hyper = AdamSettings.from_flat({"lr": lr, **adam}, where="optimizer", strict=True)
     cls = METHOD_CLASSES[cfg.method]
-    optimizer = _build(cfg, cls, params, hyper, transport, shard, ledger_steps, inner_factory)
+    optimizer = _build(cfg, cls, params, hyper, transport, shard, ledger_steps, inner_factory, clip_grad)
     optimizer.transport.nonfinite = cfg.comm.nonfinite  # what the collectives do about a rank with NaN/inf
     return optimizer
 
@@ -144,7 +146,7 @@ def _timed(cfg: LowcommConfig, transport: Transport | None, shard: ReplicaShard 
     return transport
 
 
-def _build(cfg, cls, params, hyper, transport, shard, ledger_steps, inner_factory) -> LowcommOptimizer:
+def _build(cfg, cls, params, hyper, transport, shard, ledger_steps, inner_factory, clip_grad) -> LowcommOptimizer:
     inner = None
     if issubclass(cls, OuterLoop):  # the inner optimizer first: inner_impl's error comes before any collective
         if inner_factory is not None:
@@ -154,10 +156,11 @@ def _build(cfg, cls, params, hyper, transport, shard, ledger_steps, inner_factor
         else:
             inner = torch.optim.AdamW(params, **hyper.torch_kwargs())
     transport = _timed(cfg, transport, shard)
-    comm = dict(settings=cfg.settings, transport=transport, shard=shard, ledger_steps=ledger_steps)
+    comm = dict(settings=cfg.settings, transport=transport, shard=shard, ledger_steps=ledger_steps,
+                clip_grad=clip_grad)
     if cls is AllReduceAdamW:
         return AllReduceAdamW(params, transport=transport, shard=shard, ledger_steps=ledger_steps,
-                              **hyper.torch_kwargs())
+                              clip_grad=clip_grad, **hyper.torch_kwargs())
     if cls is DeMo:
         return DeMo(params, lr=hyper.lr, weight_decay=hyper.weight_decay, **comm)
     if cls is MTDAO:

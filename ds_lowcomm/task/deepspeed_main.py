@@ -36,6 +36,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     p.add_argument("--data", default=DEFAULTS.data, help="text file or directory (default: Python's standard library)")
     p.add_argument("--warmup", type=int, default=DEFAULTS.warmup, help="linear warm-up steps of the default schedule")
+    p.add_argument("--lr-decay", default=DEFAULTS.lr_decay, choices=("cosine", "none"),
+                   help="after the warm-up, the default schedule's cosine to 10%% of the peak, or none (held)")
     p.add_argument("--eval-every", type=int, default=0, help="default: steps/10")
     p.add_argument("--n-layer", type=int, default=DEFAULTS.model.n_layer)
     p.add_argument("--n-embd", type=int, default=DEFAULTS.model.n_embd)

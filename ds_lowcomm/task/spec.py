@@ -24,6 +24,7 @@ from .model import GPTConfig
 
 DEVICES = ("cpu", "cuda")  # or "cuda:N"
 BACKENDS = ("gloo", "nccl")
+LR_DECAYS = ("cosine", "none")  # after the warm-up: cosine to 10% of the peak, or constant (MT-DAO's authors')
 
 # The flags of ``ds-lowcomm compare`` and ``launch/train.py`` that set spec fields (nested model
 # fields as "model.<name>"). A flag whose value is 0 leaves an optional field unset (ZERO_IS_UNSET).
@@ -32,7 +33,7 @@ FLAGS = {
     "--data": "data", "--max-train-bytes": "max_train_bytes", "--device": "device", "--backend": "backend",
     "--save-dir": "save_dir", "--save-at": "save_at", "--save-every": "save_every",
     "--deepspeed_config": "deepspeed_config",
-    "--pipeline-stages": "pipeline_stages",
+    "--pipeline-stages": "pipeline_stages", "--lr-decay": "lr_decay",
     "--seq-len": "model.seq_len", "--n-layer": "model.n_layer", "--n-head": "model.n_head", "--n-embd": "model.n_embd",
 }
 ZERO_IS_UNSET = ("eval_every", "save_at", "save_every")
@@ -51,6 +52,11 @@ class TrainSpec:
     lr: float = 1e-3
     betas: tuple = (0.9, 0.95)
     weight_decay: float = 0.0
+    # > 0: the gradient a step uses is scaled to this global 2-norm at most (torch's
+    # clip_grad_norm_, as DeepSpeed's gradient_clipping and Megatron's --clip-grad): for a
+    # synchronous step the mean gradient, for a local step this rank's own (see LowcommOptimizer).
+    # 0: no clipping. With deepspeed_config, that config's gradient_clipping sets it.
+    clip_grad: float = 0.0
     # Model and data (model: a GPTConfig, or a mapping of its fields).
     model: GPTConfig = field(default_factory=GPTConfig)
     data: str | None = None  # text file or directory; None: the Python standard library's sources
@@ -59,9 +65,11 @@ class TrainSpec:
     batch: int = 16  # sequences per worker per step
     val_batches: int = 8
     seed: int = 0  # initialisation and batches
-    # Schedule: linear warm-up, cosine to 10% of the peak over ``steps``; evaluations.
+    # Schedule: linear warm-up, then (lr_decay) cosine to 10% of the peak over ``steps`` or
+    # constant; evaluations.
     steps: int = 300
     warmup: int = 20
+    lr_decay: str = "cosine"
     eval_every: int | None = None  # None: steps / 10
     # Checkpoints and early stops.
     save_dir: str | None = None
@@ -160,6 +168,14 @@ class TrainSpec:
         if fault_tolerance is not None:
             check_method(cfg.effective(), where=name("lowcomm"))
         check_lr(self.lr, where=name("lr"))
+        if not (isinstance(self.clip_grad, (int, float)) and not isinstance(self.clip_grad, bool)
+                and 0 <= self.clip_grad < float("inf")):
+            raise ConfigError(f"{name('clip_grad')} must be a number >= 0 (0: no clipping); got {self.clip_grad!r}")
+        if self.clip_grad and self.deepspeed_config:
+            raise ConfigError(f"{name('clip_grad')}: with {name('deepspeed_config')} the config's gradient_clipping "
+                              f"sets it; leave {name('clip_grad')} at 0")
+        if self.lr_decay not in LR_DECAYS:
+            raise ConfigError(f"{name('lr_decay')} must be one of {', '.join(LR_DECAYS)}; got {self.lr_decay!r}")
         return cfg
 
     @property

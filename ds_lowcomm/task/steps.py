@@ -35,7 +35,7 @@ from ..checkpoint_io import LATEST, agree_on_problems, check_digests, load_file,
 from ..codec import FLOAT_DTYPES
 from ..comm import build_transport
 from ..config import ConfigError
-from ..optim import build_optimizer, model_param_groups
+from ..optim import LowcommOptimizer, build_optimizer, model_param_groups
 from .spec import TrainSpec
 
 Batch = tuple[torch.Tensor, torch.Tensor]
@@ -78,12 +78,14 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def lr_lambda(warmup: int, total: int, floor: float = 0.1):
-    """Linear warm-up, then cosine down to ``floor`` x the peak."""
+def lr_lambda(warmup: int, total: int, floor: float = 0.1, decay: str = "cosine"):
+    """Linear warm-up, then cosine down to ``floor`` x the peak (``decay`` "none": the peak held)."""
 
     def f(step: int) -> float:
         if step < warmup:
             return (step + 1) / warmup
+        if decay == "none":
+            return 1.0
         progress = min(1.0, (step - warmup) / max(1, total - warmup))
         return floor + (1 - floor) * 0.5 * (1 + math.cos(math.pi * progress))
 
@@ -92,7 +94,8 @@ def lr_lambda(warmup: int, total: int, floor: float = 0.1):
 
 def reference_schedule(spec: TrainSpec) -> Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LambdaLR]:
     """The reference schedule of ``spec`` for an optimizer."""
-    return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec.warmup or 1, spec.steps))
+    return lambda opt: torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(spec.warmup or 1, spec.steps,
+                                                                        decay=spec.lr_decay))
 
 
 def worker_device(name: str, rank: int) -> torch.device:
@@ -110,8 +113,9 @@ def lowcomm_setup(model: torch.nn.Module, spec: TrainSpec, transport=None):
     cfg = spec.lowcomm_config
     if transport is None:
         transport = build_transport(cfg.transport, timeout_s=cfg.comm.timeout_s)
-    opt = build_optimizer(cfg, model_param_groups(cfg, model, model.parameters()), lr=spec.lr, weight_decay=spec.weight_decay, betas=spec.betas,
-                          transport=transport)
+    opt = build_optimizer(cfg, model_param_groups(cfg, model, model.parameters()), lr=spec.lr,
+                          weight_decay=spec.weight_decay, betas=spec.betas, transport=transport,
+                          clip_grad=spec.clip_grad)  # the method clips the gradient its step uses
     return model, opt, opt.ledger
 
 
@@ -168,6 +172,10 @@ class TorchStep:
         (x, y), = batches
         loss = self.loss(self.net, x.to(self.device), y.to(self.device))
         loss.backward()
+        if self.spec.clip_grad and not isinstance(self.opt, LowcommOptimizer):
+            # a peer's torch optimizer (DDP's gradients are already the mean here); ds_lowcomm's
+            # methods clip inside their step, where the gradient they use is known
+            torch.nn.utils.clip_grad_norm_(self.module.parameters(), self.spec.clip_grad)
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
         self.sched.step()
@@ -285,7 +293,7 @@ class DeepSpeedStep:
 def pipeline_deepspeed_config(spec: TrainSpec) -> dict:
     """The DeepSpeed config of a pipeline run: ``spec.deepspeed_config``'s, or (``ds-lowcomm
     compare``) one made from the spec: ``spec.batch`` sequences per pipeline per step in one
-    micro-batch, the spec's AdamW settings, ZeRO 0, no clipping, fp32, ``spec.lowcomm``. Either way
+    micro-batch, the spec's AdamW settings, ZeRO 0, the spec's clipping, fp32, ``spec.lowcomm``. Either way
     ``lowcomm.replica_size`` defaults to ``spec.pipeline_stages`` (one pipeline per replica)."""
     if spec.deepspeed_config:
         with open(spec.deepspeed_config) as f:
@@ -293,7 +301,7 @@ def pipeline_deepspeed_config(spec: TrainSpec) -> dict:
     else:
         config = {
             "train_micro_batch_size_per_gpu": spec.batch, "gradient_accumulation_steps": 1,
-            "gradient_clipping": 0.0, "steps_per_print": 10**9,
+            "gradient_clipping": float(spec.clip_grad), "steps_per_print": 10**9,
             "optimizer": {"type": "AdamW", "params": {"lr": spec.lr, "betas": list(spec.betas),
                                                       "weight_decay": spec.weight_decay}},
             "zero_optimization": {"stage": 0}, "lowcomm": copy.deepcopy(spec.lowcomm),
