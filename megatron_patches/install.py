@@ -141,6 +141,13 @@ def _check_supported(model_chunks, optimizer, cfg: LowcommConfig) -> None:
     if cfg.method == "demo" and cfg.settings.update != "sign":
         raise ConfigError(f"lowcomm.update {cfg.settings.update!r} is not supported with Megatron-Core yet (its "
                           "inner optimizer steps along the exchanged mean by sign); allowed: sign")
+    if cfg.method == "dion":
+        raise ConfigError("lowcomm.method 'dion' is not supported with Megatron-Core yet (its orthonormal step needs "
+                          "whole weight matrices and two all-reduces inside the optimizer step); allowed: "
+                          "adamw, demo, diloco, dct_diloco, sparseloco, mtdao")
+    if cfg.method in ("diloco", "dct_diloco", "sparseloco") and cfg.settings.inner_optimizer != "adamw":
+        raise ConfigError(f"lowcomm.inner_optimizer {cfg.settings.inner_optimizer!r} does not apply with Megatron-Core: "
+                          "the inner optimizer is Megatron's own (choose Muon there); allowed: adamw")
     if cfg.method == "demo" and cfg.settings.mean_momentum:
         raise ConfigError(f"lowcomm.mean_momentum {cfg.settings.mean_momentum!r} is not supported with Megatron-Core "
                           "yet (its inner optimizer steps along the exchanged mean alone); allowed: 0")
