@@ -46,6 +46,9 @@ RECIPES: dict[str, dict] = {
     # inner lr 2e-3 from the sweep (360 steps to adamw's loss, 390 at 1e-3)
     "mtdao": {"lr": 2e-3, "lowcomm": {"method": "mtdao", "sync_every": 32, "momentum_betas": [0.9, 0.999],
                                       "momentum_weights": [0.5, 0.3]}},
+    # Dion's published defaults (rank 1/4, mu 0.95); the lr of its orthonormal step and AdamW's of the rest
+    # from the exploration of issue 41 (docs/benchmarks.md)
+    "dion": {"lr": 3e-3, "lowcomm": {"method": "dion", "rank_fraction": 0.25, "matrix_lr": 0.02}},
 }
 
 RESULT_COLUMNS = [

@@ -101,6 +101,17 @@ def model_shapes(model: str) -> list[tuple[int, ...]]:
     return MODELS[model][0]()
 
 
+def hidden_matrices(model: str, shapes=None) -> list[bool]:
+    """Per tensor of :func:`model_shapes`, whether it takes an orthonormal step (dion, Muon), as Muon
+    is run (:func:`ds_lowcomm.optim.muon.takes_muon_step`): 2-D, and not an embedding (the GPTs'
+    leading token and position embeddings, the Llamas' leading token embedding) or the untied head
+    (the Llamas' trailing (vocab, hidden))."""
+    shapes = model_shapes(model) if shapes is None else shapes
+    embeddings = 1 if model.startswith("llama") else 2
+    head = len(shapes) - 1 if model.startswith("llama") and len(shapes[-1]) == 2 else None
+    return [len(s) == 2 and i >= embeddings and i != head for i, s in enumerate(shapes)]
+
+
 # -- inputs ---------------------------------------------------------------------------------------
 @dataclass
 class PlanInputs:
@@ -175,9 +186,10 @@ def _state_bytes(settings: dict) -> int:
     return FLOAT_DTYPES[settings.get("state_dtype", "fp32")].itemsize
 
 
-def planned_ledger(method: str, settings: dict, shapes, steps: int) -> dict[str, tuple[int, int]]:
+def planned_ledger(method: str, settings: dict, shapes, steps: int,
+                   matrices: list[bool] | None = None) -> dict[str, tuple[int, int]]:
     """What a run of ``steps`` steps records in its ledger per op (start-up left out): (calls, bytes sent)."""
-    every, messages = sync_messages(method, settings, shapes)
+    every, messages = sync_messages(method, settings, shapes, matrices=matrices)
     out: dict[str, tuple[int, int]] = {}
     for m in messages:
         calls, sent = out.get(m.op, (0, 0))
@@ -185,13 +197,32 @@ def planned_ledger(method: str, settings: dict, shapes, steps: int) -> dict[str,
     return out
 
 
-def sync_messages(method: str, settings: dict, shapes, grad_bytes: int = 4,
-                  param_bytes: int = 4) -> tuple[int, list[Message]]:
+def dion_factor_shapes(shape: tuple[int, ...], rank_fraction: float) -> tuple[int, int, int]:
+    """(rows, cols, r) of a dion matrix's factors: P is rows x r, R and Q cols x r (the matrix
+    viewed tall: its first dimension by the rest, transposed when wide)."""
+    from .optim.dion import dion_rank
+
+    a, b = shape[0], math.prod(shape[1:])
+    return max(a, b), min(a, b), dion_rank(shape, rank_fraction)
+
+
+def sync_messages(method: str, settings: dict, shapes, grad_bytes: int = 4, param_bytes: int = 4,
+                  matrices: list[bool] | None = None) -> tuple[int, list[Message]]:
     """(steps between syncs, the messages of one sync) for ``method`` with ``settings`` (the
-    effective flat settings) over tensors of ``shapes`` (one worker's)."""
+    effective flat settings) over tensors of ``shapes`` (one worker's); ``matrices``: which of
+    them take an orthonormal step (dion's factors; see :func:`hidden_matrices`)."""
     elements = sum(math.prod(s) for s in shapes)
     if method == "adamw":
         return 1, dense_messages("all_reduce", elements, grad_bytes)
+    if method == "dion":
+        if matrices is None:
+            raise ConfigError("plan: dion's bytes need which tensors are hidden matrices (hidden_matrices)")
+        wire = FLOAT_DTYPES[settings["value_dtype"]].itemsize
+        factors = [dion_factor_shapes(s, settings["rank_fraction"]) for s, m in zip(shapes, matrices) if m]
+        others = sum(math.prod(s) for s, m in zip(shapes, matrices) if not m)
+        first = sum(rows * r for rows, _, r in factors) + others  # every P, with the others' gradients
+        second = sum(cols * r for _, cols, r in factors)  # every R
+        return 1, [*dense_messages("dion_all_reduce", first, wire), *dense_messages("dion_all_reduce", second, wire)]
     if method == "demo":
         return 1, [sparse_message("sparse_all_gather", shapes, settings)]
     state = _state_bytes(settings)
@@ -218,11 +249,22 @@ def sync_messages(method: str, settings: dict, shapes, grad_bytes: int = 4,
     raise ConfigError(f"plan: method must be one of {', '.join(METHODS)}; got {method!r}")
 
 
-def state_bytes_per_element(method: str, settings: dict, param_bytes: int = 4) -> float:
-    """Bytes of optimizer state per parameter element (scalars such as step counters left out)."""
+def state_bytes_per_element(method: str, settings: dict, param_bytes: int = 4, shapes=None,
+                            matrices: list[bool] | None = None) -> float:
+    """Bytes of optimizer state per parameter element (scalars such as step counters left out);
+    ``shapes`` and ``matrices`` (which take an orthonormal step): for dion and a Muon inner optimizer."""
     state = _state_bytes(settings)
     if method == "adamw":
         return 2 * param_bytes  # exp_avg, exp_avg_sq in the parameters' dtype
+    if method == "dion" or settings.get("inner_optimizer") == "muon":
+        if shapes is None or matrices is None:
+            raise ConfigError(f"plan: {method}'s state needs the shapes and which are hidden matrices")
+        elements = sum(math.prod(s) for s in shapes)
+        on_matrices = sum(math.prod(s) for s, m in zip(shapes, matrices) if m)
+    if method == "dion":  # momentum and Q on the matrices, AdamW's two moments on the rest, all state_dtype
+        q = sum(cols * r for s, m in zip(shapes, matrices) if m
+                for _, cols, r in [dion_factor_shapes(s, settings["rank_fraction"])])
+        return (state * on_matrices + state * q + 2 * state * (elements - on_matrices)) / elements
     if method == "demo":
         return state  # the momentum
     if method == "mtdao":
@@ -232,21 +274,43 @@ def state_bytes_per_element(method: str, settings: dict, param_bytes: int = 4) -
     outer = settings.get("outer_optimizer", "sgd")
     outer_state = (state if settings.get("outer_momentum", 0.0) else 0) if outer == "sgd" else 2 * state
     residual = state if method in ("dct_diloco", "sparseloco") else 0
-    return 2 * param_bytes + state + outer_state + residual  # inner AdamW, anchor, outer optimizer, residual
+    inner = 2 * param_bytes  # AdamW's two moments; Muon keeps one momentum buffer on the matrices
+    if settings.get("inner_optimizer") == "muon":
+        inner = (param_bytes * on_matrices + 2 * param_bytes * (elements - on_matrices)) / elements
+    return inner + state + outer_state + residual  # inner optimizer, anchor, outer optimizer, residual
 
 
 # -- the time model -------------------------------------------------------------------------------
+def wire_bytes(msg: Message, replicas: int) -> float:
+    """Payload bytes one worker puts on its link for ``msg`` among ``replicas`` workers, as a ring
+    runs the collective (gloo's, NCCL's for large messages): an all-gather forwards every other
+    worker's payload, (n - 1) x P, growing with n; an all-reduce reduce-scatters then all-gathers
+    pieces of N / n, 2 (n - 1) / n x N, under 2N whatever n. (The ledger counts P and N sent; its
+    received (n - 1) x P of an all-gather is this too.) Framing (:data:`WIRE_OVERHEAD`) not included."""
+    n = replicas
+    if n <= 1:
+        return 0.0
+    return (n - 1) * msg.nbytes if msg.kind == "all_gather" else 2 * (n - 1) / n * msg.nbytes
+
+
+def wire_bytes_per_step(method: str, settings: dict, shapes, replicas: int, grad_bytes: int = 4,
+                        param_bytes: int = 4, matrices: list[bool] | None = None) -> float:
+    """Bytes one worker sends on its link per step with ``replicas`` workers (:func:`wire_bytes` of
+    each message of a sync, over the steps between syncs): the figure of ``bench replica_bytes`` and
+    of the planner's link time."""
+    every, messages = sync_messages(method, settings, shapes, grad_bytes, param_bytes, matrices)
+    return sum(wire_bytes(m, replicas) for m in messages) / every
+
+
 def message_seconds(msg: Message, replicas: int, rate_bits: float, latency_s: float) -> float:
     """One collective between ``replicas`` workers as a ring: all-gather n-1 rounds of the whole
-    payload, all-reduce 2(n-1) rounds of 1/n of it; each round a latency plus its framed bytes."""
+    payload, all-reduce 2(n-1) rounds of 1/n of it; each round a latency, and the worker's
+    :func:`wire_bytes` framed over the link's rate."""
     n = replicas
     if n == 1:
         return 0.0
-    if msg.kind == "all_gather":
-        rounds, per_round = n - 1, msg.nbytes
-    else:
-        rounds, per_round = 2 * (n - 1), msg.nbytes / n
-    return rounds * (latency_s + per_round * WIRE_OVERHEAD * 8 / rate_bits)
+    rounds = n - 1 if msg.kind == "all_gather" else 2 * (n - 1)
+    return rounds * latency_s + wire_bytes(msg, n) * WIRE_OVERHEAD * 8 / rate_bits
 
 
 def plan_method(method: str, inputs: PlanInputs, shapes=None) -> dict[str, Any]:
@@ -254,7 +318,8 @@ def plan_method(method: str, inputs: PlanInputs, shapes=None) -> dict[str, Any]:
     raw = {**inputs.methods.get(method, {}), "method": method}
     settings = LowcommConfig.from_dict(raw, where=f"plan.methods.{method}").effective()
     g = inputs.gpus_per_replica
-    every, messages = sync_messages(method, settings, shapes, inputs.grad_bytes, inputs.param_bytes)
+    matrices = hidden_matrices(inputs.model, shapes)
+    every, messages = sync_messages(method, settings, shapes, inputs.grad_bytes, inputs.param_bytes, matrices)
     elements = sum(math.prod(s) for s in shapes)
     # one worker's share: the model's bytes over its replica's G workers
     sync_bytes = sum(m.nbytes for m in messages)
@@ -268,10 +333,11 @@ def plan_method(method: str, inputs: PlanInputs, shapes=None) -> dict[str, Any]:
     comm_step, codec_step = comm_sync / every, codec_sync / every
     exposed = max(0.0, comm_step - inputs.compute_s) if overlapped else comm_step
     step_s = inputs.compute_s + codec_step + exposed
-    state = state_bytes_per_element(method, settings, inputs.param_bytes) * elements
+    state = state_bytes_per_element(method, settings, inputs.param_bytes, shapes, matrices) * elements
     per_gpu = state / g if inputs.zero_stage >= 1 else state
     return {"method": method, "sync_every": every, "bytes_per_sync": per_worker_sync,
             "bytes_per_step": per_worker_sync / every, "messages_per_sync": len(messages),
+            "wire_bytes_per_step": sum(wire_bytes(m, inputs.replicas) for m in messages) / every / g,
             "comm_s_per_step": comm_step, "codec_s_per_step": codec_step, "step_s": step_s,
             "state_bytes_per_gpu": per_gpu, "parameters": elements, "settings": settings}
 

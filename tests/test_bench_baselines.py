@@ -135,3 +135,8 @@ def test_time_to_loss_compares_against_the_fastest_dense_entry():
     # without the overlapped entries, plain adamw is the baseline, as before
     assert {r["dense_baseline"] for r in rows_for(2, "slow", ["adamw", "demo"], results["slow"], 1.0)} == {"adamw"}
     assert fastest_dense(["adamw", "demo"], results["slow"]) == "adamw"
+    # DDP with Muon is a dense entry too: where it reaches the target first, the speed-ups are against it
+    results["slow"]["muon_bf16"] = result_of({0: _run_of(0.3, 10)}, None, None, 1.0)  # 3 s against bf16 adamw's 10
+    with_muon = {r["entry"]: r for r in rows_for(2, "slow", [*entries, "muon_bf16"], results["slow"], 1.0)}
+    assert {r["dense_baseline"] for r in with_muon.values()} == {"muon_bf16"}
+    assert with_muon["demo"]["speedup_vs_dense"] == pytest.approx(3.0 / 2.5)

@@ -34,7 +34,10 @@ LOWCOMM = {
 }
 # Streaming syncs cut the model into parameter fragments: ZeRO 0 only (ZeRO 1/2 hand one flat partition).
 ZERO0_ONLY = {"diloco_streaming": {"method": "diloco", "sync_every": 3, "fragments": 3, "sync_delay": 1},
-              "demo_muon": {"method": "demo", "topk": 4, "chunk": 8, "update": "muon"}}  # embeddings by sign both ways
+              "demo_muon": {"method": "demo", "topk": 4, "chunk": 8, "update": "muon"},  # embeddings by sign both ways
+              # whole weight matrices too: Dion's factors, and MuLoCo's inner Muon (groups from model_param_groups)
+              "dion": {"method": "dion", "rank_fraction": 0.5, "matrix_lr": 0.02},
+              "muloco": {"method": "diloco", "sync_every": 3, "inner_optimizer": "muon"}}
 
 
 def ds_config(method, stage=0, replica_size=1, **extra):
@@ -216,6 +219,10 @@ def test_bf16_engines(two_ranks):
          "lowcomm.update muon needs zero_optimization.stage 0 in fp32 .* got stage 2"),
         (lambda c: (c["lowcomm"].update(update="muon"), c.update(bf16={"enabled": True})),
          "lowcomm.update muon needs zero_optimization.stage 0 in fp32 .* got stage 0, bf16.enabled true"),
+        (lambda c: (c["lowcomm"].update(method="sparseloco", inner_optimizer="muon"), c.update(zero_optimization={"stage": 1})),
+         "lowcomm.inner_optimizer muon needs zero_optimization.stage 0 in fp32 .* got stage 1"),
+        (lambda c: (c.update(lowcomm={"method": "dion"}), c.update(zero_optimization={"stage": 3})),
+         "lowcomm.method dion needs zero_optimization.stage 0 in fp32 .* got stage 3"),
     ],
 )
 def test_config_errors(mutate, message):

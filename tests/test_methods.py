@@ -35,6 +35,7 @@ def _jobs(world):
                  ("demo_adam", _demo_worker, (5, False, "adam")), ("demo_normalized", _demo_worker, (5, False, "normalized")),
                  ("demo_muon", _demo_worker, (5, False, "muon")),
                  ("demo_outer", _demo_worker, (5, False, "sign", 0.8)),
+                 ("demo_keep", _demo_worker, (5, False, "muon", 0.0, 0.9)),
                  ("zero_first", _zero_first_gradients_worker, ()),  # these two build groups of their own
                  ("nonfinite", _nonfinite_worker, ())]
     return jobs
@@ -59,13 +60,14 @@ def launches():
 DEMO = dict(lr=0.01, decay=0.9, topk=8, chunk=8, weight_decay=0.1)
 
 
-def _demo_worker(rank, world, steps, overlap=False, update="sign", mean_momentum=0.0):
+def _demo_worker(rank, world, steps, overlap=False, update="sign", mean_momentum=0.0, keep_sent=0.0):
     model = tiny_model()
     initial = [p.detach().clone() for p in model.parameters()]
     params = model.parameters()
     if update == "muon":  # the last layer in a group of its own rule, sign (MUON_RULES)
         params = [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters()), "update": "sign"}]
-    opt = DeMo(params, **DEMO, overlap=overlap, update=update, beta2=0.9, mean_momentum=mean_momentum)
+    opt = DeMo(params, **DEMO, overlap=overlap, update=update, beta2=0.9, mean_momentum=mean_momentum,
+               keep_sent=keep_sent)
     grads = []
     for s in range(steps):
         tiny_loss(model, rank, s).backward()
@@ -136,12 +138,13 @@ def _orthogonalized(q):
 MUON_RULES = ["muon", "muon", "sign", "sign"]
 
 
-def _replay_demo(initial, grads_by_rank, delayed=False, update="sign", mean_momentum=0.0):
+def _replay_demo(initial, grads_by_rank, delayed=False, update="sign", mean_momentum=0.0, keep_sent=0.0):
     """DeMo from its definition; ``delayed``: each step moves along the previous step's exchange;
     ``update``: the step along the exchanged mean q, sign(q) (DeMo's), Adam's q / sqrt(v) with v
     the bias-corrected running mean of q^2 (beta2 0.9), q / rms(q), or Muon's (the parameters
     MUON_RULES names, the others sign); ``mean_momentum`` b: q is
-    first replaced by q + b * u, u the running sum u = b * u + q."""
+    first replaced by q + b * u, u the running sum u = b * u + q; ``keep_sent`` k: a rank's momentum
+    loses (1 - k) x what it sent (Dion's error feedback), not all of it."""
     world, steps = len(grads_by_rank), len(grads_by_rank[0])
     params = [p.double().numpy().copy() for p in initial]
     moms = [[np.zeros_like(p) for p in params] for _ in range(world)]
@@ -165,7 +168,7 @@ def _replay_demo(initial, grads_by_rank, delayed=False, update="sign", mean_mome
                     top = np.argsort(-np.abs(coeffs[b]))[:k]
                     kept[b, top] = coeffs[b, top]
                 kept_t = from_blocks(torch.as_tensor(kept).reshape(plan.num_blocks, plan.h, plan.w), plan).numpy()
-                m -= _block_dct(kept_t, plan, inverse=True)
+                m -= (1 - keep_sent) * _block_dct(kept_t, plan, inverse=True)
                 total += kept_t
                 count += kept_t != 0
             q = _block_dct(total / np.maximum(count, 1), plan, inverse=True)
@@ -204,16 +207,17 @@ def test_demo_matches_single_process_replay_and_replicas_agree(world, launches):
             "calls": 5, "sent": 5 * r["payload"], "received": 5 * (world - 1) * r["payload"]}
 
 
-@pytest.mark.parametrize("job,update,mean_momentum", [("demo_adam", "adam", 0.0),
-                                                        ("demo_normalized", "normalized", 0.0),
-                                                        ("demo_muon", "muon", 0.0),
-                                                        ("demo_outer", "sign", 0.8)])
-def test_demo_update_rules_match_the_replay(job, update, mean_momentum, launches):
+@pytest.mark.parametrize("job,update,mean_momentum,keep_sent", [("demo_adam", "adam", 0.0, 0.0),
+                                                                  ("demo_normalized", "normalized", 0.0, 0.0),
+                                                                  ("demo_muon", "muon", 0.0, 0.0),
+                                                                  ("demo_outer", "sign", 0.8, 0.0),
+                                                                  ("demo_keep", "muon", 0.0, 0.9)])
+def test_demo_update_rules_match_the_replay(job, update, mean_momentum, keep_sent, launches):
     """The other steps along the exchanged mean: the replay's, replicas bit-identical, and not sign's."""
     results = launches(2, job)
     assert len({r["digest"] for r in results}) == 1
     replay = _replay_demo(results[0]["initial"], [r["grads"] for r in results], update=update,
-                          mean_momentum=mean_momentum)
+                          mean_momentum=mean_momentum, keep_sent=keep_sent)
     for got, want in zip(results[0]["final"], replay):
         np.testing.assert_allclose(got.double().numpy(), want, atol=1e-5)
     signs = _replay_demo(results[0]["initial"], [r["grads"] for r in results])
