@@ -7,7 +7,7 @@ import sys
 
 # name -> module of ds_lowcomm.bench with a main(argv) that writes its CSV (most also a PNG) under --out
 BENCHMARKS = {name: name for name in ("network", "peers", "codec", "scaling", "vision", "streaming", "hetero",
-                                      "megatron", "demo_sign", "overlap", "time_to_loss", "sweep", "faults", "hf", "plan_check", "plan_scale",
+                                      "megatron", "demo_sign", "overlap", "time_to_loss", "sweep", "faults", "hf", "plan_check", "plan_scale", "muon_directions",
                                       "replica_bytes")}
 
 
