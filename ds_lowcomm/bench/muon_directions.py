@@ -46,6 +46,10 @@ METHODS = {
     "demo_muon topk 64 mean_momentum 0.95": {"chunk": 8, "topk": 64, "decay": 0.995, "mean_momentum": 0.95},
     "dion rank 1/4": {"dion": 0.25},
     "dion rank 1/32": {"dion": 0.03125},
+    # error feedback on the gradient through a rank-r power iteration (PowerSGD's), the decoded mean
+    # into a momentum kept apart (the same on every rank) and Muon's step on it (Nesterov's form)
+    "powersgd rank 1 + muon": {"powersgd": 1},
+    "powersgd rank 4 + muon": {"powersgd": 4},
 }
 
 
@@ -105,6 +109,37 @@ class DionDirection:
         return out
 
 
+class PowerSGDMuonDirection:
+    """PowerSGD's compressed mean of the ranks' gradients plus error feedback (rank r, one warm-started
+    power iteration), Muon's Nesterov momentum on the decoded mean, and its orthogonalised step."""
+
+    def __init__(self, shapes, rank: int, ranks: int, mu: float = 0.95):
+        self.mu = mu
+        self.errs = [[torch.zeros(sh) for sh in shapes] for _ in range(ranks)]
+        self.moms = [torch.zeros(sh) for sh in shapes]
+        self.qs = [torch.randn(min(sh), min(rank, *sh), generator=torch.Generator().manual_seed(i))
+                   for i, sh in enumerate(shapes)]
+
+    def step(self, grads_by_rank, lr: float) -> list[torch.Tensor]:
+        out = []
+        for i, q in enumerate(self.qs):
+            tall = self.moms[i].shape[0] >= self.moms[i].shape[1]
+            bs = []
+            for errs, grads in zip(self.errs, grads_by_rank):
+                errs[i].add_(grads[i])
+                bs.append(errs[i] if tall else errs[i].T)
+            p = torch.linalg.qr(sum(b @ q for b in bs) / len(bs)).Q
+            r = sum(b.T @ p for b in bs) / len(bs)
+            mean = p @ r.T
+            for b in bs:
+                b.sub_(mean)
+            self.qs[i] = r
+            g = mean if tall else mean.T
+            self.moms[i].mul_(self.mu).add_(g)
+            out.append(orthogonalize(g + self.mu * self.moms[i]))
+        return out
+
+
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a * b).sum() / (a.norm() * b.norm()).clamp_min(1e-30))
 
@@ -132,8 +167,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
     opt = MuonWithAdamW(muon_params, others, muon=muon_kw, adamw={"lr": args.lr, "betas": spec.betas})
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args.warmup, args.schedule_steps))
     shapes = [tuple(p.shape) for p in muon_params]
-    follow = {m: (DionDirection(shapes, METHODS[m]["dion"], 2) if "dion" in METHODS[m]
-                  else DemoDirection(shapes, METHODS[m], 2)) for m in methods}
+    def follower(settings):
+        if "dion" in settings:
+            return DionDirection(shapes, settings["dion"], 2)
+        if "powersgd" in settings:
+            return PowerSGDMuonDirection(shapes, settings["powersgd"], 2)
+        return DemoDirection(shapes, settings, 2)
+
+    follow = {m: follower(METHODS[m]) for m in methods}
     momentum = [torch.zeros(sh) for sh in shapes]
     sums = {m: 0.0 for m in methods}
     rows = []
