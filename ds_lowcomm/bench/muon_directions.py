@@ -50,7 +50,13 @@ METHODS = {
     # into a momentum kept apart (the same on every rank) and Muon's step on it (Nesterov's form)
     "powersgd rank 1 + muon": {"powersgd": 1},
     "powersgd rank 4 + muon": {"powersgd": 4},
+    # for scale: dense, without momentum; and one rank's own Muon on its half of the batch
+    "orth(mean g) without momentum": {"dense": 0.0},
+    "rank 0's own Muon": {"dense": 0.95, "ranks": [0]},
 }
+DEFAULT_METHODS = ("demo_muon", "demo_muon_c16", "demo_muon mean_momentum 0.95", "demo_muon topk 8 mean_momentum 0.95",
+                   "demo_muon topk 64 mean_momentum 0.95", "dion rank 1/4", "powersgd rank 4 + muon",
+                   "orth(mean g) without momentum", "rank 0's own Muon")
 
 
 class DemoDirection:
@@ -140,6 +146,23 @@ class PowerSGDMuonDirection:
         return out
 
 
+class DenseDirection:
+    """Muon's step on the mean gradient of ``ranks`` (all: dense; one: that rank alone), momentum ``mu``."""
+
+    def __init__(self, shapes, mu: float, ranks: list[int] | None):
+        self.mu, self.ranks = mu, ranks
+        self.moms = [torch.zeros(sh) for sh in shapes]
+
+    def step(self, grads_by_rank, lr: float) -> list[torch.Tensor]:
+        chosen = [grads_by_rank[r] for r in (self.ranks or range(len(grads_by_rank)))]
+        out = []
+        for i, m in enumerate(self.moms):
+            g = sum(gs[i] for gs in chosen) / len(chosen)
+            m.mul_(self.mu).add_(g)
+            out.append(orthogonalize(g + self.mu * m))
+        return out
+
+
 def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a * b).sum() / (a.norm() * b.norm()).clamp_min(1e-30))
 
@@ -147,14 +170,14 @@ def cosine(a: torch.Tensor, b: torch.Tensor) -> float:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m ds_lowcomm.bench muon_directions", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/bench/muon_directions")
-    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=100)
     ap.add_argument("--schedule-steps", type=int, default=900, help="the schedule's length (the fair protocol's budget)")
-    ap.add_argument("--window", type=int, default=25)
+    ap.add_argument("--window", type=int, default=20)
     ap.add_argument("--lr", type=float, default=0.008, help="AdamW's (dense Muon's tuned)")
     ap.add_argument("--muon-lr", type=float, default=0.05)
     ap.add_argument("--demo-lr", type=float, default=0.006, help="folded into demo's momenta (its schedule)")
     ap.add_argument("--warmup", type=int, default=40)
-    ap.add_argument("--methods", default=",".join(METHODS))
+    ap.add_argument("--methods", default=",".join(DEFAULT_METHODS), help=f"comma list of: {', '.join(METHODS)}")
     add_model_args(ap)
     args = ap.parse_args(argv)
     methods = [m.strip() for m in args.methods.split(",")]
@@ -172,6 +195,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             return DionDirection(shapes, settings["dion"], 2)
         if "powersgd" in settings:
             return PowerSGDMuonDirection(shapes, settings["powersgd"], 2)
+        if "dense" in settings:
+            return DenseDirection(shapes, settings["dense"], settings.get("ranks"))
         return DemoDirection(shapes, settings, 2)
 
     follow = {m: follower(METHODS[m]) for m in methods}
