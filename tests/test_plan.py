@@ -115,7 +115,8 @@ def test_the_plan_command_writes_its_table_and_json(tmp_path, capsys):
     rows = {r["method"]: r for r in result["rows"]}
     assert "llama-8b" in out and set(rows) == set(RECIPES)
     assert {m: round(r["speedup_vs_adamw"], 1) for m, r in rows.items()} == {
-        "adamw": 1.0, "demo": 6.0, "diloco": 4.4, "dct_diloco": 6.3, "sparseloco": 6.8, "mtdao": 2.0}
+        "adamw": 1.0, "demo": 6.0, "diloco": 4.4, "dct_diloco": 6.3, "sparseloco": 6.8, "mtdao": 2.0,
+        "dion": 1.4}
     assert round(result["comm_compute_ratio"], 1) == 10.1
     # adamw's comm: its health flag's all-gather (n-1 rounds, a latency each) and a ring all-reduce
     # of bf16 gradients (each worker's 1/8), 2(n-1) rounds of 1/n

@@ -95,10 +95,10 @@ VARIANTS = {"diloco_streaming": ("diloco", {"fragments": 4, "sync_delay": 4}), "
             "muloco": ("diloco", {"inner_optimizer": "muon"}),
             "muloco_sparse": ("sparseloco", {"inner_optimizer": "muon"}),
             # issue 41: Muon's step taken locally, then its pseudo-gradient every 5 steps through demo's
-            # codec (4 of each 8x8 block's 64 DCT components, int8, error feedback): MuLoCo's design
+            # codec (4 of each 8x8 block's 64 DCT components, 2-bit values, error feedback): MuLoCo's design
             # with DCT, ds_lowcomm's dct_diloco with inner_optimizer muon
             "muloco_dct": ("dct_diloco", {"inner_optimizer": "muon", "inner_muon_lr": 0.05, "sync_every": 5, "topk": 4,
-                                          "chunk": 8, "value_dtype": "int8", "decay": 0.99, "outer_lr": 1.0,
+                                          "chunk": 8, "value_dtype": "2bit", "decay": 0.99, "outer_lr": 1.0,
                                           "outer_momentum": 0.0, "average": "world"})}
 
 
