@@ -22,7 +22,8 @@ ledger can time; the overlapped entries hide part of theirs behind the backward 
 ``time_to_loss.csv/.json/.png``; runs are cached (shared with ``network`` and ``peers``).
 With ``--from-sweep``, each entry runs at its best configuration in a ``bench sweep`` CSV
 (:func:`ds_lowcomm.bench.tuning.best`, by ``--tune-by`` at ``--tune-budget``), adamw's target run
-too, and adamw's DDP forms at adamw's unless they have rows of their own; without it, at its
+too, and the DDP forms at the fp32 entry's with their optimizer (adamw's for adamw_overlap and
+adamw_overlap_bf16, muon's for muon_bf16) unless they have rows of their own; without it, at its
 recipe.
 
 Seeds (issue 27's fair protocol): with ``--seeds 1,2,3`` every entry trains to the target from
@@ -300,10 +301,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.from_sweep:
         tuned = {e: r["settings"] for e, r in best(args.from_sweep, budget=args.tune_budget or budget,
                                                    rank_by=args.tune_by).items()}
-        # adamw's DDP forms: the same optimizer and math, so adamw's tuning (Muon's have their own)
-        for entry in (e for e in BASELINES if BASELINES[e].get("optimizer", "adamw") == "adamw"):
-            if entry not in tuned and "adamw" in tuned:
-                tuned[entry] = tuned["adamw"]
+        # the DDP forms without rows of their own: the tuning of the fp32 entry with their optimizer (the
+        # same optimizer and math, the gradient reduced in fp32 or bf16): adamw's for adamw_overlap(_bf16),
+        # muon's for muon_bf16
+        for entry, peer in BASELINES.items():
+            reference = "adamw" if peer.get("optimizer", "adamw") == "adamw" else peer["optimizer"]
+            if entry not in tuned and reference in tuned:
+                tuned[entry] = tuned[reference]
         print(f"from {args.from_sweep}: {', '.join(f'{e} {json.dumps(tuned[e])}' for e in entries if e in tuned)}; "
               f"recipe: {', '.join(e for e in entries if e not in tuned) or '-'}", flush=True)
 
