@@ -55,6 +55,10 @@ RECIPES: dict[str, dict] = {
     # 0.999) warming up over the first third, then momentum zeroed, one momentum 0.999 weighted 0.98,
     # beta2 0.999, lr x4 held, parameters and both moments averaged every 32 steps; clipping 1.0
     "mtdao": {"lr": 1e-3, "clip_grad": 1.0, "lr_decay": "none", "warm_start": 1 / 3, "lowcomm": MTDAO_PUBLISHED},
+    # Dion's published defaults (rank 1/4, mu 0.95); the lr of its orthonormal step (0.02) and AdamW's of
+    # the rest (4e-3) from the exploration of issue 41: 190 steps to the tuned adamw's loss on seed 0
+    # (docs/benchmarks.md, "Issue 41"; matrix_lr 0.04: 220; rank 1/32: 490)
+    "dion": {"lr": 4e-3, "lowcomm": {"method": "dion", "rank_fraction": 0.25, "matrix_lr": 0.02}},
 }
 # Spec fields a recipe (or --config's override for a method) may set beside lr and lowcomm
 RECIPE_FIELDS = ("weight_decay", "clip_grad", "lr_decay")

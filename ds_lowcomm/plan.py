@@ -90,11 +90,14 @@ CODEC_GBPS = {"cpu": (0.0768, "CPU, in training at 101M parameters, 2026-11-26 (
 # the outer methods were not run there, so theirs are against the untuned adamw's target
 # (docs/bench/time_to_loss_issue17.csv: adamw 225, diloco 285, dct_diloco 330, sparseloco 345,
 # mtdao 360), where demo's was 195/225: likely optimistic for them. An input: --steps-ratio.
+# dion: its recipe's steps on seed 0 against the tuned adamw's median (issue 41's exploration: one seed,
+# not tuned under the fair protocol).
 STEPS_RATIO = {"adamw": 1.0, "demo": 260 / 240, "diloco": 285 / 225, "dct_diloco": 330 / 225,
-               "sparseloco": 345 / 225, "mtdao": 360 / 225}
+               "sparseloco": 345 / 225, "mtdao": 360 / 225, "dion": 190 / 240}
 STEPS_RATIO_SOURCE = {"adamw": "definition", "demo": "time_to_loss.csv (tuned adamw's target)",
                       **{m: "time_to_loss_issue17.csv (untuned adamw's target)"
-                         for m in ("diloco", "dct_diloco", "sparseloco", "mtdao")}}
+                         for m in ("diloco", "dct_diloco", "sparseloco", "mtdao")},
+                      "dion": "sweep.csv, issue 41 (seed 0, tuned adamw's target)"}
 
 
 # -- the model's shapes ---------------------------------------------------------------------------
@@ -129,6 +132,17 @@ def model_shapes(model: str) -> list[tuple[int, ...]]:
     if model not in MODELS:
         raise ConfigError(f"plan: model must be one of {', '.join(MODELS)}; got {model!r}")
     return MODELS[model][0]()
+
+
+def hidden_matrices(model: str, shapes=None) -> list[bool]:
+    """Per tensor of :func:`model_shapes`, whether it takes an orthonormal step (dion, Muon), as Muon
+    is run (:func:`ds_lowcomm.optim.muon.takes_muon_step`): 2-D, and not an embedding (the GPTs'
+    leading token and position embeddings, the Llamas' leading token embedding) or the untied head
+    (the Llamas' trailing (vocab, hidden))."""
+    shapes = model_shapes(model) if shapes is None else shapes
+    embeddings = 1 if model.startswith("llama") else 2
+    head = len(shapes) - 1 if model.startswith("llama") and len(shapes[-1]) == 2 else None
+    return [len(s) == 2 and i >= embeddings and i != head for i, s in enumerate(shapes)]
 
 
 # -- inputs ---------------------------------------------------------------------------------------
@@ -224,11 +238,12 @@ def _state_bytes(settings: dict) -> int:
     return FLOAT_DTYPES[settings.get("state_dtype", "fp32")].itemsize
 
 
-def planned_ledger(method: str, settings: dict, shapes, steps: int) -> dict[str, tuple[int, int]]:
+def planned_ledger(method: str, settings: dict, shapes, steps: int,
+                   matrices: list[bool] | None = None) -> dict[str, tuple[int, int]]:
     """What a run of ``steps`` steps records in its ledger per op (start-up left out): (calls, bytes
     sent). A streaming outer method's fragments each sync on their own step of every H; mtdao's
     ``switch_step`` S: S steps of a dense gradient mean, then syncs counted from S."""
-    every = sync_messages(method, settings, shapes)[0]
+    every = sync_messages(method, settings, shapes, matrices=matrices)[0]
     warm = min(steps, settings.get("switch_step", 0)) if method == "mtdao" else 0
     out: dict[str, tuple[int, int]] = {}
 
@@ -239,7 +254,7 @@ def planned_ledger(method: str, settings: dict, shapes, steps: int) -> dict[str,
 
     for m in warm_messages(shapes) if warm else []:
         add(m, warm)
-    fragments = fragment_messages(method, settings, shapes)
+    fragments = fragment_messages(method, settings, shapes, matrices=matrices)
     for f, messages in enumerate(fragments):
         if every == 1:
             syncs = steps - warm
@@ -275,10 +290,14 @@ def fragment_shapes(settings: dict, shapes) -> list[list[tuple[int, ...]]]:
 
 
 def fragment_messages(method: str, settings: dict, shapes, grad_bytes: int = 4,
-                      param_bytes: int = 4) -> list[list[Message]]:
+                      param_bytes: int = 4, matrices: list[bool] | None = None) -> list[list[Message]]:
     """The messages of one sync of each streaming fragment (one list without streaming)."""
-    return [sync_messages(method, settings, part, grad_bytes, param_bytes)[1]
-            for part in fragment_shapes(settings, shapes)]
+    parts = fragment_shapes(settings, shapes)
+    if len(parts) == 1:
+        return [sync_messages(method, settings, shapes, grad_bytes, param_bytes, matrices)[1]]
+    if method == "dion":
+        raise ConfigError("plan: dion has no streaming fragments")
+    return [sync_messages(method, settings, part, grad_bytes, param_bytes)[1] for part in parts]
 
 
 def warm_messages(shapes, grad_bytes: int = 4) -> list[Message]:
@@ -286,13 +305,32 @@ def warm_messages(shapes, grad_bytes: int = 4) -> list[Message]:
     return dense_messages("mtdao_grad_all_reduce", sum(math.prod(s) for s in shapes), grad_bytes)
 
 
-def sync_messages(method: str, settings: dict, shapes, grad_bytes: int = 4,
-                  param_bytes: int = 4) -> tuple[int, list[Message]]:
+def dion_factor_shapes(shape: tuple[int, ...], rank_fraction: float) -> tuple[int, int, int]:
+    """(rows, cols, r) of a dion matrix's factors: P is rows x r, R and Q cols x r (the matrix
+    viewed tall: its first dimension by the rest, transposed when wide)."""
+    from .optim.dion import dion_rank
+
+    a, b = shape[0], math.prod(shape[1:])
+    return max(a, b), min(a, b), dion_rank(shape, rank_fraction)
+
+
+def sync_messages(method: str, settings: dict, shapes, grad_bytes: int = 4, param_bytes: int = 4,
+                  matrices: list[bool] | None = None) -> tuple[int, list[Message]]:
     """(steps between syncs, the messages of one sync) for ``method`` with ``settings`` (the
-    effective flat settings) over tensors of ``shapes`` (one worker's)."""
+    effective flat settings) over tensors of ``shapes`` (one worker's); ``matrices``: which of
+    them take an orthonormal step (dion's factors; see :func:`hidden_matrices`)."""
     elements = sum(math.prod(s) for s in shapes)
     if method == "adamw":
         return 1, dense_messages("all_reduce", elements, grad_bytes)
+    if method == "dion":
+        if matrices is None:
+            raise ConfigError("plan: dion's bytes need which tensors are hidden matrices (hidden_matrices)")
+        wire = FLOAT_DTYPES[settings["value_dtype"]].itemsize
+        factors = [dion_factor_shapes(s, settings["rank_fraction"]) for s, m in zip(shapes, matrices) if m]
+        others = sum(math.prod(s) for s, m in zip(shapes, matrices) if not m)
+        first = sum(rows * r for rows, _, r in factors) + others  # every P, with the others' gradients
+        second = sum(cols * r for _, cols, r in factors)  # every R
+        return 1, [*dense_messages("dion_all_reduce", first, wire), *dense_messages("dion_all_reduce", second, wire)]
     if method == "demo":
         return 1, [sparse_message("sparse_all_gather", shapes, settings)]
     state = _state_bytes(settings)
@@ -319,11 +357,22 @@ def sync_messages(method: str, settings: dict, shapes, grad_bytes: int = 4,
     raise ConfigError(f"plan: method must be one of {', '.join(METHODS)}; got {method!r}")
 
 
-def state_bytes_per_element(method: str, settings: dict, param_bytes: int = 4) -> float:
-    """Bytes of optimizer state per parameter element (scalars such as step counters left out)."""
+def state_bytes_per_element(method: str, settings: dict, param_bytes: int = 4, shapes=None,
+                            matrices: list[bool] | None = None) -> float:
+    """Bytes of optimizer state per parameter element (scalars such as step counters left out);
+    ``shapes`` and ``matrices`` (which take an orthonormal step): for dion and a Muon inner optimizer."""
     state = _state_bytes(settings)
     if method == "adamw":
         return 2 * param_bytes  # exp_avg, exp_avg_sq in the parameters' dtype
+    if method == "dion" or settings.get("inner_optimizer") == "muon":
+        if shapes is None or matrices is None:
+            raise ConfigError(f"plan: {method}'s state needs the shapes and which are hidden matrices")
+        elements = sum(math.prod(s) for s in shapes)
+        on_matrices = sum(math.prod(s) for s, m in zip(shapes, matrices) if m)
+    if method == "dion":  # momentum and Q on the matrices, AdamW's two moments on the rest, all state_dtype
+        q = sum(cols * r for s, m in zip(shapes, matrices) if m
+                for _, cols, r in [dion_factor_shapes(s, settings["rank_fraction"])])
+        return (state * on_matrices + state * q + 2 * state * (elements - on_matrices)) / elements
     if method == "demo":
         return state  # the momentum
     if method == "mtdao":
@@ -334,7 +383,10 @@ def state_bytes_per_element(method: str, settings: dict, param_bytes: int = 4) -
     outer = settings.get("outer_optimizer", "sgd")
     outer_state = (state if settings.get("outer_momentum", 0.0) else 0) if outer == "sgd" else 2 * state
     residual = state if method in ("dct_diloco", "sparseloco") else 0
-    return 2 * param_bytes + state + outer_state + residual  # inner AdamW, anchor, outer optimizer, residual
+    inner = 2 * param_bytes  # AdamW's two moments; Muon keeps one momentum buffer on the matrices
+    if settings.get("inner_optimizer") == "muon":
+        inner = (param_bytes * on_matrices + 2 * param_bytes * (elements - on_matrices)) / elements
+    return inner + state + outer_state + residual  # inner optimizer, anchor, outer optimizer, residual
 
 
 def muon_memory(shapes, other: set[int], gpus: int, zero_stage: int, state_bytes: int = 4) -> dict[str, float]:
@@ -365,6 +417,19 @@ def ring_rounds(kind: str, replicas: int) -> tuple[int, float]:
     if n <= 1:
         return 0, 0.0
     return (n - 1, 1.0) if kind == "all_gather" else (2 * (n - 1), 1.0 / n)
+
+
+def wire_bytes(msg: Message, replicas: int) -> float:
+    """:func:`wire_bytes_sent` of one message."""
+    return wire_bytes_sent(msg.kind, msg.nbytes, replicas)
+
+
+def wire_bytes_per_step(method: str, settings: dict, shapes, replicas: int, grad_bytes: int = 4,
+                        param_bytes: int = 4, matrices: list[bool] | None = None) -> float:
+    """Bytes one worker sends on its link per step with ``replicas`` workers (:func:`wire_bytes` of
+    each message of a sync, over the steps between syncs): the figure of ``bench replica_bytes``."""
+    every, messages = sync_messages(method, settings, shapes, grad_bytes, param_bytes, matrices)
+    return sum(wire_bytes(m, replicas) for m in messages) / every
 
 
 def wire_bytes_sent(kind: str, nbytes: float, replicas: int) -> float:
@@ -431,8 +496,9 @@ def plan_method(method: str, inputs: PlanInputs, shapes=None) -> dict[str, Any]:
     raw = {**inputs.methods.get(method, {}), "method": method}
     settings = LowcommConfig.from_dict(raw, where=f"plan.methods.{method}").effective()
     g, n = inputs.gpus_per_replica, inputs.replicas
-    every = sync_messages(method, settings, shapes, inputs.grad_bytes, inputs.param_bytes)[0]
-    fragments = fragment_messages(method, settings, shapes, inputs.grad_bytes, inputs.param_bytes)
+    matrices = hidden_matrices(inputs.model, shapes)
+    every = sync_messages(method, settings, shapes, inputs.grad_bytes, inputs.param_bytes, matrices)[0]
+    fragments = fragment_messages(method, settings, shapes, inputs.grad_bytes, inputs.param_bytes, matrices)
     messages = [m for part in fragments for m in part]  # one sync of every fragment: H steps' worth
     elements = sum(math.prod(s) for s in shapes)
     # one worker's share: the model's bytes over its replica's G workers
@@ -464,7 +530,7 @@ def plan_method(method: str, inputs: PlanInputs, shapes=None) -> dict[str, Any]:
         bytes_step = warm * sum(m.nbytes for m in warm_msgs) + (1 - warm) * bytes_step
         wire_step = warm * sum(wire_bytes_sent(m.kind, m.nbytes, n) for m in warm_msgs) + (1 - warm) * wire_step
     step_s = inputs.compute_s + codec_step + exposed_step
-    state = state_bytes_per_element(method, settings, inputs.param_bytes) * elements
+    state = state_bytes_per_element(method, settings, inputs.param_bytes, shapes, matrices) * elements
     per_gpu = state / g if inputs.zero_stage >= 1 else state
     return {"method": method, "sync_every": every, "replicas": n, "bytes_per_sync": per_worker_sync,
             "bytes_per_step": bytes_step, "wire_bytes_per_sync": wire_sync, "wire_bytes_per_step": wire_step,

@@ -219,6 +219,13 @@ def _check_supported(model_chunks, optimizer, cfg: LowcommConfig) -> None:
         raise ConfigError("lowcomm.overlap must be false with Megatron-Core: DeMo's exchange already runs in "
                           "Megatron's bucket-level gradient sync (overlap_grad_reduce overlaps it with the "
                           "backward pass); allowed: false")
+    if cfg.method == "dion":
+        raise ConfigError("lowcomm.method 'dion' is not supported with Megatron-Core yet (its orthonormal step needs "
+                          "whole weight matrices and two all-reduces inside the optimizer step); allowed: "
+                          "adamw, demo, diloco, dct_diloco, sparseloco, mtdao")
+    if cfg.method in ("diloco", "dct_diloco", "sparseloco") and cfg.settings.inner_optimizer != "adamw":
+        raise ConfigError(f"lowcomm.inner_optimizer {cfg.settings.inner_optimizer!r} does not apply with Megatron-Core: "
+                          "the inner optimizer is Megatron's own (--optimizer muon for Muon); allowed: adamw")
     if ps.get_context_parallel_world_size() != 1:
         raise ConfigError("Megatron-Core with context parallelism > 1 is not supported by ds_lowcomm yet")
     if len(model_chunks) != 1:

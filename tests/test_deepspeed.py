@@ -37,7 +37,10 @@ ZERO0_ONLY = {"diloco_streaming": {"method": "diloco", "sync_every": 3, "fragmen
               "demo_muon": {"method": "demo", "topk": 4, "chunk": 8, "update": "muon"},  # embeddings by sign both ways
               # the authors' recipe: its warm start's gradient mean, the switch, lr x4, its own beta2
               "mtdao_recipe": {"method": "mtdao", "sync_every": 3, "momentum_betas": [0.999], "momentum_weights": [0.98],
-                               "beta2": 0.999, "switch_step": 2, "switch_lr_scale": 4.0}}
+                               "beta2": 0.999, "switch_step": 2, "switch_lr_scale": 4.0},
+              # whole weight matrices too: Dion's factors, and MuLoCo's inner Muon (groups from model_param_groups)
+              "dion": {"method": "dion", "rank_fraction": 0.5, "matrix_lr": 0.02},
+              "muloco": {"method": "diloco", "sync_every": 3, "inner_optimizer": "muon"}}
 
 
 def ds_config(method, stage=0, replica_size=1, **extra):
@@ -232,6 +235,10 @@ def test_bf16_engines(two_ranks):
         # (update muon at ZeRO 1-3 and in bf16 runs now: tests/test_deepspeed_muon.py)
         (lambda c: c.update(optimizer={"type": "Lion", "params": {"lr": 1e-3}}),
          "optimizer.type must be one of Adam, AdamW, Muon with lowcomm; got 'Lion'"),
+        (lambda c: (c["lowcomm"].update(method="sparseloco", inner_optimizer="muon"), c.update(zero_optimization={"stage": 1})),
+         "lowcomm.inner_optimizer muon needs zero_optimization.stage 0 in fp32 .* got stage 1"),
+        (lambda c: (c.update(lowcomm={"method": "dion"}), c.update(zero_optimization={"stage": 3})),
+         "lowcomm.method dion needs zero_optimization.stage 0 in fp32 .* got stage 3"),
     ],
 )
 def test_config_errors(mutate, message):

@@ -26,9 +26,9 @@ def _jobs_worker(rank, world, jobs):
 
 
 def _jobs(world):
-    jobs = [("demo", _demo_worker, (5,)), ("diloco_h1", _diloco_averaging_worker, ())]
+    jobs = [("demo", _demo_worker, (5,)), ("diloco_h1", _diloco_averaging_worker, ()), ("dion", _dion_worker, (5,))]
     if world == 2:
-        jobs += [("sync_diloco", _sync_schedule_worker, ("diloco",)),
+        jobs += [("muloco", _muloco_worker, ()), ("sync_diloco", _sync_schedule_worker, ("diloco",)),
                  ("sync_dct_diloco", _sync_schedule_worker, ("dct_diloco",)),
                  ("dct_lossless", _dct_lossless_worker, ()), ("bf16_state", _bf16_state_worker, ()),
                  ("demo_sign", _demo_sign_worker, ()), ("demo_overlap", _demo_worker, (5, True)),
@@ -36,6 +36,7 @@ def _jobs(world):
                  ("demo_muon", _demo_worker, (5, False, "muon")),
                  ("demo_outer", _demo_worker, (5, False, "sign", 0.8)),
                  ("clipping", _clipping_worker, ()),
+                 ("demo_keep", _demo_worker, (5, False, "muon", 0.0, 0.9)),
                  ("zero_first", _zero_first_gradients_worker, ()),  # these two build groups of their own
                  ("nonfinite", _nonfinite_worker, ())]
     return jobs
@@ -60,13 +61,14 @@ def launches():
 DEMO = dict(lr=0.01, decay=0.9, topk=8, chunk=8, weight_decay=0.1)
 
 
-def _demo_worker(rank, world, steps, overlap=False, update="sign", mean_momentum=0.0):
+def _demo_worker(rank, world, steps, overlap=False, update="sign", mean_momentum=0.0, keep_sent=0.0):
     model = tiny_model()
     initial = [p.detach().clone() for p in model.parameters()]
     params = model.parameters()
     if update == "muon":  # the last layer in a group of its own rule, sign (MUON_RULES)
         params = [{"params": list(model[0].parameters())}, {"params": list(model[2].parameters()), "update": "sign"}]
-    opt = DeMo(params, **DEMO, overlap=overlap, update=update, beta2=0.9, mean_momentum=mean_momentum)
+    opt = DeMo(params, **DEMO, overlap=overlap, update=update, beta2=0.9, mean_momentum=mean_momentum,
+               keep_sent=keep_sent)
     grads = []
     for s in range(steps):
         tiny_loss(model, rank, s).backward()
@@ -139,12 +141,13 @@ def _orthogonalized(q):
 MUON_RULES = ["muon", "muon", "sign", "sign"]
 
 
-def _replay_demo(initial, grads_by_rank, delayed=False, update="sign", mean_momentum=0.0):
+def _replay_demo(initial, grads_by_rank, delayed=False, update="sign", mean_momentum=0.0, keep_sent=0.0):
     """DeMo from its definition; ``delayed``: each step moves along the previous step's exchange;
     ``update``: the step along the exchanged mean q, sign(q) (DeMo's), Adam's q / sqrt(v) with v
     the bias-corrected running mean of q^2 (beta2 0.9), q / rms(q), or Muon's (the parameters
     MUON_RULES names, the others sign); ``mean_momentum`` b: q is
-    first replaced by q + b * u, u the running sum u = b * u + q."""
+    first replaced by q + b * u, u the running sum u = b * u + q; ``keep_sent`` k: a rank's momentum
+    loses (1 - k) x what it sent (Dion's error feedback), not all of it."""
     world, steps = len(grads_by_rank), len(grads_by_rank[0])
     params = [p.double().numpy().copy() for p in initial]
     moms = [[np.zeros_like(p) for p in params] for _ in range(world)]
@@ -168,7 +171,7 @@ def _replay_demo(initial, grads_by_rank, delayed=False, update="sign", mean_mome
                     top = np.argsort(-np.abs(coeffs[b]))[:k]
                     kept[b, top] = coeffs[b, top]
                 kept_t = from_blocks(torch.as_tensor(kept).reshape(plan.num_blocks, plan.h, plan.w), plan).numpy()
-                m -= _block_dct(kept_t, plan, inverse=True)
+                m -= (1 - keep_sent) * _block_dct(kept_t, plan, inverse=True)
                 total += kept_t
                 count += kept_t != 0
             q = _block_dct(total / np.maximum(count, 1), plan, inverse=True)
@@ -207,16 +210,17 @@ def test_demo_matches_single_process_replay_and_replicas_agree(world, launches):
             "calls": 5, "sent": 5 * r["payload"], "received": 5 * (world - 1) * r["payload"]}
 
 
-@pytest.mark.parametrize("job,update,mean_momentum", [("demo_adam", "adam", 0.0),
-                                                        ("demo_normalized", "normalized", 0.0),
-                                                        ("demo_muon", "muon", 0.0),
-                                                        ("demo_outer", "sign", 0.8)])
-def test_demo_update_rules_match_the_replay(job, update, mean_momentum, launches):
+@pytest.mark.parametrize("job,update,mean_momentum,keep_sent", [("demo_adam", "adam", 0.0, 0.0),
+                                                                  ("demo_normalized", "normalized", 0.0, 0.0),
+                                                                  ("demo_muon", "muon", 0.0, 0.0),
+                                                                  ("demo_outer", "sign", 0.8, 0.0),
+                                                                  ("demo_keep", "muon", 0.0, 0.9)])
+def test_demo_update_rules_match_the_replay(job, update, mean_momentum, keep_sent, launches):
     """The other steps along the exchanged mean: the replay's, replicas bit-identical, and not sign's."""
     results = launches(2, job)
     assert len({r["digest"] for r in results}) == 1
     replay = _replay_demo(results[0]["initial"], [r["grads"] for r in results], update=update,
-                          mean_momentum=mean_momentum)
+                          mean_momentum=mean_momentum, keep_sent=keep_sent)
     for got, want in zip(results[0]["final"], replay):
         np.testing.assert_allclose(got.double().numpy(), want, atol=1e-5)
     signs = _replay_demo(results[0]["initial"], [r["grads"] for r in results])
@@ -395,6 +399,140 @@ def _dct_lossless_worker(rank, world):
 
 def test_dct_diloco_with_everything_sent_equals_diloco(launches):
     assert all(d < 1e-5 for d in launches(2, "dct_lossless"))
+
+
+def _muloco_worker(rank, world):
+    """diloco with inner_optimizer muon (MuLoCo), H 2, outer lr 1, no momentum: every rank's torch
+    Muon (Nesterov) on the tagged matrix and AdamW on the rest, the parameters averaged every 2 steps."""
+    from ds_lowcomm.optim import LowcommConfig, build_optimizer
+
+    model, ref = tiny_model(), tiny_model()
+    for m in (model, ref):
+        m[0].weight.use_muon = True  # DeepSpeed's tags: the one hidden matrix by Muon, the rest by AdamW
+        for p in (m[0].bias, m[2].weight, m[2].bias):
+            p.use_muon = False
+    cfg = LowcommConfig.from_dict({"method": "diloco", "sync_every": 2, "outer_lr": 1.0, "outer_momentum": 0.0,
+                                   "inner_optimizer": "muon", "inner_muon_lr": 0.05, "inner_muon_momentum": 0.9})
+    opt = build_optimizer(cfg, model.parameters(), lr=0.01, weight_decay=0.1)
+    ref_opts = [torch.optim.Muon([ref[0].weight], lr=0.05, momentum=0.9, nesterov=True, weight_decay=0.1),
+                torch.optim.AdamW([ref[0].bias, ref[2].weight, ref[2].bias], lr=0.01, weight_decay=0.1)]
+    worst = 0.0
+    for s in range(6):
+        for m, opts in ((model, [opt]), (ref, ref_opts)):
+            tiny_loss(m, rank, s).backward()
+            for o in opts:
+                o.step()
+                o.zero_grad()
+        if s % 2 == 1:
+            with torch.no_grad():
+                for p in ref.parameters():
+                    dist.all_reduce(p)
+                    p /= world
+        worst = max(worst, max((a - b).abs().max().item() for a, b in zip(model.parameters(), ref.parameters())))
+    moved = max((a - b).abs().max().item() for a, b in zip(model.parameters(), tiny_model().parameters()))
+    return worst, moved, params_digest(model), type(opt.inner).__name__
+
+
+def test_muloco_is_diloco_around_torch_muon_and_adamw(launches):
+    results = launches(2, "muloco")
+    assert all(worst < 1e-6 and moved > 0.05 for worst, moved, _, _ in results)
+    assert len({d for _, _, d, _ in results}) == 1 and results[0][3] == "MuonWithAdamW"
+
+
+# --- Dion against a replay written from its published definition (arXiv 2504.05295) ----------------
+
+DION = dict(lr=0.01, weight_decay=0.1, rank_fraction=0.5, matrix_lr=0.05, mu=0.9)
+
+
+def _dion_groups(model):
+    """tiny_model's weights (one tall 32x16, one wide 4x32: Dion works on its transpose) by Dion's
+    step, the biases by AdamW's."""
+    return [{"params": [model[0].weight, model[2].weight], "use_muon": True},
+            {"params": [model[0].bias, model[2].bias], "use_muon": False}]
+
+
+def _dion_worker(rank, world, steps):
+    from ds_lowcomm.optim import Dion
+
+    model = tiny_model()
+    initial = [p.detach().clone() for p in model.parameters()]
+    opt = Dion(_dion_groups(model), **DION)
+    grads = []
+    for s in range(steps):
+        tiny_loss(model, rank, s).backward()
+        grads.append([p.grad.clone() for p in model.parameters()])
+        opt.step()
+        opt.zero_grad()
+    return {"initial": initial, "grads": grads, "final": [p.detach().clone() for p in model.parameters()],
+            "digest": params_digest(model), "by_op": opt.ledger.summary()["by_op"]}
+
+
+def _replay_dion(initial, grads_by_rank):
+    """Dion from the paper's Algorithm (its distributed form: every rank its momentum M_r, the power
+    iteration's products averaged): M_r += G_r; P = orth(mean_r(B_r Q)) by QR; R = mean_r(B_r^T P);
+    M_r -= (1 - mu) P R^T; Q = R / column norms; X = X (1 - lr wd) - lr sqrt(fan_out / fan_in) P Q^T,
+    with B the momentum as a tall matrix. The biases: torch's AdamW on the mean gradient (betas 0.9,
+    0.95, eps 1e-8). Q starts as the implementation's shared draw (a generator seeded by the matrix's
+    position), the one convention taken from it."""
+    world, steps = len(grads_by_rank), len(grads_by_rank[0])
+    x = [p.double().numpy().copy() for p in initial]
+    mats, lr, mlr, wd, mu = (0, 2), DION["lr"], DION["matrix_lr"], DION["weight_decay"], DION["mu"]
+    moms = {i: [np.zeros_like(x[i]) for _ in range(world)] for i in mats}
+    qs, adam = {}, {i: [np.zeros_like(x[i]), np.zeros_like(x[i])] for i in (1, 3)}
+    for pos, i in enumerate(mats):
+        rows, cols = x[i].shape
+        r = int(np.ceil(DION["rank_fraction"] * min(rows, cols)))
+        qs[i] = torch.randn(min(rows, cols), r, generator=torch.Generator().manual_seed(pos)).double().numpy()
+    for s in range(steps):
+        for i in mats:
+            tall = x[i].shape[0] >= x[i].shape[1]
+            for r in range(world):
+                moms[i][r] += grads_by_rank[r][s][i].double().numpy()
+            b = [m if tall else m.T for m in moms[i]]
+            p, _ = np.linalg.qr(sum(bm @ qs[i] for bm in b) / world)
+            rr = sum(bm.T @ p for bm in b) / world
+            for bm in b:
+                bm -= (1 - mu) * p @ rr.T  # a view of moms[i][r]
+            qs[i] = rr / (np.linalg.norm(rr, axis=0, keepdims=True) + 1e-8)
+            step = p @ qs[i].T if tall else qs[i] @ p.T
+            x[i] = x[i] * (1 - mlr * wd) - mlr * np.sqrt(x[i].shape[0] / x[i].shape[1]) * step
+        for i in (1, 3):
+            g = sum(grads_by_rank[r][s][i].double().numpy() for r in range(world)) / world
+            m, v = adam[i]
+            m[:] = 0.9 * m + 0.1 * g
+            v[:] = 0.95 * v + 0.05 * g * g
+            x[i] = x[i] * (1 - lr * wd) - lr * (m / (1 - 0.9 ** (s + 1))) / (np.sqrt(v / (1 - 0.95 ** (s + 1))) + 1e-8)
+    return x
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_dion_matches_its_replay_and_all_reduces_its_factors(world, launches):
+    results = launches(world, "dion")
+    assert len({r["digest"] for r in results}) == 1  # bit-identical replicas
+    replay = _replay_dion(results[0]["initial"], [r["grads"] for r in results])
+    for got, want in zip(results[0]["final"], replay):
+        np.testing.assert_allclose(got.double().numpy(), want, atol=1e-5)
+    moved = max(np.abs(w - i.double().numpy()).max() for w, i in zip(replay, results[0]["initial"]))
+    assert moved > 0.05
+    # what travels a step: P (32x8 and, transposed, 32x2) with the biases' 36 gradients, then R (16x8, 4x2):
+    # fp32, the same whatever the number of ranks (all-reduces)
+    for r in results:
+        assert r["by_op"]["dion_all_reduce"] == {"calls": 10, "sent": 5 * 4 * (256 + 64 + 36 + 128 + 8),
+                                                 "received": 5 * 4 * (256 + 64 + 36 + 128 + 8)}
+
+
+def test_dion_and_inner_muon_need_to_be_told_which_parameters_are_matrices():
+    from ds_lowcomm.optim import Dion, LowcommConfig, build_optimizer
+
+    with pytest.raises(ConfigError, match="method dion but 4 parameter"):
+        Dion(tiny_model().parameters(), lr=0.01)
+    cfg = LowcommConfig.from_dict({"method": "diloco", "inner_optimizer": "muon"})
+    with pytest.raises(ConfigError, match="inner_optimizer is 'muon' but 4 parameter"):
+        build_optimizer(cfg, tiny_model().parameters(), lr=0.01)
+    with pytest.raises(ConfigError, match="rank_fraction must be a number in \\(0, 1\\]; got 0"):
+        LowcommConfig.from_dict({"method": "dion", "rank_fraction": 0})
+    with pytest.raises(ConfigError, match="inner_optimizer must be one of adamw, muon; got 'lion'"):
+        LowcommConfig.from_dict({"method": "sparseloco", "inner_optimizer": "lion"})
 
 
 # --- start-up checks ---------------------------------------------------------------------------

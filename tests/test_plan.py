@@ -16,7 +16,7 @@ import torch.distributed as dist
 
 from ds_lowcomm import plan as planner
 from ds_lowcomm.compare import RECIPES
-from ds_lowcomm.optim.registry import LowcommConfig, build_optimizer
+from ds_lowcomm.optim.registry import LowcommConfig, build_optimizer, model_param_groups
 from ds_lowcomm.settings import ConfigError
 from ds_lowcomm.task.model import GPT, GPTConfig
 
@@ -61,7 +61,9 @@ def one_rank_world(tmp_path_factory):
     ("diloco", {"fragments": 2, "sync_delay": 1}), ("dct_diloco", {}),
     ("dct_diloco", {"value_dtype": "fp16"}), ("sparseloco", {}), ("mtdao", {}),
     ("mtdao", {"sync_codec": "topk", "topk": 8, "chunk": 8}), ("mtdao", {"outer_optimizer": "sgd", "switch_step": 1}),
-    ("mtdao", {"momentum_betas": [0.9, 0.999], "momentum_weights": [0.5, 0.3], "switch_step": 2})])
+    ("mtdao", {"momentum_betas": [0.9, 0.999], "momentum_weights": [0.5, 0.3], "switch_step": 2}),
+    ("dion", {}), ("dion", {"value_dtype": "bf16"}), ("diloco", {"inner_optimizer": "muon"}),
+    ("sparseloco", {"inner_optimizer": "muon"})])
 def test_the_memory_figure_is_the_optimizer_state(one_rank_world, method, extra):
     """The planner's state bytes per element x the model's elements = the tensors the method holds
     after a sync (its own state and, for the outer methods, the inner AdamW's and the outer
@@ -73,7 +75,7 @@ def test_the_memory_figure_is_the_optimizer_state(one_rank_world, method, extra)
     if "sync_every" in raw:
         raw["sync_every"] = 2
     cfg = LowcommConfig.from_dict(raw)
-    opt = build_optimizer(cfg, model.parameters(), lr=1e-3)
+    opt = build_optimizer(cfg, model_param_groups(cfg, model, model.parameters()), lr=1e-3)
     x = torch.randint(0, 256, (2, 33))
     for _ in range(3):  # past a sync
         loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
@@ -81,16 +83,18 @@ def test_the_memory_figure_is_the_optimizer_state(one_rank_world, method, extra)
         opt.step()
         opt.zero_grad()
     held = 0
-    states = [opt.state, *([opt.inner.state] if hasattr(opt, "inner") else [])]
+    inner = getattr(opt, "inner", None)
+    states = [opt.state, *(o.state for o in getattr(inner, "optimizers", [inner]) if o is not None)]
     for state in states:
         for per_param in state.values():
             held += sum(t.numel() * t.element_size() for t in dict(per_param).values()
                         if isinstance(t, torch.Tensor) and t.dim() > 0)
     elements = sum(p.numel() for p in model.parameters())
-    assert planner.state_bytes_per_element(method, cfg.effective()) * elements == held
     shapes = [tuple(p.shape) for p in model.parameters()]
+    matrices = planner.hidden_matrices("reference", shapes)  # the GPT's: its embeddings lead
+    assert planner.state_bytes_per_element(method, cfg.effective(), 4, shapes, matrices) * elements == pytest.approx(held)
     counted = {op: calls for op, (calls, _, _) in opt.ledger.by_op.items() if op != "setup"}
-    planned = planner.planned_ledger(method, cfg.effective(), shapes, steps=3)
+    planned = planner.planned_ledger(method, cfg.effective(), shapes, steps=3, matrices=matrices)
     assert counted == {op: calls for op, (calls, _) in planned.items()}
 
 

@@ -8,7 +8,8 @@ import sys
 # name -> module of ds_lowcomm.bench with a main(argv) that writes its CSV (most also a PNG) under --out
 BENCHMARKS = {name: name for name in ("network", "peers", "codec", "scaling", "vision", "streaming", "hetero", "gpu_check",
                                       "megatron", "demo_sign", "overlap", "time_to_loss", "sweep", "faults", "ft_memory", "hf",
-                                      "plan_check", "plan_scale", "muon_memory", "mtdao")}
+                                      "plan_check", "plan_scale", "muon_memory", "mtdao",
+                                      "muon_directions", "replica_bytes")}
 
 
 def main() -> None:

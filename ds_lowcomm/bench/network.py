@@ -31,6 +31,10 @@ PEERS = {"powersgd_r4": {"kind": "ddp_powersgd", "rank": 4}, "powersgd_r8": {"ki
          # torchft's Streaming DiLoCo with the settings of ds_lowcomm's diloco_streaming
          "torchft_streaming_diloco": {"kind": "torchft_diloco", "sync_every": 20, "outer_lr": 0.7,
                                       "outer_momentum": 0.9, "fragments": 4, "sync_delay": 4}}
+# the same two with Muon (Nesterov) on the hidden matrices and AdamW on the rest as the inner
+# optimizer (bench.peers.dense_optimizer), as a torchft user would run MuLoCo
+PEERS.update({f"{name}_muon": {**PEERS[name], "optimizer": "muon"}
+              for name in ("torchft_diloco", "torchft_streaming_diloco")})
 
 COLUMNS = ["hosts", "link", "delay_applied", "method", "steps_run", "final_val_loss", "target_loss", "time_to_target_s",
            "speedup_vs_adamw", "speedup_vs_powersgd", "budget_s", "loss_at_budget", "train_s", "wall_s", "mb_sent_per_worker", "repeats"]

@@ -87,7 +87,9 @@ BASELINES = {
     "muon": {"kind": "ddp", "compress": "none", "bucket_cap_mb": OVERLAP_BUCKET_CAP_MB, "optimizer": "muon"},
     "muon_bf16": {"kind": "ddp", "compress": "bf16", "bucket_cap_mb": OVERLAP_BUCKET_CAP_MB, "optimizer": "muon"},
 }
-ADAMW_ENTRIES = ("adamw", *BASELINES)  # the adamw entries: the speed-ups are against the fastest
+# The dense entries (every step a full all-reduce of the gradient, AdamW or Muon after it): the
+# speed-ups of time_to_loss are against the fastest of them on each link, named in its reports
+DENSE_ENTRIES = ("adamw", *BASELINES)
 
 
 def peer_step(peer: dict):
@@ -96,7 +98,8 @@ def peer_step(peer: dict):
     ``{"kind": "torchft_diloco", "sync_every": h, "outer_lr": a, "outer_momentum": m}``, with
     ``"fragments": p, "sync_delay": d`` and ``"fragment_update_alpha": a`` (torchft's mix of the
     local fragment into the synced one; default 0, the synced one alone) for torchft's Streaming
-    DiLoCo, or
+    DiLoCo, and ``"optimizer": "muon"`` (with ``muon_lr``...: :func:`dense_optimizer`) for a Muon
+    inner optimizer, or
     ``{"kind": "ddp", "compress": "none" | "bf16", "bucket_cap_mb": c}``: plain DDP)."""
     setups = {"ddp_powersgd": peer_setup, "torchft_diloco": torchft_setup, "ddp": ddp_setup}
     if peer.get("kind") not in setups:
@@ -185,7 +188,7 @@ DENSE_OPTIMIZERS = ("adamw", "muon")
 
 def dense_optimizer(model: torch.nn.Module, spec: TrainSpec, peer: dict) -> torch.optim.Optimizer:
     """The optimizer after a dense all-reduce: ``peer["optimizer"]`` "adamw" (torch's AdamW with
-    the spec's lr, betas and weight decay) or "muon" (torch's Muon on the hidden matrices at
+    the spec's lr, betas and weight decay) or "muon" (torch's Muon, Nesterov, on the hidden matrices at
     ``peer["muon_lr"]``, momentum ``peer["muon_momentum"]`` (0.95), Nesterov, lr adjusted by
     ``peer["adjust_lr_fn"]`` (torch's default, "original"), and AdamW as above on embeddings and
     1-D parameters: :class:`ds_lowcomm.optim.muon.MuonWithAdamW`, as Muon is run)."""
@@ -238,7 +241,7 @@ def torchft_setup(model: torch.nn.Module, spec: TrainSpec, peer: dict, replica: 
     from torchft.coordination import LighthouseServer
     from torchft.local_sgd import DiLoCo
 
-    inner = torch.optim.AdamW(model.parameters(), lr=spec.lr, betas=spec.betas, weight_decay=spec.weight_decay)
+    inner = dense_optimizer(model, spec, peer)  # AdamW, or with peer["optimizer"] "muon" Muon + AdamW
     wait, faults = timedelta(seconds=600), {}
     if replica is None:
         rank, world = dist.get_rank(), dist.get_world_size()

@@ -86,9 +86,20 @@ def model_of(args) -> dict:
 # demo_muon: the recipe stepping along Muon's orthogonalised q (embeddings by sign), issue 32's
 # fewest steps; demo_muon_c16: the same keeping 2 of each 16x16 block's 256 components (its bytes
 # target with its steps target).
+# muloco: diloco with Muon (Nesterov) on the hidden matrices and AdamW on the rest as its inner
+# optimizer (MuLoCo, arXiv 2505.23725); muloco_sparse: the same inner optimizer inside sparseloco
+# (top-k of an error-feedback buffer, 2-bit values: MuLoCo's compressed design).
 VARIANTS = {"diloco_streaming": ("diloco", {"fragments": 4, "sync_delay": 4}), "demo_recipe": ("demo", {}),
             "demo_topk2": ("demo", {"topk": 2}), "demo_muon": ("demo", {"update": "muon"}),
-            "demo_muon_c16": ("demo", {"update": "muon", "chunk": 16, "topk": 2})}
+            "demo_muon_c16": ("demo", {"update": "muon", "chunk": 16, "topk": 2}),
+            "muloco": ("diloco", {"inner_optimizer": "muon"}),
+            "muloco_sparse": ("sparseloco", {"inner_optimizer": "muon"}),
+            # issue 41: Muon's step taken locally, then its pseudo-gradient every 5 steps through demo's
+            # codec (4 of each 8x8 block's 64 DCT components, 2-bit values, error feedback): MuLoCo's design
+            # with DCT, ds_lowcomm's dct_diloco with inner_optimizer muon
+            "muloco_dct": ("dct_diloco", {"inner_optimizer": "muon", "inner_muon_lr": 0.05, "sync_every": 5, "topk": 4,
+                                          "chunk": 8, "value_dtype": "2bit", "decay": 0.99, "outer_lr": 1.0,
+                                          "outer_momentum": 0.0, "average": "world"})}
 
 
 def method_spec(method: str, steps: int, eval_every: int, **model) -> TrainSpec:

@@ -9,17 +9,21 @@ backward pass, fp32 or bf16, and peers such as DDP+PowerSGD) trains to the targe
 held-out loss after ``--steps`` steps on the unshaped link, with ``--budget-factor`` times the
 steps and its schedule spread over them, stopping at the first evaluation that reaches it (as
 ``bench network``). Reported per (hosts, link, entry): steps and training seconds to the target,
-bytes sent per worker until then, the speed-up to the fastest adamw entry on that link (named in
-``adamw_baseline``: adamw, adamw_overlap or adamw_overlap_bf16, whichever of those run reaches the
-target first) and the no-communication limit against the same baseline (``(1 + ratio) x adamw's
-steps / the entry's steps``, times the baseline's time over plain adamw's). The ratio stays plain
-adamw's on every row (its blocking all-reduce is the one whose seconds a ledger can time; the
-overlapped entries hide part of theirs behind the backward pass), so ``speedup_over_1_plus_ratio``
-divides a speed-up over the fastest adamw entry by plain adamw's ``1 + ratio``. Writes
+bytes sent per worker until then, the speed-up (``speedup_vs_dense``) to the fastest dense entry on
+that link (named in ``dense_baseline``: of :data:`~ds_lowcomm.bench.peers.DENSE_ENTRIES` run,
+adamw, its DDP forms adamw_overlap and adamw_overlap_bf16, or DDP with Muon, muon and muon_bf16,
+whichever reaches the target first) and the no-communication limit against the same baseline
+(``(1 + ratio) x adamw's steps / the entry's steps``, times the baseline's time over plain adamw's).
+The ratio stays plain adamw's on every row (its blocking all-reduce is the one whose seconds a
+ledger can time; the overlapped entries hide part of theirs behind the backward pass), so
+``speedup_over_1_plus_ratio`` divides a speed-up over the fastest dense entry by plain adamw's
+``1 + ratio``. Files written before 2026-11-28 name these columns ``speedup_vs_adamw`` and
+``adamw_baseline`` (the dense entries were all AdamW then). Writes
 ``time_to_loss.csv/.json/.png``; runs are cached (shared with ``network`` and ``peers``).
 With ``--from-sweep``, each entry runs at its best configuration in a ``bench sweep`` CSV
 (:func:`ds_lowcomm.bench.tuning.best`, by ``--tune-by`` at ``--tune-budget``), adamw's target run
-too, and adamw's DDP forms at adamw's unless they have rows of their own; without it, at its
+too, and the DDP forms at the fp32 entry's with their optimizer (adamw's for adamw_overlap and
+adamw_overlap_bf16, muon's for muon_bf16) unless they have rows of their own; without it, at its
 recipe.
 
 Seeds (issue 27's fair protocol): with ``--seeds 1,2,3`` every entry trains to the target from
@@ -52,7 +56,7 @@ from pathlib import Path
 from ..config import METHODS
 from .netns import check_can_create
 from .network import PEERS as _PEERS
-from .peers import ADAMW_ENTRIES, BASELINES
+from .peers import BASELINES, DENSE_ENTRIES
 from .runs import (LINKS, VARIANTS, add_model_args, add_repeat_args, at_target, method_spec, model_of, peer_spec,
                    repeats_per_run, run_cached, time_to_loss)
 from .tuning import TUNE_BY, best, parse_seeds, with_settings
@@ -60,7 +64,7 @@ from .tuning import TUNE_BY, best, parse_seeds, with_settings
 # Entries with a peer's step (the network benchmark's peers and the best-practice adamw entries)
 PEERS = {**_PEERS, **BASELINES}
 COLUMNS = ["setting", "hosts", "link", "comm_compute_ratio", "entry", "steps_to_target", "time_to_target_s",
-           "speedup_vs_adamw", "adamw_baseline", "no_comm_limit", "speedup_over_1_plus_ratio", "bytes_sent_per_worker",
+           "speedup_vs_dense", "dense_baseline", "no_comm_limit", "speedup_over_1_plus_ratio", "bytes_sent_per_worker",
            "final_val_loss", "target_loss", "repeats", "seeds", "steps_range", "time_range_s", "time_from",
            "estimate_s", "estimate_within_range"]
 DEFAULT_LINKS = "unshaped,25mbit,10mbit"
@@ -166,11 +170,11 @@ def median_or_none(values) -> float | None:
     return statistics.median(values) if values and None not in values else None
 
 
-def fastest_adamw(entries: list[str], results: dict[str, Result]) -> str:
-    """The adamw entry among ``entries`` (:data:`ADAMW_ENTRIES`: adamw, adamw_overlap,
-    adamw_overlap_bf16) that reaches the target first on this link (median over seeds); on a tie
-    the first of them, and adamw when none of them reaches it."""
-    times = {e: median_or_none(results[e].seconds.values()) for e in ADAMW_ENTRIES if e in entries}
+def fastest_dense(entries: list[str], results: dict[str, Result]) -> str:
+    """The dense entry among ``entries`` (:data:`DENSE_ENTRIES`: adamw, adamw_overlap,
+    adamw_overlap_bf16, muon, muon_bf16) that reaches the target first on this link (median over
+    seeds); on a tie the first of them, and adamw when none of them reaches it."""
+    times = {e: median_or_none(results[e].seconds.values()) for e in DENSE_ENTRIES if e in entries}
     reached = [e for e in times if times[e] is not None]
     return min(reached, key=lambda e: times[e]) if reached else "adamw"
 
@@ -184,7 +188,7 @@ def _range(values) -> str | None:
 
 
 def rows_for(hosts: int, link: str, entries: list[str], results: dict[str, Result], target: float) -> list[dict]:
-    """The rows of one (hosts, link): medians over seeds, speed-ups against the fastest adamw
+    """The rows of one (hosts, link): medians over seeds, speed-ups against the fastest dense
     entry there; the ratio (and with it ``1 + ratio`` and the no-communication limit's steps)
     from plain adamw."""
     adamw = results["adamw"]
@@ -192,7 +196,7 @@ def rows_for(hosts: int, link: str, entries: list[str], results: dict[str, Resul
         comm_compute_ratio(r) for reps in adamw.runs.values() for r in reps)
     adamw_time = median_or_none(adamw.seconds.values())
     adamw_steps = median_or_none(adamw.steps.values())
-    baseline = fastest_adamw(entries, results)
+    baseline = fastest_dense(entries, results)
     base_time = median_or_none(results[baseline].seconds.values())
     # plain adamw takes adamw_steps x compute x (1 + ratio); an entry whose own communication were
     # free, its steps x compute: the limit against the baseline is that scaled by the baseline's time
@@ -207,7 +211,7 @@ def rows_for(hosts: int, link: str, entries: list[str], results: dict[str, Resul
         estimate = median_or_none(res.estimate.values()) if res.estimate else None
         rows.append({
             "setting": f"{hosts}h-{link}", "hosts": hosts, "link": link, "comm_compute_ratio": ratio, "entry": entry,
-            "steps_to_target": steps, "time_to_target_s": t, "speedup_vs_adamw": speedup, "adamw_baseline": baseline,
+            "steps_to_target": steps, "time_to_target_s": t, "speedup_vs_dense": speedup, "dense_baseline": baseline,
             "no_comm_limit": limit, "speedup_over_1_plus_ratio": speedup / (1 + ratio) if speedup else None,
             "bytes_sent_per_worker": bytes_to_target(first["history"], target, first["bytes_sent_per_worker"])
             if first else None,
@@ -297,10 +301,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     if args.from_sweep:
         tuned = {e: r["settings"] for e, r in best(args.from_sweep, budget=args.tune_budget or budget,
                                                    rank_by=args.tune_by).items()}
-        # adamw's DDP forms: the same optimizer and math, so adamw's tuning (Muon's have their own)
-        for entry in (e for e in BASELINES if BASELINES[e].get("optimizer", "adamw") == "adamw"):
-            if entry not in tuned and "adamw" in tuned:
-                tuned[entry] = tuned["adamw"]
+        # the DDP forms without rows of their own: the tuning of the fp32 entry with their optimizer (the
+        # same optimizer and math, the gradient reduced in fp32 or bf16): adamw's for adamw_overlap(_bf16),
+        # muon's for muon_bf16
+        for entry, peer in BASELINES.items():
+            reference = "adamw" if peer.get("optimizer", "adamw") == "adamw" else peer["optimizer"]
+            if entry not in tuned and reference in tuned:
+                tuned[entry] = tuned[reference]
         print(f"from {args.from_sweep}: {', '.join(f'{e} {json.dumps(tuned[e])}' for e in entries if e in tuned)}; "
               f"recipe: {', '.join(e for e in entries if e not in tuned) or '-'}", flush=True)
 
@@ -354,8 +361,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
             for r in rows[-len(entries):]:
                 t = f"{r['time_to_target_s']:.1f} s" if r["time_to_target_s"] else "never"
                 print(f"  ratio {r['comm_compute_ratio']:6.2f} {r['entry']:<12} {t:>9} "
-                      f"steps {r['steps_to_target']} ({r['steps_range']}) x{r['speedup_vs_adamw'] or 0:.2f} "
-                      f"vs {r['adamw_baseline']}", flush=True)
+                      f"steps {r['steps_to_target']} ({r['steps_range']}) x{r['speedup_vs_dense'] or 0:.2f} "
+                      f"vs {r['dense_baseline']}", flush=True)
             write(out, rows, results, args)
     return rows
 
@@ -366,7 +373,8 @@ def earlier_results(out: Path, skip_hosts: list[int]) -> tuple[dict, list[dict]]
     if not path.exists():
         return {}, []
     data = json.loads(path.read_text())
-    rows = [r for r in data["rows"] if r["hosts"] not in skip_hosts]
+    renamed = {"speedup_vs_adamw": "speedup_vs_dense", "adamw_baseline": "dense_baseline"}  # before 2026-11-28
+    rows = [{renamed.get(k, k): v for k, v in r.items()} for r in data["rows"] if r["hosts"] not in skip_hosts]
     results = {}
     for key, value in data["results"].items():
         hosts, link, entry = key.split("@")
@@ -401,8 +409,8 @@ def plot(path: Path, rows: list[dict]) -> None:
     hosts = sorted({r["hosts"] for r in rows})
     for i, entry in enumerate(dict.fromkeys(r["entry"] for r in rows)):  # a colour per entry, a marker per host count
         for h, marker in zip(hosts, "os^v"):
-            pts = sorted((r["comm_compute_ratio"], r["speedup_vs_adamw"]) for r in rows
-                         if r["entry"] == entry and r["hosts"] == h and r["speedup_vs_adamw"])
+            pts = sorted((r["comm_compute_ratio"], r["speedup_vs_dense"]) for r in rows
+                         if r["entry"] == entry and r["hosts"] == h and r["speedup_vs_dense"])
             if pts:
                 style = "--" if entry in PEERS else "-"
                 label = entry if len(hosts) == 1 else f"{entry}, {h} hosts"
@@ -410,7 +418,7 @@ def plot(path: Path, rows: list[dict]) -> None:
     ax.set_xscale("symlog", linthresh=1.0)
     ax.set_yscale("log")
     ax.set_xlabel("adamw's comm/compute ratio on the link")
-    ax.set_ylabel("speed-up to adamw's held-out loss")
+    ax.set_ylabel("speed-up over the fastest dense entry, to adamw's loss")
     ax.set_title(f"Time to adamw's loss, {'/'.join(map(str, hosts))} test hosts", fontsize=10)
     ax.grid(alpha=0.3, which="both")
     ax.legend(fontsize=6, ncol=2)

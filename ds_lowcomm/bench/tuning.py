@@ -18,7 +18,8 @@ SPEC_KEYS = ("lr", "betas", "weight_decay", "warmup", "clip_grad", "lr_decay")
 # A peer's settings a grid may set (``peer.<key>``), by peer kind (see ds_lowcomm.bench.peers)
 PEER_SETTINGS = {
     "ddp_powersgd": ("rank", "start_iter"),
-    "torchft_diloco": ("sync_every", "fragments", "sync_delay", "fragment_update_alpha", "outer_lr", "outer_momentum"),
+    "torchft_diloco": ("sync_every", "fragments", "sync_delay", "fragment_update_alpha", "outer_lr", "outer_momentum",
+                       "optimizer", "muon_lr", "muon_momentum", "adjust_lr_fn"),
     "ddp": ("compress", "bucket_cap_mb", "optimizer", "muon_lr", "muon_momentum", "adjust_lr_fn"),
 }
 

@@ -3,12 +3,13 @@
 from .adamw import AdamSettings, AllReduceAdamW, AllReduceSettings
 from .base import LowcommOptimizer
 from .demo import DeMo, DeMoSettings
+from .dion import Dion, DionSettings
 from .mtdao import MTDAO, MTDAOSettings
 from .outer import (DCTDiLoCo, DCTDiLoCoSettings, DiLoCo, DiLoCoSettings, OuterLoop, SparseLoCo, SparseLoCoSettings,
                     StreamingSettings)
 from .registry import METHODS, LowcommConfig, build_optimizer, model_param_groups
 
 __all__ = ["AdamSettings", "AllReduceAdamW", "AllReduceSettings", "DCTDiLoCo", "DCTDiLoCoSettings", "DeMo",
-           "DeMoSettings", "DiLoCo", "DiLoCoSettings", "LowcommConfig", "LowcommOptimizer", "METHODS", "MTDAO",
+           "DeMoSettings", "Dion", "DionSettings", "DiLoCo", "DiLoCoSettings", "LowcommConfig", "LowcommOptimizer", "METHODS", "MTDAO",
            "MTDAOSettings", "OuterLoop", "SparseLoCo", "SparseLoCoSettings", "StreamingSettings", "build_optimizer",
            "model_param_groups"]

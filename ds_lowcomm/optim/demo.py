@@ -49,6 +49,10 @@ class DeMoSettings(StatefulSettings):
     # only that step's top-k components; u keeps the recent steps' too, a denser direction for no
     # bytes. 0: q alone (DeMo's).
     mean_momentum: float = 0.0
+    # The share of what a rank sent that stays in its momentum (Dion's error feedback, its mu: what
+    # was caught leaves by 1 - keep_sent a step, so the components that lead go on being sent and
+    # each step's mean q is a momentum, not the step's innovation). 0: DeMo's, what is sent leaves.
+    keep_sent: float = 0.0
     beta2: float = 0.999  # update "adam": the decay of v
     # update "adam": q carries the lr (DeMo folds it into the momentum), so q and sqrt(v) are about
     # lr x a gradient, 1e-7 and up; eps only keeps 0 / 0 at 0
@@ -60,6 +64,7 @@ class DeMoSettings(StatefulSettings):
         check_bool(where, "overlap", self.overlap)
         check_choice(where, "update", self.update, UPDATES)
         check_fraction(where, "mean_momentum", self.mean_momentum)
+        check_fraction(where, "keep_sent", self.keep_sent)
         check_fraction(where, "beta2", self.beta2)
         check_positive(where, "eps", self.eps)
 
@@ -73,7 +78,7 @@ class DeMo(LowcommOptimizer):
                  transport: Transport | None = None, shard: ReplicaShard | None = None, ledger_steps: bool = True,
                  clip_grad: float = 0.0, **flat_settings):
         """``flat_settings``: decay, topk, chunk, value_dtype, transform, average, state_dtype, overlap,
-        update, mean_momentum, beta2, eps (or one ``settings=DeMoSettings(...)``)."""
+        update, mean_momentum, keep_sent, beta2, eps (or one ``settings=DeMoSettings(...)``)."""
         settings = self.resolve_settings(settings, flat_settings)
         hyper = AdamSettings.from_flat({"lr": lr, "weight_decay": weight_decay}, where="DeMo")
         super().__init__(params, dict(lr=hyper.lr, weight_decay=hyper.weight_decay))
@@ -264,7 +269,8 @@ class DeMo(LowcommOptimizer):
     def start_momentum_sync(self, params: list[torch.Tensor], grads: list[torch.Tensor | None],
                             lrs: list[float]) -> Pending:
         """Fold each gradient into its parameter's momentum (scaled by the lr, as DeMo does), send
-        the momenta's top-k DCT components and remove them from the momenta (error feedback).
+        the momenta's top-k DCT components and remove them from the momenta (error feedback; with
+        ``keep_sent`` k, k of them stay).
         ``wait()`` returns, per parameter, the mean over ranks of the sent components. Used by
         :meth:`step`, and by integrations that run the exchange in the framework's gradient
         sync (megatron_patches: per gradient bucket, during the backward pass).
@@ -280,7 +286,13 @@ class DeMo(LowcommOptimizer):
                 if g is not None:
                     m.add_(g.to(m.dtype), alpha=lr)
             momenta.append(m)
-        return self._sync_for(list(params), "sparse_all_gather").start(momenta, self._healthy() and finite)
+        keep = self.settings.keep_sent
+        before = [m.clone() for m in momenta] if keep and finite else None
+        pending = self._sync_for(list(params), "sparse_all_gather").start(momenta, self._healthy() and finite)
+        if before is not None:  # the sent components left at start(): keep_sent of them comes back
+            for m, b in zip(momenta, before):
+                m.lerp_(b, keep)
+        return pending
 
 
 # Newton-Schulz's quintic iteration (Jordan et al., Muon), coefficients chosen to push every

@@ -65,6 +65,32 @@ def split_muon_params(model: torch.nn.Module, params: Iterable | None = None) ->
     return muon, other
 
 
+def split_told_params(params: Iterable, what: str) -> tuple[list, list]:
+    """(Muon's, the others') among ``params`` as an optimizer is given them: each tensor by its param
+    group's ``use_muon`` key (``ds_lowcomm.optim.model_param_groups`` sets it), else by its own
+    ``use_muon`` tag (DeepSpeed's convention). With no model at hand a 2-D tensor may be an embedding,
+    so a tensor told neither way is refused, naming ``what`` asks."""
+    from ..settings import ConfigError
+
+    muon, other, untold = [], [], 0
+    for group in params:
+        tensors = group["params"] if isinstance(group, dict) else group
+        tensors = [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
+        for p in tensors:
+            told = group.get("use_muon") if isinstance(group, dict) else None
+            told = getattr(p, "use_muon", None) if told is None else told
+            if told is None:
+                untold += 1
+            else:
+                (muon if told else other).append(p)
+    if untold:
+        raise ConfigError(f"{what} but {untold} parameter(s) do not say whether they take the orthogonalised step: "
+                          "pass ds_lowcomm.optim.model_param_groups(cfg, model, params) (groups marked use_muon, as "
+                          "Muon is run: hidden matrices orthogonalised, embeddings, head and 1-D by AdamW) or tag "
+                          "every parameter with p.use_muon = True/False")
+    return muon, other
+
+
 class MuonWithAdamW(torch.optim.Optimizer):
     """``torch.optim.Muon`` on ``muon_params`` (matrices; a tensor of more dimensions, which torch's
     Muon refuses, goes with the others), ``torch.optim.AdamW`` on ``adamw_params``, as one optimizer:

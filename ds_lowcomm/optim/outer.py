@@ -39,6 +39,9 @@ from ..settings import (ConfigError, Settings, check_bool, check_choice, check_f
 from .base import LowcommOptimizer, StatefulSettings, ordered_params
 
 INNER_IMPLS = ("torch", "apex")
+# The inner optimizer's rule: "adamw" (every parameter), or "muon" (torch's Muon, Nesterov, on the
+# hidden weight matrices, AdamW on embeddings, head and 1-D parameters: MuLoCo's inner optimizer)
+INNER_OPTIMIZERS = ("adamw", "muon")
 OUTER_OPTIMIZERS = ("sgd", "adam", "adamw")  # torch.optim's SGD, Adam, AdamW
 
 
@@ -92,6 +95,11 @@ class OuterSettings(StatefulSettings):
     outer_eps: float = 1e-8
     outer_weight_decay: float = 0.0  # torch's weight_decay of the outer optimizer (decoupled for adamw)
     inner_impl: str = "torch"  # the inner AdamW: torch's, or NVIDIA apex's FusedAdam where installed
+    # The inner optimizer: AdamW on everything, or Muon on the hidden matrices (at inner_muon_lr,
+    # momentum inner_muon_momentum) with AdamW (the optimizer's lr, betas) on the rest, as Muon is run
+    inner_optimizer: str = "adamw"
+    inner_muon_lr: float = 0.02
+    inner_muon_momentum: float = 0.95
     streaming: StreamingSettings = field(default_factory=StreamingSettings)
     # Class attributes, not settings: overridden by fields where a method has outer momentum.
     outer_momentum = 0.0
@@ -109,6 +117,12 @@ class OuterSettings(StatefulSettings):
         check_positive(where, "outer_eps", self.outer_eps)
         check_nonnegative(where, "outer_weight_decay", self.outer_weight_decay)
         check_choice(where, "inner_impl", self.inner_impl, INNER_IMPLS)
+        check_choice(where, "inner_optimizer", self.inner_optimizer, INNER_OPTIMIZERS)
+        if self.inner_optimizer == "muon" and self.inner_impl != "torch":
+            raise ConfigError(f"{where}.inner_impl must be torch with inner_optimizer muon (torch's Muon); "
+                              f"got {self.inner_impl!r}")
+        check_positive(where, "inner_muon_lr", self.inner_muon_lr)
+        check_fraction(where, "inner_muon_momentum", self.inner_muon_momentum)
         self.streaming.check_against(where, self.sync_every)
 
 
@@ -149,8 +163,10 @@ class SparseLoCoSettings(OuterSettings):
         check_fraction(where, "decay", self.decay)
 
 
-# The outer-optimizer settings a checkpoint saved before they existed lacks; it was made with their defaults.
+# The settings a checkpoint saved before they existed lacks (the outer optimizer's, the inner
+# optimizer's choice); it was made with their defaults.
 _OUTER_OPTIMIZER_KEYS = ("outer_optimizer", "outer_betas", "outer_eps", "outer_weight_decay")
+_INNER_OPTIMIZER_KEYS = ("inner_optimizer", "inner_muon_lr", "inner_muon_momentum")
 
 
 def build_outer_optimizer(settings: OuterSettings, anchors: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -410,10 +426,12 @@ class OuterLoop(LowcommOptimizer):
 
     def load_state_dict(self, state_dict):
         lowcomm = state_dict.get("lowcomm") if isinstance(state_dict, dict) else None
-        if lowcomm is not None and "outer_optimizer" not in lowcomm["settings"]:
-            # Saved before the outer optimizer was a setting: with its defaults (the state's keys did not change).
+        missing = [k for k in (*_OUTER_OPTIMIZER_KEYS, *_INNER_OPTIMIZER_KEYS)
+                   if lowcomm is not None and k not in lowcomm["settings"]]
+        if missing:
+            # Saved before these were settings: with their defaults (the state's keys did not change).
             defaults = self.settings_class().flat()
-            saved = {**{k: defaults[k] for k in _OUTER_OPTIMIZER_KEYS}, **lowcomm["settings"]}
+            saved = {**{k: defaults[k] for k in missing}, **lowcomm["settings"]}
             state_dict = {**state_dict, "lowcomm": {**lowcomm, "settings": saved}}
         super().load_state_dict(state_dict)
 

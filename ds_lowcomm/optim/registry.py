@@ -22,12 +22,14 @@ from ..settings import ConfigError, Settings, check_choice
 from .adamw import AdamSettings, AllReduceAdamW
 from .base import LowcommOptimizer
 from .demo import DeMo, DeMoSettings, muon_param_groups
+from .dion import Dion
 from .mtdao import MTDAO
+from .muon import MuonWithAdamW, split_muon_params, split_told_params
 from .outer import DCTDiLoCo, DiLoCo, OuterLoop, SparseLoCo
 
 # name -> class; each class names its settings class (``settings_class``).
 METHOD_CLASSES: dict[str, type[LowcommOptimizer]] = {
-    cls.method: cls for cls in (AllReduceAdamW, DeMo, DiLoCo, DCTDiLoCo, SparseLoCo, MTDAO)
+    cls.method: cls for cls in (AllReduceAdamW, DeMo, DiLoCo, DCTDiLoCo, SparseLoCo, MTDAO, Dion)
 }
 METHODS = tuple(METHOD_CLASSES)
 # The methods with inner steps between syncs (an outer loop): derived, so a new one joins by its class.
@@ -101,10 +103,25 @@ def _apex_fused_adamw(params, adam: AdamSettings):
 def model_param_groups(cfg: LowcommConfig, model: torch.nn.Module, params: Iterable) -> Iterable:
     """What :func:`build_optimizer` takes for ``model``'s ``params``: the params as they are, or for
     demo's update "muon" the model's parameters split as Muon is run (:func:`muon_param_groups`:
-    the embeddings by sign). The one place that decides it, for the plain loop and DeepSpeed alike."""
+    the embeddings by sign), or for dion and an outer loop's ``inner_optimizer`` "muon" two groups marked
+    ``use_muon`` True (Muon's) and False (AdamW's), by :func:`ds_lowcomm.optim.muon.split_muon_params`.
+    The one place that decides it, for the plain loop and DeepSpeed alike."""
     if cfg.method == "demo" and cfg.settings.update == "muon":
         return muon_param_groups(model)
+    if cfg.method == "dion" or (cfg.method in OUTER_METHODS and cfg.settings.inner_optimizer == "muon"):
+        muon, other = split_muon_params(model, params)
+        return [g for g in ({"params": muon, "use_muon": True}, {"params": other, "use_muon": False}) if g["params"]]
     return params
+
+
+def _muon_inner(params: Iterable, adam: AdamSettings, settings) -> MuonWithAdamW:
+    """An outer loop's inner optimizer for ``inner_optimizer`` "muon": torch's Muon (Nesterov, at
+    ``inner_muon_lr`` and ``inner_muon_momentum``, AdamW's weight decay) on the parameters that
+    take Muon's step (:func:`~ds_lowcomm.optim.muon.split_told_params`), AdamW (``adam``) on the others."""
+    muon, other = split_told_params(params, "lowcomm.inner_optimizer is 'muon'")
+    return MuonWithAdamW(muon, other, adamw=adam.torch_kwargs(),
+                         muon={"lr": settings.inner_muon_lr, "momentum": settings.inner_muon_momentum,
+                               "nesterov": True, "weight_decay": adam.weight_decay})
 
 
 def build_optimizer(
@@ -122,9 +139,10 @@ def build_optimizer(
     """The optimizer for ``cfg.method``. ``lr`` and ``adam`` (betas, eps, weight_decay; see
     :class:`AdamSettings` for their defaults) are the per-step optimizer's (AdamW's, DeMo's;
     MT-DAO takes its beta2 from ``betas[1]`` unless its settings name one, its first moments from
-    its settings) or, for outer-loop methods, the inner AdamW's, unless ``inner_factory(params)``
-    builds another inner optimizer. ``transport``, ``shard``, ``ledger_steps`` and ``clip_grad``:
-    see :class:`LowcommOptimizer`;
+    its settings) or, for outer-loop methods, the inner AdamW's (with ``inner_optimizer`` "muon", the
+    AdamW beside Muon; ``params`` then as :func:`model_param_groups` gives them), unless
+    ``inner_factory(params)`` builds another inner optimizer. ``transport``, ``shard``,
+    ``ledger_steps`` and ``clip_grad``: see :class:`LowcommOptimizer`;
     without ``transport``, torch.distributed's default group. ``cfg.comm.timeout_s`` bounds every
     collective of the transport and of the shard's, the start-up check included."""
     cfg.validate()
@@ -150,7 +168,13 @@ def _build(cfg, cls, params, hyper, transport, shard, ledger_steps, inner_factor
     inner = None
     if issubclass(cls, OuterLoop):  # the inner optimizer first: inner_impl's error comes before any collective
         if inner_factory is not None:
+            if cfg.settings.inner_optimizer != "adamw":
+                raise ConfigError(f"lowcomm.inner_optimizer {cfg.settings.inner_optimizer!r} chooses the inner optimizer "
+                                  "ds_lowcomm builds; here the caller builds it (inner_factory, Megatron's optimizer): "
+                                  "leave inner_optimizer adamw and choose Muon in that optimizer")
             inner = inner_factory(params)
+        elif cfg.settings.inner_optimizer == "muon":
+            inner = _muon_inner(params, hyper, cfg.settings)
         elif cfg.settings.inner_impl == "apex":
             inner = _apex_fused_adamw(params, hyper)
         else:
@@ -163,6 +187,8 @@ def _build(cfg, cls, params, hyper, transport, shard, ledger_steps, inner_factor
                               clip_grad=clip_grad, **hyper.torch_kwargs())
     if cls is DeMo:
         return DeMo(params, lr=hyper.lr, weight_decay=hyper.weight_decay, **comm)
+    if cls is Dion:
+        return Dion(params, lr=hyper.lr, betas=hyper.betas, eps=hyper.eps, weight_decay=hyper.weight_decay, **comm)
     if cls is MTDAO:
         return MTDAO(params, lr=hyper.lr, beta2=hyper.betas[1], eps=hyper.eps, weight_decay=hyper.weight_decay, **comm)
     assert inner is not None, cls
