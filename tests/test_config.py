@@ -15,7 +15,7 @@ from ds_lowcomm.config import ConfigError, LowcommConfig, check_lr
     [
         ({"method": "demo", "topk": 5000}, r"lowcomm.topk must be an integer in \[1, 4096\] \(chunk\*chunk = 4096\); got 5000"),
         ({"method": "diloco", "sync_every": 0}, r"lowcomm.sync_every must be an integer >= 1; got 0"),
-        ({"method": "sgd"}, r"lowcomm.method must be one of adamw, demo, diloco, dct_diloco, sparseloco, mtdao; got 'sgd'"),
+        ({"method": "sgd"}, r"lowcomm.method must be one of adamw, demo, diloco, dct_diloco, sparseloco, mtdao, dion; got 'sgd'"),
         ({"method": "demo", "decay": 1.0}, r"lowcomm.decay must be a number in \[0.0, 1.0\); got 1.0"),
         ({"method": "demo", "decay": -0.1}, r"lowcomm.decay must be a number in \[0.0, 1.0\)"),
         ({"method": "dct_diloco", "value_dtype": "fp8"}, r"lowcomm.value_dtype must be one of fp32, bf16, fp16, int8, 2bit"),

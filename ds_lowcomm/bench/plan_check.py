@@ -184,7 +184,7 @@ def wire_worker(rank: int, world: int, methods: list[str], steps: int, n_layer: 
     ledger's, and gloo's framing per round."""
     import torch
 
-    from ..optim.registry import build_optimizer
+    from ..optim.registry import build_optimizer, model_param_groups
     from ..task.model import GPT, GPTConfig
 
     framing = gloo_framing_per_round()
@@ -195,7 +195,8 @@ def wire_worker(rank: int, world: int, methods: list[str], steps: int, n_layer: 
         raw = {**RECIPES[method]["lowcomm"], "method": method}
         if "sync_every" in raw:
             raw["sync_every"] = 2
-        opt = build_optimizer(LowcommConfig.from_dict(raw), model.parameters(), lr=RECIPES[method]["lr"])
+        cfg = LowcommConfig.from_dict(raw)
+        opt = build_optimizer(cfg, model_param_groups(cfg, model, model.parameters()), lr=RECIPES[method]["lr"])
         x = torch.randint(0, 256, (2, seq_len + 1), generator=torch.Generator().manual_seed(rank))
         written = 0
         for _ in range(steps):
@@ -213,14 +214,15 @@ def wire_worker(rank: int, world: int, methods: list[str], steps: int, n_layer: 
 def wire_rows(results: list[dict], workers: int, methods: list[str], steps: int, shapes) -> list[dict]:
     """The planner's wire bytes (and gloo's framing, measured) against what each worker wrote."""
     framing = statistics.median(r["framing"] for r in results)
+    matrices = planner.hidden_matrices("reference", shapes)  # dion's orthonormal matrices
     rows = []
     for method in methods:
         raw = {**RECIPES[method]["lowcomm"], "method": method}
         if "sync_every" in raw:
             raw["sync_every"] = 2
         settings = LowcommConfig.from_dict(raw).effective()
-        every = planner.sync_messages(method, settings, shapes)[0]
-        messages = [m for part in planner.fragment_messages(method, settings, shapes) for m in part]
+        every = planner.sync_messages(method, settings, shapes, matrices=matrices)[0]
+        messages = [m for part in planner.fragment_messages(method, settings, shapes, matrices=matrices) for m in part]
         syncs = steps // every
         wire = sum(planner.wire_bytes_sent(m.kind, m.nbytes, workers) for m in messages)
         frames = sum(planner.ring_rounds(m.kind, workers)[0] for m in messages) * framing

@@ -72,7 +72,7 @@ class Dion(LowcommOptimizer):
 
     def __init__(self, params, lr: float = 1e-3, *, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  settings: DionSettings | None = None, transport: Transport | None = None,
-                 shard: ReplicaShard | None = None, ledger_steps: bool = True, **flat_settings):
+                 shard: ReplicaShard | None = None, ledger_steps: bool = True, clip_grad: float = 0.0, **flat_settings):
         """``params``: groups marked ``use_muon`` (``model_param_groups``) or tagged tensors;
         ``lr``, ``betas``, ``eps``, ``weight_decay``: the AdamW of the other parameters (the
         weight decay the matrices' too); ``flat_settings``: rank_fraction, mu, matrix_lr,
@@ -95,7 +95,7 @@ class Dion(LowcommOptimizer):
         groups = [g for g in ({"params": matrices, "lr": settings.matrix_lr, "dion": True},
                               {"params": others, "lr": adam.lr, "dion": False}) if g["params"]]
         super().__init__(groups, dict(lr=adam.lr, betas=adam.betas, eps=adam.eps, weight_decay=adam.weight_decay))
-        self._init_comm(settings, transport, shard, ledger_steps)
+        self._init_comm(settings, transport, shard, ledger_steps, clip_grad)
 
     def set_routes(self, routes) -> None:
         raise ConfigError("method dion does not run between replicas of different shapes yet (its factors are per "
@@ -108,6 +108,7 @@ class Dion(LowcommOptimizer):
         return torch.randn(cols, r, generator=g).to(device=device, dtype=self.state_dtype)
 
     def _update(self, params):
+        self._clip_(params)  # this rank's gradient, before it enters its momentum (as demo's)
         live = {id(p) for p in params}
         mats, rest = [], []
         for group in self.param_groups:
