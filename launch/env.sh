@@ -24,10 +24,15 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 VPY=.venv/bin/python
+# pip, without its lines about configured package folders this machine lacks (a hundred of them on a
+# machine without the local mirrors: they buried the test run's own output in CI's log)
+pip_install() {
+    "$VPY" -m pip install "$@" 2>&1 | { grep -v "^WARNING: Location '.*' is ignored" || true; }
+}
 
 if ! "$VPY" -c "import torch" >/dev/null 2>&1; then
     echo "[env] installing torch==2.13.0"
-    "$VPY" -m pip install -q torch==2.13.0
+    pip_install -q torch==2.13.0
 fi
 
 # Reinstall the package (editable) only when its declared dependencies changed.
@@ -39,6 +44,6 @@ fi
 want="$(sha256sum pyproject.toml | cut -d' ' -f1) $extras"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$VPY" -c "import ds_lowcomm, deepspeed, pytest" >/dev/null 2>&1; then
     echo "[env] installing ds_lowcomm and its dependencies ($extras) into .venv"
-    "$VPY" -m pip install -q -e ".[$extras]"
+    pip_install -q -e ".[$extras]"
     echo "$want" > "$stamp"
 fi

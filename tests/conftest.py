@@ -21,19 +21,43 @@ if os.environ.get("PATH", "").split(os.pathsep)[0] != _VENV_BIN:
     os.environ["PATH"] = _VENV_BIN + os.pathsep + os.environ.get("PATH", "")
 
 
-def _clear_stale_extension_locks(max_age_s: float = 600.0) -> None:
-    """torch's JIT build of an op (DeepSpeed's shared-memory comm op, at the first engine) holds a
-    ``lock`` file while it compiles; a build killed mid-way (a test's worker stopped, a session
-    cut off) leaves it behind, and every later build of that op waits for it forever. Nothing of
-    this run is building yet, so a lock older than ten minutes is such a leftover."""
+def _extension_locks() -> list[str]:
     import glob
-    import time
 
     root = os.environ.get("TORCH_EXTENSIONS_DIR") or os.path.join(os.path.expanduser("~"), ".cache", "torch_extensions")
-    for lock in glob.glob(os.path.join(root, "**", "lock"), recursive=True):
-        if time.time() - os.path.getmtime(lock) > max_age_s:
-            os.remove(lock)
-            print(f"conftest: removed a stale JIT build lock {lock}", file=sys.stderr)
+    return glob.glob(os.path.join(root, "**", "lock"), recursive=True)
+
+
+def _compiler_running() -> bool:
+    """Whether any process on the machine is compiling (ninja, a C++ compiler): a JIT build's."""
+    import glob
+
+    for comm in glob.glob("/proc/[0-9]*/comm"):
+        try:
+            with open(comm) as f:
+                if f.read().strip() in ("ninja", "cc1plus", "c++", "g++", "ld"):
+                    return True
+        except OSError:
+            continue
+    return False
+
+
+def _clear_stale_extension_locks(max_age_s: float = 600.0) -> None:
+    """torch's JIT load of an op (DeepSpeed's shared-memory comm op, at every engine's start) holds
+    a ``lock`` file while ninja checks or builds it, even when nothing needs building; a process
+    killed inside that window (a test's worker stopped or killed, a session cut off) leaves it
+    behind, and every later load of that op waits for it forever (torch's FileBaton has no
+    timeout): every DeepSpeed test after it hung until its own timeout. A lock older than
+    ``max_age_s`` while nothing compiles is such a leftover."""
+    import time
+
+    for lock in _extension_locks():
+        try:
+            if time.time() - os.path.getmtime(lock) > max_age_s and not _compiler_running():
+                os.remove(lock)
+                print(f"conftest: removed a stale JIT build lock {lock}", file=sys.stderr)
+        except FileNotFoundError:
+            pass
 
 
 def _build_deepspeed_comm_op() -> None:
@@ -77,16 +101,61 @@ def _remove_unmapped_deepspeed_buffers() -> None:
 def _no_leftover_shared_memory():
     yield
     _remove_unmapped_deepspeed_buffers()
+    # between tests nothing of the suite loads an op: a lock left now is a killed process's
+    _clear_stale_extension_locks(max_age_s=0.0)
 
 
 if not torch.cuda.is_available():
     os.environ.setdefault("DS_ACCELERATOR", "cpu")  # as the DeepSpeed tests set it
-_clear_stale_extension_locks()
-_build_deepspeed_comm_op()
+
+
+class _SuiteWatchdog:
+    """CI gives the whole run 90 minutes and the suite takes about 25: a run still going after
+    ``limit_s`` (DSLC_SUITE_LIMIT_S), or a process not gone two minutes after the session's end
+    (a thread or child that keeps the interpreter alive), is stuck where no per-test timeout
+    reaches (a wait in C code, a hook, the exit). Say where, every thread's stack and the
+    processes left, and end the run, failed, instead of being cut off silently."""
+
+    def __init__(self, limit_s: float):
+        import threading
+        import time
+
+        self.deadline, self.exit_code, self.why = time.monotonic() + limit_s, 3, f"still running after {limit_s:.0f} s"
+        threading.Thread(target=self._watch, name="suite-watchdog", daemon=True).start()
+
+    def _watch(self) -> None:
+        import faulthandler
+        import subprocess
+        import time
+
+        while time.monotonic() < self.deadline:
+            time.sleep(5)
+        print(f"\nconftest: the suite is {self.why}; where it is:", file=sys.stderr, flush=True)
+        faulthandler.dump_traceback(file=sys.stderr, all_threads=True)
+        subprocess.run(["ps", "-eo", "pid,ppid,etimes,stat,args", "--forest"], stdout=sys.stderr)
+        sys.stderr.flush()
+        os._exit(self.exit_code)
+
+    def session_ended(self, exitstatus: int) -> None:
+        import time
+
+        self.deadline, self.why = time.monotonic() + 120, "not gone 120 s after its end"
+        self.exit_code = int(exitstatus) or 3
 
 
 def pytest_sessionstart(session):
-    _remove_unmapped_deepspeed_buffers()  # an earlier run's (in pytest only: workers import this module too)
+    session.config._dslc_watchdog = _SuiteWatchdog(float(os.environ.get("DSLC_SUITE_LIMIT_S", 4500)))
+    # in pytest only (spawned workers import this module too: a worker stopped while it held the
+    # build lock was one more way to leave it behind)
+    _clear_stale_extension_locks()
+    _build_deepspeed_comm_op()
+    _remove_unmapped_deepspeed_buffers()  # an earlier run's
+
+
+def pytest_sessionfinish(session, exitstatus):
+    watchdog = getattr(session.config, "_dslc_watchdog", None)
+    if watchdog is not None:
+        watchdog.session_ended(exitstatus)
 
 
 def tiny_model():

@@ -364,7 +364,9 @@ def part_tests(args) -> list[dict]:
             cmd += ["-n", str(args.test_workers)]
         except ImportError:
             pass
-    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
+    # its own options only: a caller's PYTEST_ADDOPTS (-v, --durations) changes the lines read below
+    env = {k: v for k, v in os.environ.items() if k != "PYTEST_ADDOPTS"}
+    proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
     print(proc.stdout[-6000:], proc.stderr[-3000:], sep="\n", flush=True)
     rows, seen = [], set()
     for line in proc.stdout.splitlines():
