@@ -24,7 +24,7 @@ def _no_workers(*args, **kwargs):
 @pytest.mark.parametrize("argv, message", [
     (["--entry", "nope", "--grid", '{"lr": [0.001]}'], r"--entry: unknown 'nope'; allowed: adamw, .*powersgd_r8"),
     (["--entry", "demo", "--grid", '{"peer.rank": [4]}'], r"key 'peer.rank' is not a setting of demo; "
-                                                           r"allowed: lr, betas, weight_decay, warmup, lowcomm.<key>"),
+                                                           r"allowed: lr, betas, weight_decay, warmup, clip_grad, lr_decay, lowcomm.<key>"),
     (["--entry", "powersgd_r8", "--grid", '{"lowcomm.topk": [2]}'],
      r"key 'lowcomm.topk' is not a setting of powersgd_r8; allowed: lr, .*peer.rank, peer.start_iter$"),
     (["--entry", "torchft_streaming_diloco", "--grid", '{"peer.alpha": [0.5]}'],

@@ -327,8 +327,9 @@ def _refusal_worker(rank, world):
              "mpi": ({}, {"method": "diloco", "transport": "mpi"}),
              "two_chunks": ({}, {"method": "demo"}),
              "demo_overlap": ({}, {"method": "demo", "overlap": True}),
-             "demo_adam": ({}, {"method": "demo", "update": "adam"}),
-             "demo_mean_momentum": ({}, {"method": "demo", "mean_momentum": 0.5})}
+             # (demo's update rules and mean momentum run through SignDescent now: test above)
+             "dion": ({}, {"method": "dion"}),
+             "inner_muon": ({}, {"method": "diloco", "inner_optimizer": "muon"})}
     for name, (kwargs, lowcomm) in cases.items():
         try:
             model, opt = build(**kwargs)
@@ -357,8 +358,8 @@ def test_unsupported_megatron_features_are_refused_clearly():
     assert "lowcomm.transport" in errors["mpi"]
     assert "virtual pipeline" in errors["two_chunks"]
     assert "lowcomm.overlap must be false" in errors["demo_overlap"]
-    assert "lowcomm.update 'adam' is not supported with Megatron-Core" in errors["demo_adam"]
-    assert "lowcomm.mean_momentum 0.5 is not supported with Megatron-Core" in errors["demo_mean_momentum"]
+    assert "lowcomm.method 'dion' is not supported with Megatron-Core" in errors["dion"]
+    assert "lowcomm.inner_optimizer 'muon' does not apply with Megatron-Core" in errors["inner_muon"]
     nan = "found NaN in local grad norm for bucket #0 in backward pass before data-parallel communication"
     for name in ("nan_stock", "nan_demo", "nan_demo_overlap", "nan_diloco", "nan_diloco_overlap"):
         assert errors[name].startswith("RuntimeError: Rank ") and nan in errors[name], (name, errors[name])

@@ -114,12 +114,17 @@ class TorchftReplica:
     in its data (its inner steps, healed from a peer with the model), its heals, its shutdown."""
 
     discarded = None  # torchft does not say
+    data_lag = 0  # a healed replica resumes where its peer's schedule is (its skipped batches unread)
 
     def __init__(self):
         self.step, self.heals, self.manager, self.scheduler = 0, 0, None, None
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
+
+    def report(self) -> dict:
+        """What the run's report says of fault tolerance, as ds_lowcomm's FaultTolerance.report."""
+        return {"heals": self.heals, "discarded": self.discarded}
 
 
 def _torchft_replica_step(model, spec: TrainSpec, rank: int, loss, peer: dict) -> TorchStep:
