@@ -182,6 +182,18 @@ def test_deepspeed_muon_section_refused_by_name(lowcomm, optimizer, message):
         _split(lowcomm, optimizer)
 
 
+@pytest.mark.parametrize("lowcomm, message", [
+    ({"method": "dion"}, "optimizer.type Muon: not with lowcomm.method dion (dion is its own orthonormal"),
+    ({**DILOCO, "inner_optimizer": "muon"}, "lowcomm.inner_optimizer muon with optimizer.type Muon"),
+])
+def test_deepspeed_muon_section_with_another_muon_refused(lowcomm, message):
+    """At ZeRO 0 fp32, where dion and inner_optimizer muon run: not beside DeepSpeed's Muon section."""
+    from ds_lowcomm.settings import ConfigError
+
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        _split(lowcomm, MUON, stage=0)
+
+
 def test_deepspeed_muon_section_carries_over():
     """What carries over: every DeepSpeed Muon key to an outer method's inner optimizer; lr,
     muon_lr, adam_lr, weight_decay and ns_method to demo; with replicas of different shapes,

@@ -116,6 +116,9 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
 
         muon = MuonSection.from_flat(dict(opt["params"]), where="optimizer.params", strict=True)
         muon.check_for(lowcomm.method)
+        if lowcomm.effective().get("inner_optimizer") == "muon":
+            raise ConfigError("lowcomm.inner_optimizer muon with optimizer.type Muon: DeepSpeed's Muon is the inner "
+                              "optimizer already; leave inner_optimizer out (adamw) or use optimizer.type AdamW")
     if muon is not None or lowcomm.effective().get("update") == "muon":
         if replicas:
             raise ConfigError("lowcomm.replicas (replicas of different shapes): not with Muon's step (lowcomm.update "

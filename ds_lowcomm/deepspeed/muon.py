@@ -96,9 +96,10 @@ class MuonSection(Settings):
             if not self.adam_w_mode:
                 raise ConfigError(f"{where}.adam_w_mode must be true with lowcomm.method demo (its weight decay "
                                   "is decoupled); got false")
-        elif method in ("adamw", "mtdao"):
+        elif method in ("adamw", "mtdao", "dion"):
+            kind = "orthonormal" if method == "dion" else "Adam-type"
             raise ConfigError(f"optimizer.type Muon: not with lowcomm.method {method} ({method} is its own "
-                              "Adam-type optimizer); use it with demo, diloco, dct_diloco or sparseloco, or "
+                              f"{kind} optimizer); use it with demo, diloco, dct_diloco or sparseloco, or "
                               "optimizer.type AdamW")
 
 
