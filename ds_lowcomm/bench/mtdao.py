@@ -22,7 +22,6 @@ seed) read from each run's evaluations.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import hashlib
 import json
@@ -32,6 +31,7 @@ from ..compare import MTDAO_PUBLISHED, MTDAO_TWO_MOMENTA
 from ..task.spec import TrainSpec
 from ..task.train import train_worker
 from ..workers import run_local_workers
+from .codec import write_csv
 from .runs import add_model_args, model_of
 from .sweep import parse_grid
 from .time_to_loss import steps_to_target
@@ -145,10 +145,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     path = Path(args.csv) if args.csv else out / "mtdao.csv"
     if args.table or jobs:
         path.parent.mkdir(parents=True, exist_ok=True)
-        with open(path, "w", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=COLUMNS)
-            w.writeheader()
-            w.writerows(rows)
+        write_csv(path, rows, COLUMNS)
     return rows
 
 

@@ -19,7 +19,6 @@ with ``mean_momentum`` (orth(q + b u), u = b u + q), ``keep_sent``, more compone
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
 from pathlib import Path
@@ -33,6 +32,7 @@ from ..optim.muon import MuonWithAdamW, split_muon_params
 from ..task.reference import ReferenceTask
 from ..task.spec import TrainSpec
 from ..task.steps import lr_lambda
+from .codec import write_csv
 from .runs import add_model_args, model_of
 
 # name -> settings: demo's (chunk, topk, decay, mean_momentum, keep_sent; int8 values, senders' mean) or dion's
@@ -234,10 +234,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
                 sums[name] = 0.0
             print("  ".join(f"{r['method']}: {r['mean_cosine_to_muon']:.3f}" for r in rows[-len(methods):]),
                   flush=True)
-            with open(out / "muon_directions.csv", "w", newline="") as fh:
-                w = csv.DictWriter(fh, fieldnames=["method", "steps", "mean_cosine_to_muon"])
-                w.writeheader()
-                w.writerows(rows)
+            write_csv(out / "muon_directions.csv", rows, ["method", "steps", "mean_cosine_to_muon"])
     (out / "muon_directions.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     return rows
 

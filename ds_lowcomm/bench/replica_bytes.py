@@ -16,7 +16,6 @@ relatively more headers, so a measured figure above the formula's by a few perce
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import json
 import subprocess
@@ -24,6 +23,7 @@ from pathlib import Path
 
 from .. import plan as planner
 from ..optim.registry import LowcommConfig
+from .codec import write_csv
 from .hosts import run_on_hosts
 from .netns import LinkShape, TestNetwork, check_can_create
 from .runs import add_model_args, model_of
@@ -104,10 +104,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
             print(f"{entry:<16} n={n:<3} formula {wire / 1e3:10.1f} kB/sync (framed {wire * planner.WIRE_OVERHEAD / 1e3:.1f})"
                   + (f", measured {row['measured_bytes_per_sync'] / 1e3:.1f} kB" if row["measured_bytes_per_sync"] else "")
                   + f"; per step {wire / h / 1e3:.2f} kB (H {h})", flush=True)
-            with open(out / "replica_bytes.csv", "w", newline="") as f:
-                w = csv.DictWriter(f, fieldnames=COLUMNS)
-                w.writeheader()
-                w.writerows(rows)
+            write_csv(out / "replica_bytes.csv", rows, COLUMNS)
     (out / "replica_bytes.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
     return rows
 
