@@ -194,13 +194,18 @@ def _replay_demo(initial, grads_by_rank, delayed=False, update="sign", mean_mome
     return params
 
 
+def _assert_replicas_equal_and_match(results, replay):
+    """Every rank's parameters bit-identical (one digest), and rank 0's equal to the replay's."""
+    assert len({r["digest"] for r in results}) == 1
+    for got, want in zip(results[0]["final"], replay):
+        np.testing.assert_allclose(got.double().numpy(), want, atol=1e-5)
+
+
 @pytest.mark.parametrize("world", [2, 4])
 def test_demo_matches_single_process_replay_and_replicas_agree(world, launches):
     results = launches(world, "demo")
-    assert len({r["digest"] for r in results}) == 1  # bit-identical replicas
     replay = _replay_demo(results[0]["initial"], [r["grads"] for r in results])
-    for got, want in zip(results[0]["final"], replay):
-        np.testing.assert_allclose(got.double().numpy(), want, atol=1e-5)
+    _assert_replicas_equal_and_match(results, replay)
     moved = max(np.abs(w - i.double().numpy()).max() for w, i in zip(replay, results[0]["initial"]))
     assert moved > 0.04  # five steps of 0.01 really moved the parameters
     for r in results:
@@ -218,11 +223,9 @@ def test_demo_matches_single_process_replay_and_replicas_agree(world, launches):
 def test_demo_update_rules_match_the_replay(job, update, mean_momentum, keep_sent, launches):
     """The other steps along the exchanged mean: the replay's, replicas bit-identical, and not sign's."""
     results = launches(2, job)
-    assert len({r["digest"] for r in results}) == 1
     replay = _replay_demo(results[0]["initial"], [r["grads"] for r in results], update=update,
                           mean_momentum=mean_momentum, keep_sent=keep_sent)
-    for got, want in zip(results[0]["final"], replay):
-        np.testing.assert_allclose(got.double().numpy(), want, atol=1e-5)
+    _assert_replicas_equal_and_match(results, replay)
     signs = _replay_demo(results[0]["initial"], [r["grads"] for r in results])
     assert max(np.abs(g.double().numpy() - u).max() for g, u in zip(results[0]["final"], signs)) > 1e-3
 
@@ -271,10 +274,8 @@ def test_demo_overlap_steps_along_the_previous_exchange(launches):
     """overlap: step t moves along the exchange started at step t - 1 (the replay's delayed
     form); replicas agree bit for bit; every step still sends one payload."""
     results = launches(2, "demo_overlap")
-    assert len({r["digest"] for r in results}) == 1
     replay = _replay_demo(results[0]["initial"], [r["grads"] for r in results], delayed=True)
-    for got, want in zip(results[0]["final"], replay):
-        np.testing.assert_allclose(got.double().numpy(), want, atol=1e-5)
+    _assert_replicas_equal_and_match(results, replay)
     undelayed = _replay_demo(results[0]["initial"], [r["grads"] for r in results])
     assert max(np.abs(g.double().numpy() - u).max() for g, u in zip(results[0]["final"], undelayed)) > 1e-3
     for r in results:
@@ -508,10 +509,8 @@ def _replay_dion(initial, grads_by_rank):
 @pytest.mark.parametrize("world", [2, 4])
 def test_dion_matches_its_replay_and_all_reduces_its_factors(world, launches):
     results = launches(world, "dion")
-    assert len({r["digest"] for r in results}) == 1  # bit-identical replicas
     replay = _replay_dion(results[0]["initial"], [r["grads"] for r in results])
-    for got, want in zip(results[0]["final"], replay):
-        np.testing.assert_allclose(got.double().numpy(), want, atol=1e-5)
+    _assert_replicas_equal_and_match(results, replay)
     moved = max(np.abs(w - i.double().numpy()).max() for w, i in zip(replay, results[0]["initial"]))
     assert moved > 0.05
     # what travels a step: P (32x8 and, transposed, 32x2) with the biases' 36 gradients, then R (16x8, 4x2):
