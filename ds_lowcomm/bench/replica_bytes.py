@@ -44,10 +44,30 @@ def tx_bytes(net: TestNetwork) -> list[int]:
     return out
 
 
+def powersgd_all_reduces(shapes, rank: int, min_compression_rate: float = 2.0) -> list[int]:
+    """Bytes of the three fp32 all-reduces torch's ``powerSGD_hook`` issues per bucket once compressing
+    (one bucket here, ``bench.peers.peer_setup``): the tensors it leaves uncompressed, then the Ps,
+    then the Qs. Each tensor is viewed as (shape[0], -1) and compressed at rank min(n, m, rank) when
+    (n + m) x rank x ``min_compression_rate`` < n x m, as the hook's ``_should_compress`` decides."""
+    plain = ps = qs = 0
+    for s in shapes:
+        n = s[0]
+        m = planner.math.prod(s) // n
+        r = min(n, m, rank)
+        if (n + m) * r * min_compression_rate < n * m:
+            ps, qs = ps + n * r, qs + m * r
+        else:
+            plain += n * m
+    return [4 * plain, 4 * ps, 4 * qs]
+
+
 def planned(entry: str, spec, peer: dict | None, model: dict, replicas: int) -> tuple[str, int, float]:
     """(method, steps per sync, payload bytes a worker puts on its link per sync) by the formula."""
     shapes = planner.gpt_shapes(model["n_layer"], model["n_embd"], seq_len=model["seq_len"])
     matrices = planner.hidden_matrices("reference", shapes)
+    if peer is not None and peer.get("kind") == "ddp_powersgd":
+        return "powersgd", 1, sum(planner.wire_bytes(planner.Message("powersgd", "all_reduce", n), replicas)
+                                  for n in powersgd_all_reduces(shapes, peer["rank"]))
     if peer is not None:  # DDP: one all-reduce of every gradient a step, fp32 or bf16 (its hooks; no health flag)
         grad = 2 if peer.get("compress") == "bf16" else 4
         n = sum(planner.math.prod(s) for s in shapes) * grad
