@@ -52,6 +52,13 @@ class FirstStepMoves(TrainerCallback):
             self.moves[n] = (d.max().item(), d.min().item()) if d.numel() else (0.0, 0.0)
 
 
+class MuonTags(TrainerCallback):
+    """Each parameter's ``use_muon`` tag as training ran (None: untagged)."""
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        self.tags = {n: getattr(p, "use_muon", None) for n, p in model.named_parameters()}
+
+
 def config(lowcomm=None):
     base = json.loads((ROOT / "examples" / "hf_trainer.json").read_text())
     base["optimizer"]["params"]["torch_adam"] = True  # torch's AdamW in plain DeepSpeed too (no op to build)
@@ -135,6 +142,14 @@ def main() -> None:
     hf_trainer.run(own | {"lowcomm": {**demo, "update": "muon"}}, str(work / "demo_muon_own"), tied=False,
                    callbacks=[moves], **{**kw, "steps": 2})
     reports["demo_muon_untied_moves"] = moves.moves
+    # an outer loop with a Muon inner optimizer (MuLoCo) with the Trainer's own groups: the same
+    # decision, as tags (ZeRO 0 fp32, where it runs under DeepSpeed)
+    tags = MuonTags()
+    report = hf_trainer.run(own | {"lowcomm": {"method": "diloco", "sync_every": 3, "replica_size": 1,
+                                               "inner_optimizer": "muon"}, "zero_optimization": {"stage": 0}},
+                            str(work / "diloco_muon_own"), tied=False, callbacks=[tags], **{**kw, "steps": 3})
+    reports["diloco_muon_own"] = {"tags": tags.tags, "digests": report["digests"],
+                                  "method": report["lowcomm"]["method"]}
     reports["diloco"] = hf_trainer.run(config({"method": "diloco", "sync_every": 3, "replica_size": 1}),
                                        str(work / "diloco"), **kw)
     # the README's command, as written there (its script's main() with its arguments: 20 steps, 64 wide)

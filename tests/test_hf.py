@@ -69,6 +69,19 @@ def test_muon_decision_with_the_trainers_own_groups(cases):
         assert largest > 10 * smallest > 0, (name, moves[name])
 
 
+def test_muon_decision_for_an_outer_loop_with_the_trainers_own_groups(cases):
+    """diloco with inner_optimizer muon (MuLoCo) from the Trainer's own two AdamW groups (no
+    use_muon tags of the user's; refused before as untold), 3 steps and a sync: the hidden matrices Muon's, the
+    embedding, the untied head and the 1-D parameters AdamW's, as Muon is run."""
+    report = cases["diloco_muon_own"]
+    tags = report["tags"]
+    assert report["method"] == "diloco" and len(set(report["digests"])) == 1
+    assert tags["model.embed_tokens.weight"] is False and tags["lm_head.weight"] is False
+    assert tags["model.layers.0.self_attn.q_proj.weight"] is True
+    assert tags["model.layers.1.mlp.down_proj.weight"] is True
+    assert all(tags[n] is False for n in tags if n.endswith("norm.weight"))
+
+
 def test_diloco_through_the_trainer(cases):
     """diloco with sync_every 3 over 6 steps: the replicas identical after the sync at step 6
     (they trained apart in between: their losses differ from demo's and plain's)."""

@@ -212,7 +212,10 @@ def _method_groups(split: SplitConfig, model, params: list, own_groups: bool):
     is run, ``model_param_groups``). With optimizer.type Muon, ``use_muon`` tags (the user's, else
     ``takes_muon_step``'s) split every group into DeepSpeed's Muon and Adam halves (muon.py)."""
     if split.muon is None:
-        if split.lowcomm.effective().get("update") == "muon":  # the decision as tags: your groups keep it too
+        settings = split.lowcomm.effective()
+        # the decision as tags: your groups (the HF Trainer's decay / no-decay ones) keep it too
+        if settings.get("update") == "muon" or split.lowcomm.method == "dion" \
+                or settings.get("inner_optimizer") == "muon":
             muon.tag_params(model, params, require=False)
         groups = params if own_groups else model_param_groups(split.lowcomm, model, params)
         return groups, split.optimizer.torch_kwargs(), None
