@@ -30,7 +30,7 @@ Megatron's optimizer keeps and Megatron copies them into the bf16 model paramete
 Before anything else, a megatron-core outside the supported range stops the run
 (:class:`~ds_lowcomm.versions.UnsupportedVersionError`; ``DS_LOWCOMM_ALLOW_UNSUPPORTED_VERSIONS=1``
 to try anyway), as does any Megatron internal used here that is missing or changed
-(:class:`~ds_lowcomm.versions.FrameworkInternalsError`, :mod:`megatron_patches.internals`).
+(:class:`~ds_lowcomm.reflect.FrameworkInternalsError`, :mod:`megatron_patches.internals`).
 
 Refused with a :class:`~ds_lowcomm.settings.ConfigError`, before any exchange: the distributed
 optimizer, Megatron FSDP, virtual pipeline stages (several model chunks), context parallelism > 1,

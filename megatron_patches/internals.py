@@ -3,7 +3,7 @@ and checked against the installed megatron-core before anything is patched.
 
 Megatron-Core's gradient buckets, its optimizers' mixed-precision copies and its pipeline p2p
 communicator are not public API: they move between releases. So each one megatron_patches uses is
-an :class:`~ds_lowcomm.versions.Internal` in :data:`ITEMS` (module, name, kind, the parameters
+an :class:`~ds_lowcomm.reflect.Internal` in :data:`ITEMS` (module, name, kind, the parameters
 used), and the rest of the package reaches them only through this module.
 :func:`ensure_checked` (called first thing by ``apply`` and ``install_activation_compression``)
 checks, before anything is touched:
@@ -24,7 +24,7 @@ the communicator's ranks), checked again on the object where it is read (never a
 :func:`replace_method` puts one of ours in place of a declared method on one object, and
 :func:`rebind` a module-level name.
 ``ds_lowcomm/deepspeed/internals.py`` is the same for DeepSpeed; the checks and the access are one
-implementation for both, :class:`ds_lowcomm.versions.FrameworkInternals`, which this module builds
+implementation for both, :class:`ds_lowcomm.reflect.FrameworkInternals`, which this module builds
 for Megatron-Core and exposes as its module-level functions.
 
 Nothing here imports megatron at import time.
@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ds_lowcomm.versions import FrameworkInternals, FrameworkInternalsError, Internal
+from ds_lowcomm.reflect import FrameworkInternals, FrameworkInternalsError, Internal
 
 DISTRIBUTION = "megatron-core"
 
@@ -204,7 +204,7 @@ COPIED = {
 }
 
 
-# --- The checks and the access (one implementation for both integrations: versions.FrameworkInternals) ----
+# --- The checks and the access (one implementation for both integrations: reflect.FrameworkInternals) ----
 _INTERNALS = FrameworkInternals(
     DISTRIBUTION, ITEMS, LOOKED_UP, COPIED, "megatron.", user="megatron_patches",
     copies="megatron_patches' version of it was written from", label="Megatron-Core")

@@ -3,7 +3,8 @@
 error where one is missing, renamed, no longer called or rewritten, the list against the
 package's own code, the version check and its escape, and the sub-world's refusal of a
 group-taking backend method it does not know (real processes, gloo). The pins in pyproject.toml
-against versions.SUPPORTED are tested once, in test_megatron_internals.py."""
+against versions.SUPPORTED (read from the package's metadata) are tested once, in
+test_megatron_internals.py."""
 
 import ast
 import os
@@ -11,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ds_lowcomm import versions
-from ds_lowcomm.versions import ALLOW_ENV, FrameworkInternalsError, UnsupportedVersionError
+from ds_lowcomm import reflect, versions
+from ds_lowcomm.reflect import FrameworkInternalsError
+from ds_lowcomm.versions import ALLOW_ENV, UnsupportedVersionError
 from ds_lowcomm.workers import run_local_workers
 
 from .internals_scan import own_names
@@ -150,7 +152,7 @@ def test_every_deepspeed_internal_goes_through_internals_py():
     from ds_lowcomm.deepspeed import internals
 
     own, bad, used = own_names((ROOT / "ds_lowcomm").rglob("*.py"), subscript_keys=True), [], set()
-    declared = {name for name, value in vars(internals).items() if isinstance(value, (versions.Internal, tuple))}
+    declared = {name for name, value in vars(internals).items() if isinstance(value, (reflect.Internal, tuple))}
     for path in sorted(PACKAGE.glob("*.py")):
         if path.name == "internals.py":
             continue

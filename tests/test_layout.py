@@ -10,7 +10,8 @@ ROOT = Path(__file__).resolve().parents[1]
 LAYERS = {
     "ds_lowcomm.settings": 0,
     "ds_lowcomm.checkpoint_io": 0,  # checkpoint files (atomic, digests, weights_only): used from optim up
-    "ds_lowcomm.versions": 0,  # supported framework versions and the private-internals checks: integrations
+    "ds_lowcomm.versions": 0,  # the supported framework versions (the package's pins) and the start-up gate
+    "ds_lowcomm.reflect": 0,  # the private-internals checks (declared items against the live code): integrations
     "ds_lowcomm.codec": 1,
     "ds_lowcomm.comm": 2,
     "ds_lowcomm.optim": 3,

@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ds_lowcomm import versions
-from ds_lowcomm.versions import ALLOW_ENV, SUPPORTED, FrameworkInternalsError, UnsupportedVersionError
+from ds_lowcomm import reflect, versions
+from ds_lowcomm.reflect import FrameworkInternalsError
+from ds_lowcomm.versions import ALLOW_ENV, SUPPORTED, UnsupportedVersionError
 
 from .internals_scan import own_names
 
@@ -24,17 +25,22 @@ PACKAGE = ROOT / "megatron_patches"
 # --- the version check (no megatron needed) ---------------------------------------------------------
 
 def test_supported_ranges_equal_pyproject_pins():
-    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    """The gate's ranges are the pins in pyproject.toml, read here on their own (tomllib): every
+    requirement with a version range, extras included; and the gate read them from the installed
+    package's metadata (a stale editable install, whose metadata predates a pin, fails here)."""
     from packaging.requirements import Requirement
     from packaging.specifiers import SpecifierSet
 
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     pins: dict[str, list[SpecifierSet]] = {}
     for line in [*project["dependencies"], *(d for ds in project["optional-dependencies"].values() for d in ds)]:
         req = Requirement(line)
-        pins.setdefault(req.name, []).append(req.specifier)
-    assert set(SUPPORTED) == {"deepspeed", "megatron-core", "torchft", "transformers", "accelerate", "lightning"}
+        if req.specifier:
+            pins.setdefault(req.name, []).append(req.specifier)
+    assert "metadata" in versions.SOURCE, versions.SOURCE
+    assert set(SUPPORTED) == set(pins) >= {"deepspeed", "megatron-core", "torchft", "transformers", "accelerate",
+                                           "lightning"}
     for name, spec in SUPPORTED.items():
-        assert pins.get(name), f"pyproject.toml does not pin {name}"
         for pinned in pins[name]:
             assert pinned == SpecifierSet(spec), f"pyproject.toml pins {name}{pinned}; versions.SUPPORTED: {spec}"
         # both bounds, and the version the suite runs on inside them
@@ -42,6 +48,31 @@ def test_supported_ranges_equal_pyproject_pins():
         installed = versions.installed_version(name)
         if installed is not None:
             assert versions.check_supported(name) == installed
+    assert SUPPORTED["megatron-core"] == ">=0.16.1,<0.17"  # as the messages write it: lower bound first
+
+
+def test_without_metadata_the_source_tree_pins_or_a_clear_refusal(monkeypatch, tmp_path):
+    import importlib.metadata
+
+    def not_installed(name):
+        raise importlib.metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(importlib.metadata, "requires", not_installed)
+    # a source tree on PYTHONPATH: the pyproject.toml beside the package, read the same way
+    assert versions.load_supported() == (SUPPORTED, str(ROOT / "pyproject.toml"))
+    # neither: nothing is supported, and the check says why instead of passing
+    found, why = versions.load_supported(tmp_path / "pyproject.toml")
+    assert found == {} and "no ds_lowcomm distribution is installed" in why
+    monkeypatch.setattr(versions, "SUPPORTED", found)
+    monkeypatch.setattr(versions, "SOURCE", why)
+    monkeypatch.delenv(ALLOW_ENV, raising=False)
+    with pytest.raises(UnsupportedVersionError, match=r"cannot tell which megatron-core versions it supports.*"
+                                                      r"no ds_lowcomm distribution is installed.*pip install -e"):
+        versions.check_supported("megatron-core", installed="0.16.1")
+    monkeypatch.setenv(ALLOW_ENV, "1")
+    monkeypatch.setattr(versions, "_warned", set())
+    with pytest.warns(RuntimeWarning, match="cannot tell which megatron-core versions.*going on"):
+        assert versions.check_supported("megatron-core", installed="0.16.1") == "0.16.1"
 
 
 @pytest.mark.parametrize("installed", ["0.17.0", "0.16.0", "1.0.0rc1"])
@@ -115,7 +146,7 @@ def test_every_megatron_internal_goes_through_internals_py():
 
     from megatron_patches import internals as mi
 
-    declared = {name for name, value in vars(mi).items() if isinstance(value, versions.Internal)}
+    declared = {name for name, value in vars(mi).items() if isinstance(value, reflect.Internal)}
     fields_read = {n.attr for t in trees.values() for n in ast.walk(t) if isinstance(n, ast.Attribute)}
     unused = [name for name in declared if name not in used
               and not (getattr(mi, name).kind == "field" and getattr(mi, name).attr in fields_read)]

@@ -2,7 +2,7 @@
 functions record) is the same on every Python: from 3.12 on ``tokenize`` splits f-strings into
 parts (PEP 701), which made every copied function with an f-string fail its check on the first
 GPU machine (Python 3.12) with "has another body". Checked against the other Pythons on this
-machine, each loading versions.py alone (a leaf module)."""
+machine, each loading reflect.py alone (it imports nothing of ds_lowcomm at import)."""
 
 import glob
 import json
@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from ds_lowcomm.versions import source_digest
+from ds_lowcomm.reflect import source_digest
 
-VERSIONS = Path(__file__).resolve().parents[1] / "ds_lowcomm" / "versions.py"
+REFLECT = Path(__file__).resolve().parents[1] / "ds_lowcomm" / "reflect.py"
 SOURCE = '''def send(self, outputs, idx):
     # a comment, then nested and multi-line f-strings
     raise NotImplementedError('Could not send output of type '
@@ -49,6 +49,6 @@ def test_digest_is_the_same_on_every_python():
         pytest.skip("no Python 3.12 or later on this machine")
     mine = source_digest(SOURCE)
     for exe in pythons:
-        out = subprocess.run([exe, "-c", PROBE, str(VERSIONS), SOURCE], capture_output=True, text=True)
+        out = subprocess.run([exe, "-c", PROBE, str(REFLECT), SOURCE], capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         assert json.loads(out.stdout) == mine, exe

@@ -26,7 +26,7 @@ from typing import Any, Callable
 import torch
 import torch.distributed.distributed_c10d as c10d
 
-from ..versions import FrameworkInternals, Internal, read_instance
+from ..reflect import FrameworkInternals, Internal, read_instance
 from .ledger import ByteLedger
 from .transport import Transport
 

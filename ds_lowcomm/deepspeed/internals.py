@@ -4,7 +4,7 @@ checked against the installed deepspeed before anything is touched.
 DeepSpeed has no public hooks for what ds_lowcomm does (its communication backend, ZeRO's
 per-group optimizer step, the pipeline's instruction map, its grid's groups, its loader set-up,
 its checkpoint engine), so the glue uses its private internals, which move between releases.
-Each one is an :class:`~ds_lowcomm.versions.Internal` in :data:`ITEMS` (module, name, kind, the
+Each one is an :class:`~ds_lowcomm.reflect.Internal` in :data:`ITEMS` (module, name, kind, the
 parameters used), and the rest of ``ds_lowcomm.deepspeed`` reaches them only through this module.
 :func:`ensure_checked` (called first thing by ``initialize``, ``replica_layout``,
 ``enter_subworld``, ``count_deepspeed_collectives`` and ``install_activation_compression``)
@@ -26,7 +26,7 @@ again on the object where it is read: never a silent default), :func:`method` /
 :func:`replace_backend` / :func:`backend_signature` the communication backend, whose group-taking
 methods the sub-world translates as :data:`GROUP_METHODS` says and refuses where it says nothing.
 ``megatron_patches/internals.py`` is the same for Megatron-Core; the checks and the access are one
-implementation for both, :class:`ds_lowcomm.versions.FrameworkInternals`, which this module builds
+implementation for both, :class:`ds_lowcomm.reflect.FrameworkInternals`, which this module builds
 for DeepSpeed and exposes as its module-level functions.
 
 Nothing here imports deepspeed at import time.
@@ -37,7 +37,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
-from ..versions import FrameworkInternals, FrameworkInternalsError, Internal, internals_error, resolve, signature
+from ..reflect import FrameworkInternals, FrameworkInternalsError, Internal, internals_error, resolve, signature
 
 DISTRIBUTION = "deepspeed"
 
@@ -365,7 +365,7 @@ COPIED = {
 }
 
 
-# --- The checks and the access (one implementation for both integrations: versions.FrameworkInternals) -------
+# --- The checks and the access (one implementation for both integrations: reflect.FrameworkInternals) -------
 _INTERNALS = FrameworkInternals(
     DISTRIBUTION, ITEMS, LOOKED_UP, COPIED, "deepspeed", stored_elsewhere=STORED_ELSEWHERE, user="ds_lowcomm",
     copies="ds_lowcomm's version of it was copied or written from (ds_lowcomm/deepspeed/activations.py, muon.py)",
