@@ -308,7 +308,8 @@ class FrameworkInternals:
 
     ``items``: every declared :class:`Internal`. ``looked_up``: ``(item, module, readers)``, the
     functions (in ``module``) that must still read ``item``'s name at each use, so that what the
-    integration puts in its place is what the framework uses. ``copied``: item -> the
+    integration puts in its place is what the framework uses (a fourth element, when given, says
+    instead what would go wrong were it no longer read there). ``copied``: item -> the
     :func:`body_digest` of the framework's body the integration's version was copied or written
     from. ``code_prefix``: the module prefix of the framework's own classes, whose code must store
     each ``instance`` item; ``stored_elsewhere``: item path -> ``(module, function)`` for one stored
@@ -355,11 +356,11 @@ class FrameworkInternals:
             if not stored:
                 raise internals_error(dist, item, f"is no longer set by {where}")
 
-        def read_by(item, module, reader):
+        def read_by(item, module, reader, why=None):
             fn = resolve(dist, Internal(module, reader, "method" if "." in reader else "function"))
             if not reads_name(fn, item.attr):
-                raise internals_error(dist, item, f"is no longer read by {module}.{reader}, so what {self.user} "
-                                      "puts in its place would not be used")
+                why = why or f"what {self.user} puts in its place would not be used"
+                raise internals_error(dist, item, f"is no longer read by {module}.{reader}, so {why}")
 
         def same_body(item, digest):
             if body_digest(resolve(dist, item)) != digest:
@@ -367,9 +368,9 @@ class FrameworkInternals:
 
         for item in self.items:
             note(declared, item)
-        for item, module, readers in self.looked_up:
+        for item, module, readers, *why in self.looked_up:
             for reader in readers:
-                note(read_by, item, module, reader)
+                note(read_by, item, module, reader, *why)
         for item, digest in self.copied.items():
             note(same_body, item, digest)
         return list(dict.fromkeys(out))
@@ -403,6 +404,11 @@ class FrameworkInternals:
         would be created silently and never read by the framework)."""
         self.get(obj, item)
         setattr(obj, item.attr, value)
+
+    def static(self, item: Internal):
+        """The function of a declared static method (a ``function`` item named ``Class.name``)."""
+        obj = self.live(item)
+        return obj.__func__ if isinstance(obj, staticmethod) else obj
 
     def method(self, obj, item: Internal, of_class: bool = False):
         """``obj``'s method ``item`` (bound; ``of_class``: its class's, not one replaced on the

@@ -1,13 +1,19 @@
 """The supported DeepSpeed versions and every DeepSpeed internal the integration uses
 (ds_lowcomm/deepspeed/internals.py): the declared list against the installed deepspeed, the named
 error where one is missing, renamed, no longer called or rewritten, the list against the
-package's own code, the version check and its escape, and the sub-world's refusal of a
-group-taking backend method it does not know (real processes, gloo). The pins in pyproject.toml
+package's own code, the version check and its escape, the sub-world's refusal of a
+group-taking backend method it does not know (real processes, gloo), and a start that clears the
+JIT build lock a killed process left (backend.py), where plain DeepSpeed waits forever. The pins in pyproject.toml
 against versions.SUPPORTED (read from the package's metadata) are tested once, in
 test_megatron_internals.py."""
 
 import ast
 import os
+import signal
+import socket
+import subprocess
+import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -37,23 +43,27 @@ def internals(monkeypatch):
 
 def test_declared_internals_match_the_installed_deepspeed(internals):
     import deepspeed
+    import torch
     from deepspeed.comm.torch import TorchBackend
+
+    from ds_lowcomm.deepspeed import backend as ds_backend
 
     assert internals.problems() == []
     assert internals.ensure_checked() == deepspeed.__version__
+    assert internals.TORCH_JIT.problems() == [] and internals.TORCH_JIT.ensure_checked() == torch.__version__
     assert len(internals.ITEMS) > 100 and internals.LOOKED_UP and internals.COPIED
     # The group-taking backend methods the sub-world knows are exactly the installed ones: a method
     # a DeepSpeed release adds shows up here (and is refused by the sub-world until it is added).
     taking_group = {name for name in dir(TorchBackend) if not name.startswith("_")
-                    and internals.takes_group(object.__new__(TorchBackend), name)}
+                    and ds_backend.takes_group(object.__new__(TorchBackend), name)}
     assert taking_group == {*internals.GROUP_METHODS, *internals.SUBWORLD_OWN} - {"get_world_group", "new_group",
                                                                                  "init_device_mesh",
                                                                                  "batch_isend_irecv"}
     # Signatures are read under DeepSpeed's decorators (stage_on_cpu's wrapper takes *args, **kwargs).
     backend = object.__new__(TorchBackend)
-    assert list(internals.backend_signature(backend, "all_reduce").parameters) == ["tensor", "op", "group",
+    assert list(ds_backend.backend_signature(backend, "all_reduce").parameters) == ["tensor", "op", "group",
                                                                                    "async_op"]
-    assert list(internals.backend_signature(backend, "gather").parameters) == ["tensor", "gather_list", "dst",
+    assert list(ds_backend.backend_signature(backend, "gather").parameters) == ["tensor", "gather_list", "dst",
                                                                                "group", "async_op"]
     # The stored-attribute check tells a stored attribute from one that is only read.
     engine = internals.live(internals.ENGINE)
@@ -179,12 +189,12 @@ def test_every_deepspeed_internal_goes_through_internals_py():
                     bad.append(f"{where}: {ast.unparse(node)}")
     assert not bad, "DeepSpeed internals reached around ds_lowcomm/deepspeed/internals.py:\n" + "\n".join(bad)
     # declared for internals.py's own use (the backend, the checks) or for the glue's
-    internal_use = {"CDB", "TORCH_BACKEND", "BACKEND_METHODS", "MODULE_GRID", "ITEMS", "LOOKED_UP", "COPIED",
+    internal_use = {"MODULE_GRID", "ITEMS", "LOOKED_UP", "COPIED", "TORCH_FILE_BATON",
                     "PIPE_INSTANCE", "EXEC_SEND_ACTIVATIONS", "EXEC_RECV_ACTIVATIONS", "EXEC_SEND_GRADS",
                     "EXEC_RECV_GRADS", "SEND_ACTIVATION", "RECV_ACTIVATION", "SEND_GRAD", "RECV_GRAD",
                     "SEND_OUTPUT_TIMER", "RECV_INPUT_TIMER", "SEND_GRAD_TIMER", "RECV_GRAD_TIMER",
                     "CHECK_OVERFLOW", "GRID", "PIPELINE_ENGINE", "ENGINE",
-                    "SHM_COMM_OP", "ZERO3_HAS_OVERFLOW",  # overflow.py replaces it by ZERO12_HAS_OVERFLOW's name, the same
+                    "ZERO3_HAS_OVERFLOW",  # overflow.py replaces it by ZERO12_HAS_OVERFLOW's name, the same
                     # muon.py: the body it follows (COPIED), the constructor it calls through MUON_WITH_AUX_ADAM
                     "MUON_UPDATE", "MUON_WITH_AUX_ADAM_INIT"}
     unused = sorted(n for n in declared - used - internal_use if n.isupper())
@@ -197,11 +207,11 @@ def _subworld_worker(rank, world):
     import deepspeed.comm as ds_dist
     from deepspeed.comm.torch import TorchBackend
 
-    from ds_lowcomm.deepspeed import internals
+    from ds_lowcomm.deepspeed import backend as ds_backend
     from ds_lowcomm.deepspeed.subworld import enter_subworld
 
     enter_subworld([rank], timeout_s=60)  # each rank its own world: nothing of DeepSpeed's crosses ranks
-    backend, out = internals.backend(), {}
+    backend, out = ds_backend.backend(), {}
     t = torch.tensor([float(rank + 1)])
     ds_dist.all_reduce(t)
     out["all_reduce"] = t.item()
@@ -230,3 +240,99 @@ def test_subworld_refuses_a_group_method_it_does_not_know():
                                          "deepspeed.comm.torch.TorchBackend.all_reduce_twice"), out["unknown"]
         assert "takes a process group" in out["unknown"] and "across replicas" in out["unknown"]
         assert RANGE in out["unknown"]
+
+
+# --- A JIT build lock left by a killed process (backend.py) -------------------------------------------------
+# torch's FileBaton.try_acquire, as written there (without torch's import time): the file created
+# exclusively and kept open until release
+HOLD = ("import os, sys, time; os.open(sys.argv[1], os.O_CREAT | os.O_EXCL); print('held', flush=True); "
+        "time.sleep(600)")
+
+
+def _held_by_a_process(lock) -> subprocess.Popen:
+    """A process that takes ``lock`` as torch's JIT load does and keeps it."""
+    holder = subprocess.Popen([sys.executable, "-c", HOLD, str(lock)], stdout=subprocess.PIPE, text=True)
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def _killed(holder: subprocess.Popen) -> None:
+    holder.send_signal(signal.SIGKILL)  # inside the window: the lock stays
+    holder.wait()
+
+
+def test_a_build_lock_is_waited_for_while_held_and_removed_once_its_holder_is_gone(tmp_path, monkeypatch):
+    from ds_lowcomm.deepspeed import backend as ds_backend
+
+    lock = tmp_path / "lock"
+    holder = _held_by_a_process(lock)
+    try:
+        with pytest.raises(TimeoutError, match=rf"{lock} is still held by process\(es\) {holder.pid} on this "
+                                               r"machine after 1 s"):
+            ds_backend.release_stale_build_lock(str(lock), wait_s=1.0)
+        assert lock.exists()
+    finally:
+        _killed(holder)
+    with pytest.warns(RuntimeWarning, match=rf"removed the stale JIT build lock {lock} \(no process on this "
+                                            r"machine holds it"):
+        assert ds_backend.release_stale_build_lock(str(lock), wait_s=0.0)
+    assert not lock.exists()
+    assert not ds_backend.release_stale_build_lock(str(lock))  # none: nothing to do
+    # On a file system other machines may share, a young lock nobody here holds may be a build
+    # running elsewhere: waited for, up to the age at which it counts as stale.
+    _killed(_held_by_a_process(lock))
+    monkeypatch.setattr(ds_backend, "_file_system", lambda path: "nfs4")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        with pytest.raises(TimeoutError, match="held by a process not seen here"):
+            ds_backend.release_stale_build_lock(str(lock), wait_s=0.5)
+    with pytest.warns(RuntimeWarning, match="removed the stale JIT build lock"):
+        assert ds_backend.release_stale_build_lock(str(lock), wait_s=0.0, unseen_holder_stale_s=0.0)
+
+
+START = """
+import faulthandler, os, sys
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[2])
+import deepspeed, torch.distributed as dist
+from ds_lowcomm.deepspeed import backend
+faulthandler.dump_traceback_later(float(sys.argv[3]), exit=True)  # where it waits, then out
+if sys.argv[1] == "plain":
+    deepspeed.init_distributed(dist_backend="gloo")
+else:
+    backend.init_distributed("gloo")
+faulthandler.cancel_dump_traceback_later()
+print("started", backend.real_backend().shm_comm_op is not None, flush=True)
+dist.destroy_process_group()
+"""
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_engine_start_clears_the_lock_a_killed_process_left_where_deepspeed_hangs():
+    """The real lock of DeepSpeed's CPU comm op, left by a process killed holding it: plain
+    DeepSpeed's start waits on it forever (seen waiting in torch's FileBaton); ds_lowcomm's start
+    removes it, says so, and loads the op."""
+    from ds_lowcomm.deepspeed import backend as ds_backend
+
+    lock = ds_backend.comm_op_lock()
+    assert lock is not None and os.path.basename(os.path.dirname(lock)) == "deepspeed_shm_comm"
+    _killed(_held_by_a_process(lock))
+    try:
+        plain = subprocess.run([sys.executable, "-c", START, "plain", str(_free_port()), "5"], capture_output=True,
+                               text=True, timeout=120)
+        assert plain.returncode != 0 and "started" not in plain.stdout
+        assert "file_baton.py" in plain.stderr and "in wait" in plain.stderr, plain.stderr[-2000:]
+        assert os.path.exists(lock)
+        ours = subprocess.run([sys.executable, "-c", START, "ds_lowcomm", str(_free_port()), "200"],
+                              capture_output=True, text=True, timeout=240)
+        assert ours.returncode == 0, ours.stderr[-3000:]
+        assert ours.stdout.strip().endswith("started True")  # the op loaded
+        assert f"removed the stale JIT build lock {lock} (no process on this machine holds it" in ours.stderr
+        assert not os.path.exists(lock)
+    finally:
+        if os.path.exists(lock):
+            os.remove(lock)

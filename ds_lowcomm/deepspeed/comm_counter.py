@@ -23,7 +23,7 @@ import torch.distributed as dist
 import ds_lowcomm
 
 from ..comm import ByteLedger
-from . import internals
+from . import backend, internals
 
 _depth = threading.local()
 
@@ -104,7 +104,7 @@ def _broadcast(a):
 
 
 # op -> (sent, received) from its arguments, bound by name to the live backend's signature
-# (internals.backend_signature); internals.COUNTED_READS declares the names each one reads.
+# (backend.backend_signature); internals.COUNTED_READS declares the names each one reads.
 COUNTED = {
     "all_reduce": _one,
     "inference_all_reduce": _one,
@@ -127,11 +127,11 @@ def count_deepspeed_collectives(ledger: ByteLedger, user_ledger: ByteLedger | No
     time inside the calls is added to the ledger's ``"comm"`` seconds (an async op's: its launch).
     """
     internals.ensure_checked()
-    cdb = internals.backend()
+    cdb = backend.backend()
     if cdb is None:
         raise RuntimeError("deepspeed.comm is not initialised")
-    real = internals.real_backend()  # under a sub-world: the backend it wraps, whose signatures count
-    internals.check_backend(real)
+    real = backend.real_backend()  # under a sub-world: the backend it wraps, whose signatures count
+    backend.check_backend(real)
     cdb._ds_lowcomm_ledger = ledger
     cdb._ds_lowcomm_user_ledger = user_ledger if user_ledger is not None else ledger
     if getattr(cdb, "_ds_lowcomm_counted", False):
@@ -139,7 +139,7 @@ def count_deepspeed_collectives(ledger: ByteLedger, user_ledger: ByteLedger | No
     cdb._ds_lowcomm_counted = True
     for name, sizes in COUNTED.items():
         original = getattr(cdb, name)
-        sig = internals.backend_signature(real, name)
+        sig = backend.backend_signature(real, name)
 
         def wrapped(*args, _original=original, _name=name, _sizes=sizes, _sig=sig, **kw):
             outer = getattr(_depth, "value", 0) == 0

@@ -42,7 +42,7 @@ from .data import patch_world_batch_and_io, replica_batch_config, report_global_
 from .layout import choose_layout
 from .overflow import agree_on_overflow
 from .state import STATE
-from . import hetero, internals, muon, zero
+from . import backend, hetero, internals, muon, zero
 
 
 @dataclass
@@ -142,7 +142,7 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     if args is not None and getattr(args, "deepspeed_config", None) is not None:
         args = argparse.Namespace(**{**vars(args), "deepspeed_config": None})  # the config goes by dict
     # Also when torch.distributed is already up: DeepSpeed then wraps the existing group.
-    internals.init_distributed(_default_backend())  # and frees DeepSpeed's shared-memory name
+    backend.init_distributed(_default_backend())  # and frees DeepSpeed's shared-memory name
     engine_ledger, user_ledger = ByteLedger(), ByteLedger()
     count_deepspeed_collectives(engine_ledger, user_ledger)
 
@@ -262,7 +262,7 @@ def replica_layout(config) -> hetero.ReplicaPlace:
     if not split.replicas:
         raise ConfigError("replica_layout: the config has no lowcomm.replicas (replicas of one shape need no "
                           "layout call: lowcomm.replica_size)")
-    internals.init_distributed(_default_backend())  # and frees DeepSpeed's shared-memory name
+    backend.init_distributed(_default_backend())  # and frees DeepSpeed's shared-memory name
     # Before any rank enters its replica: a rank with another layout would wait in other groups.
     assert_same_across_ranks(TorchDistTransport(timeout_s=split.lowcomm.comm.timeout_s),
                              {"lowcomm.replicas": [spec.describe() for spec in split.replicas]})

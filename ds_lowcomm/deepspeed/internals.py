@@ -22,22 +22,23 @@ Anything missing or changed raises one :class:`FrameworkInternalsError` naming i
 installed and supported versions. Afterwards :func:`live` gives a declared class, function or
 attribute, :func:`get` / :func:`put` an attribute that exists only on constructed objects (checked
 again on the object where it is read: never a silent default), :func:`method` /
-:func:`replace_method` a private method of one object, and :func:`backend` /
-:func:`replace_backend` / :func:`backend_signature` the communication backend, whose group-taking
-methods the sub-world translates as :data:`GROUP_METHODS` says and refuses where it says nothing.
+:func:`replace_method` a private method of one object.
 ``megatron_patches/internals.py`` is the same for Megatron-Core; the checks and the access are one
 implementation for both, :class:`ds_lowcomm.reflect.FrameworkInternals`, which this module builds
 for DeepSpeed and exposes as its module-level functions.
+
+This module declares; it does nothing. What ds_lowcomm does with DeepSpeed's communication backend
+(starting it, the stale JIT build lock, the /dev/shm buffers, the sub-world's swap, the signatures
+the sub-world and the byte counter read) is ``backend.py``, through these declarations.
 
 Nothing here imports deepspeed at import time.
 """
 
 from __future__ import annotations
 
-import inspect
 from typing import Any
 
-from ..reflect import FrameworkInternals, FrameworkInternalsError, Internal, internals_error, resolve, signature
+from ..reflect import FrameworkInternals, FrameworkInternalsError, Internal
 
 DISTRIBUTION = "deepspeed"
 
@@ -53,7 +54,7 @@ _TOPOLOGY = "deepspeed.runtime.pipe.topology"
 _CKPT = "deepspeed.runtime.checkpoint_engine.torch_checkpoint_engine"
 _CONST = "deepspeed.checkpoint.constants"
 
-# --- The communication backend (subworld.py, comm_counter.py) --------------------------------------
+# --- The communication backend (backend.py, subworld.py, comm_counter.py) --------------------------------------
 # Backend methods that take a process group, as the sub-world translates them: name -> which of
 # their parameters are ranks (virtual -> global). The parameters themselves, in order, come from the
 # live backend (backend_signature). A group-taking method named neither here nor in SUBWORLD_OWN is
@@ -85,7 +86,8 @@ COUNTED_READS = {
     "all_gather": ("tensor_list", "tensor", "group"), "broadcast": ("tensor", "src", "group"),
 }
 
-CDB = Internal(_COMM, "cdb", "attribute", use="replaces it (subworld.py) and wraps its methods (comm_counter.py)")
+CDB = Internal(_COMM, "cdb", "attribute",
+              use="replaces it for the sub-world (backend.py) and wraps its methods (comm_counter.py)")
 TORCH_BACKEND = Internal(_BACKEND, "TorchBackend", "class",
                          use="translates and counts its methods (subworld.py, comm_counter.py)")
 BACKEND_METHODS = tuple(
@@ -304,13 +306,18 @@ BF16_OPTIMIZER = Internal(_BF16, "BF16_Optimizer", "class", use="agrees the bf16
 BF16_GRADS_FOR_NORM = Internal(_BF16, "BF16_Optimizer.get_grads_for_norm", "method", ("for_clipping",), "override",
                                use="agrees the bf16 skip of a step over every replica (overflow.py)")
 
-# --- DeepSpeed's CPU shared-memory all-reduce (init_distributed below) -------------------------------------
+# --- DeepSpeed's CPU comm op: its shared-memory all-reduce, its JIT build (backend.py) ----------------------
 SHM_COMM_OP = Internal(_BACKEND, "TorchBackend.shm_comm_op", "instance",
-                       use="unlinks its shared-memory buffer's name once every rank has mapped it (init_distributed)")
+                       use="unlinks its shared-memory buffer's name once every rank has mapped it (backend.py)")
 # The name DeepSpeed's CPU comm op (ops/csrc/cpu/comm/shm.cpp, shm_initialize) gives each rank's buffer
 # when every rank is on one host. A name, not Python: the check above cannot see it; if DeepSpeed
-# renames it, init_distributed finds no such file and unlinks nothing.
+# renames it, backend.init_distributed finds no such file and unlinks nothing.
 SHM_BUFFER_NAME = "deepspeed_allreduce_buffer_{uid}_{addr}_{port}_{rank}"
+# The accelerator's op builder whose op TorchBackend JIT-loads at every start (comm/torch.py,
+# build_shm_op): a name, not Python; another name gives no builder, and no lock is looked at.
+SHM_COMM_BUILDER = "ShareMemCommBuilder"
+OP_BUILDER_NAME = Internal("deepspeed.ops.op_builder.builder", "OpBuilder.name", "instance",
+                           use="finds the build directory of the CPU comm op torch JIT-loads (backend.py)")
 
 
 def _collect(values) -> tuple[Internal, ...]:
@@ -375,6 +382,7 @@ stored_by_class = _INTERNALS.stored_by_class  # (cls, attr): whether DeepSpeed c
 problems = _INTERNALS.problems  # every way the installed DeepSpeed differs from ITEMS, LOOKED_UP and COPIED
 ensure_checked = _INTERNALS.ensure_checked  # the version, then (once per process) every internal; the version
 live = _INTERNALS.live  # (item): the live class / function / attribute item declares (checked)
+static = _INTERNALS.static  # (item): the function of a declared static method
 get = _INTERNALS.get  # (obj, item): obj's instance attribute item; the named error where it is missing
 put = _INTERNALS.put  # (obj, item, value): set it; it must already be there
 method = _INTERNALS.method  # (obj, item, of_class=False): obj's method item, bound; the named error where missing
@@ -382,123 +390,29 @@ check_override = _INTERNALS.check_override  # (item, fn): fn accepts what the fr
 replace_method = _INTERNALS.replace_method  # (obj, item, fn): fn in place of the method item on this one object
 
 
-def static(item: Internal):
-    """The function of a declared static method (a ``function`` item named ``Class.name``)."""
-    obj = live(item)
-    return obj.__func__ if isinstance(obj, staticmethod) else obj
-
-
 def grid(module) -> Any:
     """A ``PipelineModule``'s grid (``PipelineParallelGrid``: read its fields with :func:`get`)."""
     return method(module, MODULE_GRID)()
 
 
-# --- The communication backend ----------------------------------------------------------------------------
-def backend():
-    """DeepSpeed's communication backend, which every ``deepspeed.comm`` function calls (None before
-    ``init_distributed``)."""
-    return live(CDB)
+# --- torch's JIT build of DeepSpeed's ops (backend.py: a build lock left by a killed process) ------------
+# torch.utils.cpp_extension.load, through which DeepSpeed JIT-loads its CPU comm op at every engine
+# start, holds a lock file in the op's build directory while it checks or builds the op; these are
+# torch's, checked against torch's supported range (its own FrameworkInternals, not in ITEMS).
+_CPP_EXTENSION = "torch.utils.cpp_extension"
+TORCH_BUILD_DIRECTORY = Internal(_CPP_EXTENSION, "_get_build_directory", "function", ("name", "verbose"),
+                                 use="finds the build lock of DeepSpeed's CPU comm op (backend.py)")
+TORCH_FILE_BATON = Internal("torch.utils.file_baton", "FileBaton", "class",
+                            use="clears its lock file where the process holding it is gone (backend.py)")
+# The file FileBaton takes in the build directory (_jit_compile: os.path.join(build_directory, 'lock')),
+# created with O_EXCL and held open until released. A name, not Python.
+JIT_LOCK_NAME = "lock"
+TORCH_JIT = FrameworkInternals(
+    "torch", (TORCH_BUILD_DIRECTORY, TORCH_FILE_BATON),
+    ((TORCH_FILE_BATON, _CPP_EXTENSION, ("_jit_compile",),
+      "the lock ds_lowcomm clears is not the one torch waits on"),),
+    {}, "torch.", user="ds_lowcomm", copies="", label="torch")
 
 
-_stands_for: dict[int, Any] = {}  # id(a replacement backend) -> the real backend it wraps
-
-
-def replace_backend(new, real) -> None:
-    """Make every ``deepspeed.comm`` function call ``new``, which wraps the backend ``real`` (they
-    read the module global at each call: :data:`LOOKED_UP`)."""
-    import importlib
-
-    _stands_for[id(new)] = real
-    setattr(importlib.import_module(CDB.module), CDB.name, new)
-
-
-def real_backend():
-    """The backend DeepSpeed made (under the sub-world's replacement, if there is one)."""
-    cdb = backend()
-    return _stands_for.get(id(cdb), cdb)
-
-
-def _on(real, name: str, params=None, match="call", use="") -> Internal:
-    cls = type(real)
-    return Internal(cls.__module__, f"{cls.__qualname__}.{name}", "method", params, match, use)
-
-
-_signatures: dict[tuple[type, str], inspect.Signature] = {}
-
-
-def backend_signature(real, name: str) -> inspect.Signature:
-    """The parameters (``self`` left out) of method ``name`` of the live backend ``real``'s class,
-    under its decorators."""
-    key = (type(real), name)
-    if key not in _signatures:
-        sig = signature(resolve(DISTRIBUTION, _on(real, name)), name)
-        _signatures[key] = sig.replace(parameters=list(sig.parameters.values())[1:])
-    return _signatures[key]
-
-
-def takes_group(real, name: str) -> bool:
-    """Whether the live backend's class has a method ``name`` with a ``group`` parameter."""
-    fn = inspect.getattr_static(type(real), name, None)
-    if isinstance(fn, (staticmethod, classmethod)):
-        fn = fn.__func__
-    return inspect.isfunction(fn) and "group" in signature(fn, name).parameters
-
-
-def check_backend(real) -> None:
-    """The declared backend methods against the live backend's own class (a subclass of TorchBackend
-    may redefine them): present, with the parameters ds_lowcomm reads."""
-    if type(real) is live(TORCH_BACKEND):
-        return  # checked by ensure_checked()
-    found = []
-    for item in BACKEND_METHODS:
-        try:
-            resolve(DISTRIBUTION, _on(real, item.attr, item.params, item.match, item.use))
-        except FrameworkInternalsError as err:
-            found.append(str(err))
-    if found:
-        raise FrameworkInternalsError("\n".join(found))
-
-
-def unknown_group_method(real, name: str) -> FrameworkInternalsError:
-    """The error for a backend method that takes a process group and is not in :data:`GROUP_METHODS`."""
-    item = _on(real, name, use="the sub-world translates the group and ranks of the backend methods it knows")
-    return internals_error(DISTRIBUTION, item, "takes a process group but the ds_lowcomm sub-world does not know it: "
-                           "passed on untranslated it would run over the whole job, across replicas, so it is refused "
-                           "(internals.GROUP_METHODS lists the known ones with their rank parameters)")
-
-
-__all__ = ["COPIED", "DISTRIBUTION", "FrameworkInternalsError", "GROUP_METHODS", "ITEMS", "LOOKED_UP", "backend",
-           "backend_signature", "ensure_checked", "get", "grid", "live", "method", "problems", "put", "replace_backend",
-           "replace_method"]
-
-
-# --- init_distributed ---------------------------------------------------------------------------------------
-_shm_released = False
-
-
-def init_distributed(dist_backend: str) -> None:
-    """``deepspeed.init_distributed``, then this rank's shared-memory buffer unlinked (every rank calls it).
-
-    On the CPU accelerator with every rank on one host, DeepSpeed maps a 69 MB shared-memory
-    all-reduce buffer per rank (:data:`SHM_BUFFER_NAME`) and never unlinks it: each launch on a new
-    port left its buffers in /dev/shm, that is in RAM, until the machine restarts (a CI run of this
-    suite leaked 15 GB and was killed for memory). Each rank returns from DeepSpeed's set-up only
-    after mapping every peer's buffer, so after one barrier the names can go: the mappings live on
-    until the processes exit, and the memory goes with them, however they exit."""
-    import os
-
-    import deepspeed
-    import torch.distributed as dist
-
-    global _shm_released
-    deepspeed.init_distributed(dist_backend=dist_backend)
-    if _shm_released or get(real_backend(), SHM_COMM_OP) is None:  # the same on every rank
-        return
-    dist.barrier()
-    name = SHM_BUFFER_NAME.format(uid=os.getuid(), addr=os.environ.get("MASTER_ADDR", ""),
-                                  port=os.environ.get("MASTER_PORT", ""), rank=dist.get_rank())
-    try:
-        os.unlink(os.path.join("/dev/shm", name))
-    except FileNotFoundError:  # ranks on several hosts: DeepSpeed made no buffer
-        pass
-    _shm_released = True
+__all__ = ["COPIED", "DISTRIBUTION", "FrameworkInternalsError", "GROUP_METHODS", "ITEMS", "LOOKED_UP", "TORCH_JIT",
+           "ensure_checked", "get", "grid", "live", "method", "problems", "put", "replace_method", "static"]

@@ -36,7 +36,7 @@ import threading
 
 import torch.distributed as dist
 
-from . import internals
+from . import backend, internals
 from .state import STATE
 from .internals import GROUP_METHODS
 
@@ -67,14 +67,14 @@ class _SubWorldBackend:
     def __getattr__(self, name):  # only for names not found on the wrapper itself
         if name in GROUP_METHODS:
             return self._translated(name)
-        if internals.takes_group(self._sw_real, name):  # one neither translated here nor implemented above
-            raise internals.unknown_group_method(self._sw_real, name)
+        if backend.takes_group(self._sw_real, name):  # one neither translated here nor implemented above
+            raise backend.unknown_group_method(self._sw_real, name)
         return getattr(self._sw_real, name)
 
     def _translated(self, name):
         # The parameters come from the live backend's signature (internals.py checks the group and
         # rank parameters are among them); GROUP_METHODS says which are ranks.
-        sig = internals.backend_signature(self._sw_real, name)
+        sig = backend.backend_signature(self._sw_real, name)
         rank_args = GROUP_METHODS[name]
         # What the real backend has now. A byte counter installed after entry wraps *this* (it takes
         # the method it wraps from the wrapper) and puts its wrapper on the real backend; called from
@@ -192,19 +192,17 @@ def enter_subworld(ranks: list[int], timeout_s: float | None = None) -> None:
     if dist.get_rank() not in ranks:
         raise ValueError(f"rank {dist.get_rank()} is not in the sub-world {ranks}")
 
-    import deepspeed
-
-    if internals.backend() is None:
+    if backend.backend() is None:
         # adopts the existing torch.distributed default group (no new rendezvous)
-        deepspeed.init_distributed(dist_backend=dist.get_backend())
-    real = internals.backend()
-    internals.check_backend(real)
+        backend.start_deepspeed_comm(dist.get_backend())
+    real = backend.backend()
+    backend.check_backend(real)
     timeout = None if timeout_s is None else datetime.timedelta(seconds=timeout_s)
     group = dist.new_group(ranks, timeout=timeout, use_local_synchronization=True)
     STATE.subworld = _SubWorldBackend(real, ranks, group, timeout)
     # Every deepspeed.comm function reads the backend at each call (internals.LOOKED_UP): this reroutes
     # them all; deepspeed.init_distributed() now finds an initialised backend and does nothing.
-    internals.replace_backend(STATE.subworld, real)
+    backend.replace_backend(STATE.subworld, real)
     # The byte counter asks where a call came from by file; this module is part of the call path.
     from . import comm_counter
 
