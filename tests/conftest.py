@@ -28,35 +28,20 @@ def _extension_locks() -> list[str]:
     return glob.glob(os.path.join(root, "**", "lock"), recursive=True)
 
 
-def _compiler_running() -> bool:
-    """Whether any process on the machine is compiling (ninja, a C++ compiler): a JIT build's."""
-    import glob
-
-    for comm in glob.glob("/proc/[0-9]*/comm"):
-        try:
-            with open(comm) as f:
-                if f.read().strip() in ("ninja", "cc1plus", "c++", "g++", "ld"):
-                    return True
-        except OSError:
-            continue
-    return False
-
-
-def _clear_stale_extension_locks(max_age_s: float = 600.0) -> None:
+def _clear_stale_extension_locks() -> None:
     """torch's JIT load of an op (DeepSpeed's shared-memory comm op, at every engine's start) holds
     a ``lock`` file while ninja checks or builds it, even when nothing needs building; a process
     killed inside that window (a test's worker stopped or killed, a session cut off) leaves it
     behind, and every later load of that op waits for it forever (torch's FileBaton has no
-    timeout): every DeepSpeed test after it hung until its own timeout. A lock older than
-    ``max_age_s`` while nothing compiles is such a leftover."""
-    import time
+    timeout). ds_lowcomm's own starts clear it (ds_lowcomm/deepspeed/backend.py); plain DeepSpeed's
+    (the baselines) and the other ops' loads do not: every lock no live process holds, by the
+    library's rule."""
+    from ds_lowcomm.deepspeed.backend import release_stale_build_lock
 
     for lock in _extension_locks():
         try:
-            if time.time() - os.path.getmtime(lock) > max_age_s and not _compiler_running():
-                os.remove(lock)
-                print(f"conftest: removed a stale JIT build lock {lock}", file=sys.stderr)
-        except FileNotFoundError:
+            release_stale_build_lock(lock, wait_s=0.0)
+        except TimeoutError:  # a live process's build
             pass
 
 
@@ -101,8 +86,7 @@ def _remove_unmapped_deepspeed_buffers() -> None:
 def _no_leftover_shared_memory():
     yield
     _remove_unmapped_deepspeed_buffers()
-    # between tests nothing of the suite loads an op: a lock left now is a killed process's
-    _clear_stale_extension_locks(max_age_s=0.0)
+    _clear_stale_extension_locks()
 
 
 if not torch.cuda.is_available():

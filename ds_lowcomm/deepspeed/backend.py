@@ -1,8 +1,9 @@
 """DeepSpeed's communication backend, as ds_lowcomm starts, swaps and reads it.
 
 - Starting it (:func:`init_distributed`): ``deepspeed.init_distributed``, after a build lock left
-  by a killed process is cleared (:func:`release_stale_build_lock`), then this rank's shared-memory
-  buffer unlinked.
+  by a killed process is cleared (:func:`release_stale_comm_op_lock`; ``install()`` clears it too,
+  for the frameworks that start DeepSpeed themselves), then this rank's shared-memory buffer
+  unlinked.
 - The sub-world's swap (:func:`replace_backend`, :func:`real_backend`) and what it and the byte
   counter read of the live backend (:func:`backend_signature`, :func:`takes_group`,
   :func:`check_backend`, :func:`unknown_group_method`).
@@ -205,15 +206,20 @@ def comm_op_lock() -> str | None:
     return os.path.join(directory, internals.JIT_LOCK_NAME)
 
 
-def start_deepspeed_comm(dist_backend: str) -> None:
-    """``deepspeed.init_distributed``, after a stale build lock of its CPU comm op is cleared (a
-    backend already up loads nothing)."""
-    import deepspeed
-
+def release_stale_comm_op_lock() -> None:
+    """Before DeepSpeed's backend starts in this process (:func:`comm_op_lock`,
+    :func:`release_stale_build_lock`); nothing once it is up (it loads nothing more)."""
     if backend() is None:
         lock = comm_op_lock()
         if lock is not None:
             release_stale_build_lock(lock)
+
+
+def start_deepspeed_comm(dist_backend: str) -> None:
+    """``deepspeed.init_distributed``, after a stale build lock of its CPU comm op is cleared."""
+    import deepspeed
+
+    release_stale_comm_op_lock()
     deepspeed.init_distributed(dist_backend=dist_backend)
 
 

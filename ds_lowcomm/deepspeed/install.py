@@ -28,7 +28,7 @@ import inspect
 from typing import Any
 
 from ..settings import ConfigError
-from . import internals
+from . import backend, internals
 
 def install() -> None:
     """Route ``deepspeed.initialize`` through ds_lowcomm where the config has a ``"lowcomm"``
@@ -41,6 +41,9 @@ def install() -> None:
     for framework in ("transformers", "accelerate", "lightning"):  # those of them installed: a supported one
         if installed_version(framework) is not None:
             check_supported(framework)
+    # The framework starts DeepSpeed's backend itself (deepspeed.init_distributed), not through
+    # ds_lowcomm's start: a build lock a killed process left would hang it forever.
+    backend.release_stale_comm_op_lock()
 
     plain = internals.live(internals.DEEPSPEED_INITIALIZE)
     if getattr(plain, "_ds_lowcomm_plain", None) is not None:  # installed already
