@@ -59,8 +59,11 @@ def _requirements(pyproject: Path) -> tuple[list[str], list[str], str] | None:
         return None
     try:
         import tomllib
-    except ModuleNotFoundError:  # Python 3.10
-        import tomli as tomllib
+    except ModuleNotFoundError:  # Python 3.10: tomli, where installed
+        try:
+            import tomli as tomllib
+        except ModuleNotFoundError:
+            return None
     project = tomllib.loads(pyproject.read_text()).get("project", {})
     if project.get("name") != DISTRIBUTION:
         return None
@@ -99,7 +102,8 @@ def load_supported(pyproject: Path = PYPROJECT) -> tuple[dict[str, str], str]:
     found = _requirements(pyproject)
     if found is None:
         return {}, (f"no {DISTRIBUTION} distribution is installed (importlib.metadata finds none) and no "
-                    f"pyproject.toml of {DISTRIBUTION} is beside the package ({pyproject})")
+                    f"pyproject.toml of {DISTRIBUTION} that this Python can read (tomllib) is beside the package "
+                    f"({pyproject})")
     requires, extras, source = found
     return pinned_ranges(requires, extras), source
 
