@@ -52,7 +52,8 @@ PLAIN = ("deepspeed", "deepspeed_muon")  # plain DeepSpeed, no lowcomm section
 def entry_config(entry: str, override: dict | None = None) -> tuple[dict, float]:
     """The entry's DeepSpeed config (examples/hf_trainer.json's, its "auto" values the Trainer's)
     and learning rate: the compare recipe's (plain DeepSpeed: adamw's), ``override``
-    ({"lr": .., "lowcomm": {..}, "zero_optimization": {..}}) over it."""
+    ({"lr": .., "lowcomm": {..}, "zero_optimization": {..}}; deepspeed_muon: also "adam_lr", its
+    Adam half's) over it."""
     override = override or {}
     config = json.loads((EXAMPLES / "hf_trainer.json").read_text())
     config.pop("lowcomm")
@@ -60,7 +61,8 @@ def entry_config(entry: str, override: dict | None = None) -> tuple[dict, float]
         config["zero_optimization"] = dict(override["zero_optimization"])
     config["optimizer"]["params"]["torch_adam"] = True  # torch's AdamW in plain DeepSpeed too (no op to build on CPU)
     if entry == "deepspeed_muon":
-        config["optimizer"] = {"type": "Muon", "params": {"lr": "auto", "adam_lr": MUON_ADAM_LR, "momentum": 0.95,
+        config["optimizer"] = {"type": "Muon", "params": {"lr": "auto", "adam_lr": override.get("adam_lr", MUON_ADAM_LR),
+                                                         "momentum": 0.95,
                                                          "weight_decay": "auto", "torch_adam": True}}
         return config, override.get("lr", 0.02)
     recipe = DEMO_MUON if entry == "demo_muon" else RECIPES["adamw" if entry == "deepspeed" else entry]
