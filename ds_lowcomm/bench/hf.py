@@ -52,8 +52,8 @@ PLAIN = ("deepspeed", "deepspeed_muon")  # plain DeepSpeed, no lowcomm section
 def entry_config(entry: str, override: dict | None = None) -> tuple[dict, float]:
     """The entry's DeepSpeed config (examples/hf_trainer.json's, its "auto" values the Trainer's)
     and learning rate: the compare recipe's (plain DeepSpeed: adamw's), ``override``
-    ({"lr": .., "lowcomm": {..}, "zero_optimization": {..}}; deepspeed_muon: also "adam_lr", its
-    Adam half's) over it."""
+    ({"lr": .., "lowcomm": {..}, "zero_optimization": {..}, "optimizer": {..}}; deepspeed_muon:
+    also "adam_lr", its Adam half's) over it."""
     override = override or {}
     config = json.loads((EXAMPLES / "hf_trainer.json").read_text())
     config.pop("lowcomm")
@@ -70,6 +70,8 @@ def entry_config(entry: str, override: dict | None = None) -> tuple[dict, float]
     if entry == "deepspeed":
         return config, lr
     lowcomm = {**copy.deepcopy(recipe["lowcomm"]), "replica_size": 1, **override.get("lowcomm", {})}
+    if "optimizer" in override:  # e.g. DeepSpeed's Muon section under a method (its lr: the Trainer's)
+        config["optimizer"] = copy.deepcopy(override["optimizer"])
     return {**config, "lowcomm": lowcomm}, lr
 
 
