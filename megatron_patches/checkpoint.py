@@ -262,19 +262,24 @@ def load_dist(directory: str | os.PathLike, model_chunks: Sequence[torch.nn.Modu
     if not problems:
         metadata = mi.live(mi.DIST_CONTENT_METADATA)(str(path)) or {}
         why = sharded_state.problem_with(metadata.get(sharded_state.METADATA_KEY), _method_of(optimizer))
-        if why is None and metadata.get("layout", _layout()) != _layout():
-            why = f"written with layout {metadata['layout']}; this run has {_layout()}"
         if why:
             problems.append(f"{path}: {why}")
     agree_on_problems(problems)
+    saved_layout = metadata.get("layout", _layout())
     request = _model_sharded(model_chunks)
     request["optimizer"] = optimizer.sharded_state_dict(request, is_loading=True, metadata=metadata)
-    request["rng_state"] = _rng_sharded()
+    same_layout = saved_layout == _layout()
+    if same_layout:  # as Megatron-LM: the RNG states are per rank, ignored at another layout
+        request["rng_state"] = _rng_sharded()
     loaded = mi.live(mi.DIST_LOAD)(request, str(path))
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         _unwrapped(chunk).load_state_dict(loaded[key])
     optimizer.load_state_dict(loaded["optimizer"])
-    set_rng_states(_rng_from_sharded(loaded["rng_state"]))
+    if same_layout:
+        set_rng_states(_rng_from_sharded(loaded["rng_state"]))
+    elif dist.get_rank() == 0:
+        print(f"{path}: resharded from layout {saved_layout} to {_layout()}; the RNG states (per rank) are not loaded",
+              flush=True)
     return int(loaded.get("iteration", iteration))
 
 
