@@ -308,8 +308,8 @@ def for_saving(state: dict, stepped: list[torch.Tensor], holders: list[Holder], 
     sharded = {}
     for holder, name, sh, t in saver.shards:
         replica = dp if _state_id(holder, name, sh.key) in per_replica else None
-        st = _state_tensor(sh, t.detach(), holder, name, replica)
-        sharded[st.key] = st
+        sharded[str(len(sharded))] = _state_tensor(sh, t.detach(), holder, name, replica)  # (a key may hold
+        # several of this rank's shards: the layers of a transformer block are one tensor)
     own = {str(i): mi.live(mi.SHARDED_TENSOR).from_rank_offsets(_rank_key(rank, i), t.detach().reshape(-1),
                                                                   replica_id=0)
            for i, t in enumerate(saver.tensors) if t.numel()}
@@ -429,9 +429,8 @@ def for_loading(method: str | None, metadata: dict | None, holders: list[Holder]
             replicas = list(range(dp_then))
         keys = []
         for d in replicas:
-            st = _state_tensor(sh, empty if d is None or len(replicas) == 1 else empty.clone(), holder, name, d)
-            sharded[st.key] = st
-            keys.append(st.key)
+            keys.append(str(len(sharded)))
+            sharded[keys[-1]] = _state_tensor(sh, empty if len(replicas) == 1 else empty.clone(), holder, name, d)
         requests.append(keys)
         return len(requests) - 1
 
@@ -451,14 +450,27 @@ def for_loading(method: str | None, metadata: dict | None, holders: list[Holder]
     return {TENSORS_KEY: {"params": sharded, "own": own}}, plan
 
 
-def _merge(skeleton: Any, live: Any, fill: Callable[[str], dict], own: list[torch.Tensor]) -> Any:
+# What a method records beside its settings that describes the layout, not the method (its
+# state_dict's lowcomm.settings): this run's own where the checkpoint is resharded.
+# (param_dtypes: this run's where they are the same dtypes, so a dtype change is still refused)
+LAYOUT_RECORD = ("world_size", "param_shapes", "param_dtypes")
+
+
+def _merge(skeleton: Any, live: Any, fill: Callable[[str], dict], own: list[torch.Tensor], relayout: bool) -> Any:
     """The saved ``skeleton`` with this run's parameters, per-parameter state and param-group
-    parameter lists (from ``live``, the wrapper's state_dict now) in place."""
+    parameter lists (from ``live``, the wrapper's state_dict now) in place; ``relayout``: the
+    layout changed (the methods' records of it are this run's)."""
     if isinstance(skeleton, dict):
         if set(skeleton) == {_TENSOR}:
             return own[skeleton[_TENSOR]]
         if set(skeleton) == {_PARAM}:
             return live
+        if relayout and isinstance(skeleton.get("settings"), dict) and isinstance(live, dict) and isinstance(
+                live.get("settings"), dict):
+            saved, now = skeleton["settings"], live["settings"]
+            settings = {**saved, **{k: now[k] for k in LAYOUT_RECORD if k in now and k in saved and (
+                k != "param_dtypes" or set(now[k]) == set(saved[k]))}}
+            skeleton = {**skeleton, "settings": settings}
         if _is_torch_state(skeleton) or (isinstance(skeleton.get("state"), dict) and _PER_PARAM in skeleton["state"]
                                           and isinstance(skeleton.get("param_groups"), list)):
             # A torch optimizer's state: this run's parameters in its groups (the saved groups'
@@ -467,17 +479,18 @@ def _merge(skeleton: Any, live: Any, fill: Callable[[str], dict], own: list[torc
             if not isinstance(live, dict) or len(live.get("param_groups", ())) != len(groups):
                 raise ShardedStateError(f"the checkpoint's optimizer has {len(groups)} param groups; this run's has "
                                         f"{len((live or {}).get('param_groups', ()))}")
-            out = {k: _merge(v, live.get(k), fill, own) for k, v in skeleton.items() if k not in ("state", "param_groups")}
+            out = {k: _merge(v, live.get(k), fill, own, relayout) for k, v in skeleton.items() if k not in ("state", "param_groups")}
             state = skeleton["state"]
-            out["state"] = fill(state[_PER_PARAM]) if _PER_PARAM in state else _merge(state, None, fill, own)
+            out["state"] = fill(state[_PER_PARAM]) if _PER_PARAM in state else _merge(state, None, fill, own, relayout)
             out["param_groups"] = [{**g, "params": lg["params"]} for g, lg in zip(groups, live["param_groups"])]
             return {k: out[k] for k in skeleton}
-        return {k: _merge(v, live.get(k) if isinstance(live, dict) else None, fill, own) for k, v in skeleton.items()}
+        return {k: _merge(v, live.get(k) if isinstance(live, dict) else None, fill, own, relayout)
+                for k, v in skeleton.items()}
     if isinstance(skeleton, (list, tuple)):
         if _has_param(skeleton):  # a list of the stepped parameters (fp32_from_fp16_params): this run's
             return live
         return type(skeleton)(_merge(v, live[i] if isinstance(live, (list, tuple)) and i < len(live) else None, fill,
-                                     own) for i, v in enumerate(skeleton))
+                                     own, relayout) for i, v in enumerate(skeleton))
     return skeleton
 
 
@@ -516,7 +529,7 @@ def rebuild(loaded: dict, plan, live_state: dict, stepped: list[torch.Tensor]) -
                 if id(p) in entries}
 
     skeleton = plan.saved["ranks"][plan.source]["skeleton"]
-    state = _merge(skeleton["state"], live_state, fill, own)
+    state = _merge(skeleton["state"], live_state, fill, own, plan.saved["layout"] != layout())
     params_entries = plan.entries.get("params", {})
     missing = [i for i, p in enumerate(stepped) if id(p) not in params_entries]
     if missing:
