@@ -425,7 +425,7 @@ def _resume(tmp_path, args, nproc=2):
 @pytest.mark.parametrize("case", list(RESUME_CASES))
 def test_pretrain_gpt_resumes_exactly(tmp_path, case):
     """Megatron-LM's checkpoint formats (torch_dist: Megatron-Core's dist_checkpointing, the
-    method's state per rank through the optimizer's sharded_state_dict; torch: a file per rank),
+    method's state through the optimizer's sharded_state_dict; torch: a file per rank),
     saved at iteration 10 (inside the outer methods' 4-step interval: the replicas differ), with
     dropout on: resumed to 20, the same parameters, losses and bytes as the run straight through.
     TP 2 x DP 2 on 4 ranks trains and resumes too."""

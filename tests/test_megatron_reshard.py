@@ -11,7 +11,6 @@ count; the outer methods' inner Adam starts every new replica at the replicas' m
 """
 
 import os
-import re
 
 import pytest
 import torch
@@ -19,7 +18,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (the 'megatron' extra)")
 
 from ds_lowcomm.workers import run_local_workers  # noqa: E402
-from tests.megatron_train import train  # noqa: E402
+from tests.megatron_train import train, whole_tensors  # noqa: E402
 
 LAYERS = 2  # megatron_train's GPTModel
 CASES = {  # name: (lowcomm, steps before the save): the outer methods save right after a sync
@@ -29,6 +28,8 @@ CASES = {  # name: (lowcomm, steps before the save): the outer methods save righ
     "mtdao": ({"method": "mtdao", "sync_every": 2}, 2),
     "dct_diloco": ({"method": "dct_diloco", "sync_every": 2, "topk": 32, "chunk": 16}, 2),
     "demo": ({"method": "demo", "topk": 8, "chunk": 16}, 2),
+    # ds_lowcomm's first format (per rank), mid-interval: loads at its own layout, refused at another
+    "sparseloco_v1": ({"method": "sparseloco", "sync_every": 4}, 2),
 }
 TARGETS = ((2, 1), (1, 2))  # (tp, pp), one replica
 
@@ -61,27 +62,30 @@ def _adam_moments(opt, model) -> dict:
     return out
 
 
-def _whole(model, tensors: dict) -> dict:
-    """{model's name: this rank's tensor} -> {the whole model's name: the whole tensor}: shards
-    gathered over the tensor-parallel group and concatenated along Megatron's split axis, the
-    stage's layer numbers shifted to the model's."""
+def _save_v1(opt, metadata):
+    """ds_lowcomm's first torch_dist format, as it was written (every tensor of the wrapper's
+    state and its stepped parameters flattened under a key naming the rank): old checkpoints."""
     import torch.distributed as dist
-    from megatron.core import parallel_state as ps
 
-    from megatron_patches.internals import tensor_parallel_shard
+    from megatron_patches import sharded_state as ss
+    from megatron_patches.internals import SHARDED_TENSOR, live
 
-    params = dict(model.named_parameters())
-    offset = ps.get_pipeline_model_parallel_rank() * (LAYERS // ps.get_pipeline_model_parallel_world_size())
-    tp = ps.get_tensor_model_parallel_world_size()
-    out = {}
-    for name, t in tensors.items():
-        dim = tensor_parallel_shard(params[name])
-        if dim is not None and tp > 1:
-            shards = [torch.empty_like(t) for _ in range(tp)]
-            dist.all_gather(shards, t.contiguous(), group=ps.get_tensor_model_parallel_group())
-            t = torch.cat(shards, dim)
-        out[re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + offset}.", name)] = t
-    return out
+    tensors = []
+    skeleton = ss.split({"state": opt.state_dict(), "params": opt.stepped_params()}, tensors)
+    everyone = [None] * dist.get_world_size()
+    dist.all_gather_object(everyone, {"skeleton": skeleton, "specs": [(list(t.shape), str(t.dtype)) for t in tensors]})
+    metadata[ss.METADATA_KEY] = {"format": 1, "method": opt.method, "layout": ss.layout(), "ranks": everyone}
+    return {ss.TENSORS_KEY: {str(i): live(SHARDED_TENSOR).from_rank_offsets(
+        f"ds_lowcomm.rank_{dist.get_rank():05d}.{i}", t.detach().reshape(-1), replica_id=0)
+        for i, t in enumerate(tensors) if t.numel()}}
+
+
+def _state_tensors(opt) -> list:
+    from megatron_patches.sharded_state import split
+
+    tensors = []
+    split(opt.state_dict(), tensors)
+    return [t.clone() for t in tensors]
 
 
 def _reshard_worker(rank, world, directory):
@@ -97,10 +101,14 @@ def _reshard_worker(rank, world, directory):
         model, opt, _, _ = train(lowcomm, steps)
         saved = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
                  "exp_avg": _adam_moments(opt, model)}
+        v1 = case.endswith("_v1")
+        if v1:
+            saved["state"] = _state_tensors(opt)
+            opt.sharded_state_dict = lambda model_sd, is_loading=False, metadata=None: _save_v1(opt, metadata)
         save_dist(path, steps, [model], opt)
         ps.destroy_model_parallel()
         out[case] = {"saved": saved}
-        for tp, pp in TARGETS:
+        for tp, pp in ((1, 1),) + TARGETS if v1 else TARGETS:
             _init(tp, pp)
             got = {}
 
@@ -110,8 +118,10 @@ def _reshard_worker(rank, world, directory):
                 except CheckpointError as err:
                     got["refused"] = str(err)
                     return
-                got["params"] = _whole(model, {n: p.detach().clone() for n, p in model.named_parameters()})
-                got["exp_avg"] = _whole(model, _adam_moments(opt, model))
+                got["params"] = whole_tensors(model, {n: p.detach().clone() for n, p in model.named_parameters()})
+                got["exp_avg"] = whole_tensors(model, _adam_moments(opt, model))
+                if v1:
+                    got["state"] = _state_tensors(opt)
 
             try:  # after the load, one more step at the new layout (the loaded state steps)
                 _, _, losses, _ = train(lowcomm, 1, micro=2 if pp > 1 else 1, after_apply=load)
@@ -185,3 +195,19 @@ def test_error_feedback_cannot_follow_a_new_replica_count(results, case, state):
             why = r[case][target].get("refused", "")
             assert f"{case} state that differs between its 2 data-parallel replicas" in why, why
             assert state in why and "cannot follow a new replica count (1)" in why, why
+
+
+def test_first_format_loads_at_its_own_layout_only(results):
+    """A checkpoint of ds_lowcomm's first torch_dist format (per rank; sparseloco between syncs)
+    loads exactly at its layout (every tensor of the method's state as saved) and is refused at
+    another, saying why."""
+    for r in results:
+        case = r["sparseloco_v1"]
+        got = case[(1, 1)]
+        assert "refused" not in got and "error" not in got, got
+        _assert_equal(got["params"], case["saved"]["params"], "v1")
+        assert len(got["state"]) == len(case["saved"]["state"])
+        assert all(torch.equal(a, b) for a, b in zip(got["state"], case["saved"]["state"]))
+        for target in TARGETS:
+            why = case[target].get("refused", "")
+            assert "in ds_lowcomm's first format (the method's state per rank)" in why, why
