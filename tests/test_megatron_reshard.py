@@ -28,6 +28,8 @@ CASES = {  # name: (lowcomm, steps before the save): the outer methods save righ
     "mtdao": ({"method": "mtdao", "sync_every": 2}, 2),
     "dct_diloco": ({"method": "dct_diloco", "sync_every": 2, "topk": 32, "chunk": 16}, 2),
     "demo": ({"method": "demo", "topk": 8, "chunk": 16}, 2),
+    # bf16: Megatron's fp32 main copies (and their Adam state) follow their bf16 parameters
+    "diloco_bf16": ({"method": "diloco", "sync_every": 2}, 2),
     # ds_lowcomm's first format (per rank), mid-interval: loads at its own layout, refused at another
     "sparseloco_v1": ({"method": "sparseloco", "sync_every": 4}, 2),
 }
@@ -98,7 +100,8 @@ def _reshard_worker(rank, world, directory):
     for case, (lowcomm, steps) in CASES.items():
         path = os.path.join(directory, case)
         _init(1, 1)  # TP 1 x DP 2
-        model, opt, _, _ = train(lowcomm, steps)
+        bf16 = case.endswith("_bf16")
+        model, opt, _, _ = train(lowcomm, steps, bf16=bf16)
         saved = {"params": {n: p.detach().clone() for n, p in model.named_parameters()},
                  "exp_avg": _adam_moments(opt, model)}
         v1 = case.endswith("_v1")
@@ -124,7 +127,7 @@ def _reshard_worker(rank, world, directory):
                     got["state"] = _state_tensors(opt)
 
             try:  # after the load, one more step at the new layout (the loaded state steps)
-                _, _, losses, _ = train(lowcomm, 1, micro=2 if pp > 1 else 1, after_apply=load)
+                _, _, losses, _ = train(lowcomm, 1, micro=2 if pp > 1 else 1, bf16=bf16, after_apply=load)
                 got["loss_after"] = losses[-1]
             except Exception as err:  # noqa: BLE001  (reported)
                 got.setdefault("error", f"{type(err).__name__}: {err}")
@@ -153,7 +156,7 @@ def _assert_equal(got: dict, want: dict, what):
         assert torch.equal(got[name], want[name]), (what, name)
 
 
-@pytest.mark.parametrize("case", ["stock", "adamw", "diloco", "mtdao"])
+@pytest.mark.parametrize("case", ["stock", "adamw", "diloco", "mtdao", "diloco_bf16"])
 def test_resumes_at_another_tensor_and_pipeline_layout(results, case):
     """TP 1 x DP 2 -> TP 2 x DP 1 and PP 2 x DP 1: every parameter equals the one saved (the
     replicas' are equal where these save), the loaded state steps on."""
@@ -175,15 +178,16 @@ def test_resumes_at_another_tensor_and_pipeline_layout(results, case):
                 assert got["loss_after"] is not None and got["loss_after"] == got["loss_after"]
 
 
-def test_outer_inner_adam_is_the_replicas_mean(results):
+@pytest.mark.parametrize("case", ["diloco", "diloco_bf16"])
+def test_outer_inner_adam_is_the_replicas_mean(results, case):
     """DiLoCo's inner Adam differs between the replicas (each its own data); one replica resumes
     with their mean moments."""
     r0, r1 = results
-    a, b = r0["diloco"]["saved"]["exp_avg"], r1["diloco"]["saved"]["exp_avg"]
+    a, b = r0[case]["saved"]["exp_avg"], r1[case]["saved"]["exp_avg"]
     assert any(not torch.equal(a[n], b[n]) for n in a)
     for r in results:
         for target in TARGETS:
-            got = r["diloco"][target]["exp_avg"]
+            got = r[case][target]["exp_avg"]
             assert got
             for name, t in got.items():
                 torch.testing.assert_close(t, ((a[name].double() + b[name].double()) / 2).float(), rtol=0, atol=0)
