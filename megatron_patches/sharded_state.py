@@ -167,6 +167,14 @@ def _local_shape(sh) -> tuple[int, ...]:
     return tuple(sh.data.shape) if isinstance(sh, mi.live(mi.SHARDED_TENSOR_FACTORY)) else tuple(sh.local_shape)
 
 
+def _param_id(sh) -> str:
+    """One parameter, whatever the layout: its key, and where it sits on the axes Megatron
+    prepends (a transformer block's layers are one key, stacked along the global layer number)."""
+    if isinstance(sh, mi.live(mi.SHARDED_TENSOR_FACTORY)) or not sh.prepend_axis_num:
+        return sh.key
+    return f"{sh.key}@{tuple(sh.global_offset[:sh.prepend_axis_num])}"
+
+
 def _shard_name(sh) -> str:
     """One shard of a parameter (key, where it starts, which non-data-parallel copy it is)."""
     offset = () if isinstance(sh, mi.live(mi.SHARDED_TENSOR_FACTORY)) else tuple(sh.global_offset)
@@ -206,7 +214,8 @@ def _decode(value: Any) -> Any:
 
 
 def _is_torch_state(node: Any) -> bool:
-    return (isinstance(node, dict) and isinstance(node.get("state"), dict) and isinstance(node.get("param_groups"), list)
+    return (isinstance(node, dict) and isinstance(node.get("state"), dict)
+            and isinstance(node.get("param_groups"), list)
             and all(isinstance(k, int) for k in node["state"]))
 
 
@@ -239,7 +248,7 @@ class _Saver:
                     self.saved_params.add(id(p))
                     sh = self.shard_of(p)
                     self.shards.append(("params", "param", sh, p))
-                    self.plain.setdefault("params", {})[sh.key] = {"param": {"shard": str(p.dtype)}}
+                    self.plain.setdefault("params", {})[_param_id(sh)] = {"param": {"shard": str(p.dtype)}}
                 return {_PARAM: True}
             self.tensors.append(node)
             return {_TENSOR: len(self.tensors) - 1}
@@ -253,7 +262,7 @@ class _Saver:
                 for index, entry in node["state"].items():
                     p = order[index]
                     sh = self.shard_of(p)
-                    plain = self.plain.setdefault(label, {}).setdefault(sh.key, {})
+                    plain = self.plain.setdefault(label, {}).setdefault(_param_id(sh), {})
                     for name, value in entry.items():
                         if isinstance(value, torch.Tensor) and tuple(value.shape) == _local_shape(sh):
                             self.shards.append((label, name, sh, value))
@@ -438,7 +447,7 @@ def for_loading(method: str | None, metadata: dict | None, holders: list[Holder]
     for label, params in [("params", stepped)] + [(h.label, h.params) for h in holders]:
         for p in params:
             sh = shard_of(p)
-            for name, entry in kinds.get(label, {}).get(sh.key, []):
+            for name, entry in kinds.get(label, {}).get(_param_id(sh), []):
                 value = (("request", request(label, name, sh, entry["shard"])) if "shard" in entry
                          else ("value", _decode(entry["value"])))
                 entries.setdefault(label, {}).setdefault(id(p), []).append((name, value))
@@ -479,7 +488,8 @@ def _merge(skeleton: Any, live: Any, fill: Callable[[str], dict], own: list[torc
             if not isinstance(live, dict) or len(live.get("param_groups", ())) != len(groups):
                 raise ShardedStateError(f"the checkpoint's optimizer has {len(groups)} param groups; this run's has "
                                         f"{len((live or {}).get('param_groups', ()))}")
-            out = {k: _merge(v, live.get(k), fill, own, relayout) for k, v in skeleton.items() if k not in ("state", "param_groups")}
+            out = {k: _merge(v, live.get(k), fill, own, relayout) for k, v in skeleton.items()
+                   if k not in ("state", "param_groups")}
             state = skeleton["state"]
             out["state"] = fill(state[_PER_PARAM]) if _PER_PARAM in state else _merge(state, None, fill, own, relayout)
             out["param_groups"] = [{**g, "params": lg["params"]} for g, lg in zip(groups, live["param_groups"])]

@@ -99,7 +99,8 @@ class MegatronLowcomm:
     def state_holders(self) -> list[sharded_state.Holder]:
         """The torch optimizers whose per-parameter state goes into distributed checkpoints by
         parameter: the one inside each of Megatron's (Adam, or the method's in its place)."""
-        return [sharded_state.Holder(f"inner{j}", torch_optimizer(opt)) for j, opt in enumerate(chained(self.optimizer))]
+        return [sharded_state.Holder(f"inner{j}", torch_optimizer(opt))
+                for j, opt in enumerate(chained(self.optimizer))]
 
     def _shard_of(self, model_sharded_state_dict):
         mains = model_params_of_mains(self.optimizer)
@@ -145,4 +146,5 @@ class MegatronLowcomm:
         return getattr(self.__dict__["optimizer"], name)
 
 
-__all__ = ["MegatronLowcomm", "chained", "model_params_of_mains", "copy_main_params_to_model_params", "optimizer_kind", "torch_optimizer"]
+__all__ = ["MegatronLowcomm", "chained", "copy_main_params_to_model_params", "model_params_of_mains", "optimizer_kind",
+           "torch_optimizer"]
