@@ -11,11 +11,12 @@ Megatron's tensor/pipeline parallelism, Megatron's schedules, DDP and optimizer,
     torchrun --nproc_per_node 2 launch/pretrain_gpt.py --overlap-grad-reduce --lowcomm-method demo
 
 Checkpoints: ``--save DIR --save-interval N`` writes Megatron-LM's default ``--ckpt-format
-torch_dist`` (Megatron-Core's dist_checkpointing; the method's state per rank goes in through the
-optimizer's ``sharded_state_dict``) or ``--ckpt-format torch`` (one file per rank: model,
-Megatron's optimizer, the method's state), each with the RNG states, and then
-``DIR/latest_checkpointed_iteration.txt``; ``--load DIR`` resumes from it, exactly, with the
-same format (megatron_patches/checkpoint.py).
+torch_dist`` (Megatron-Core's dist_checkpointing; the method's state goes in through the
+optimizer's ``sharded_state_dict``, each parameter's sharded as the parameter) or ``--ckpt-format
+torch`` (one file per rank: model, Megatron's optimizer, the method's state), each with the RNG
+states, and then ``DIR/latest_checkpointed_iteration.txt``; ``--load DIR`` resumes from it,
+exactly, with the same format (megatron_patches/checkpoint.py); a torch_dist checkpoint also at
+another TP / PP / DP layout (docs/megatron.md says what follows a new replica count).
 
 Dropout is off unless asked for (``--hidden-dropout 0.1 --attention-dropout 0.1`` are
 Megatron-LM's defaults); resume is exact with it on (the RNG tracker's streams are saved).

@@ -6,8 +6,9 @@
 - :mod:`.internals`: every private Megatron-Core internal used here, declared and checked (with
   the supported version range, ``megatron-core>=0.16.1,<0.17``) before anything is patched.
 - :mod:`.checkpoint`: Megatron-LM's ``torch_dist`` and ``torch`` checkpoint formats with the
-  method's state per rank (:mod:`.sharded_state`: what the wrapped optimizer's
-  ``sharded_state_dict`` gives Megatron's distributed checkpoints).
+  method's state (:mod:`.sharded_state`: what the wrapped optimizer's ``sharded_state_dict``
+  gives Megatron's distributed checkpoints, each parameter's state sharded as the parameter, so
+  they reshard).
 - :func:`apply` (:mod:`.install`): ``apply(model_chunks, optimizer, config)`` installs any method
   across Megatron's data-parallel replicas: in place of DDP's bucket-level gradient all-reduce
   (:mod:`.grad_sync`: adamw, demo), or around Megatron's optimizer step (:mod:`.outer`: diloco,

@@ -7,8 +7,9 @@ formats (``--ckpt-format``), so a resume is exact:
   which dropout draws from). :func:`save` / :func:`load`.
 - ``torch_dist`` (Megatron-LM's default): Megatron-Core's ``dist_checkpointing`` with the
   model's and the optimizer's ``sharded_state_dict`` as Megatron-LM's ``save_checkpoint`` builds
-  it (the method's state per rank: megatron_patches/sharded_state.py), the RNG states per rank,
-  and a sha256 sidecar for every file. :func:`save_dist` / :func:`load_dist`. Its loader is
+  it (each parameter's state sharded as the parameter, so it reshards to another TP / PP / DP:
+  megatron_patches/sharded_state.py), the RNG states per rank (loaded at the same layout only, as
+  Megatron-LM does), and a sha256 sidecar for every file. :func:`save_dist` / :func:`load_dist`. Its loader is
   PyTorch's distributed checkpoint, which unpickles the ``.metadata`` file: before it does, every
   rank checks the digests and reads ``.metadata`` with an unpickler that admits only PyTorch's
   checkpoint metadata classes, torch sizes and dtypes (:func:`dcp_metadata_problem`). Only
@@ -21,7 +22,8 @@ to disk and renamed, with its sha256 beside it (ds_lowcomm/checkpoint_io.py); th
 iteration only after every rank's file is in place, so a crash mid-save leaves the previous
 checkpoint as the latest. Files load after their digest is checked, with
 ``torch.load(weights_only=True)`` (no code runs from a checkpoint), and carry the layout they were
-written with (TP, PP, DP sizes) and the ds_lowcomm method (None: stock Megatron), checked at load.
+written with (TP, PP, DP sizes) and the ds_lowcomm method (None: stock Megatron), checked at load
+(``torch``: the same layout; ``torch_dist``: what sharded_state.problem_with allows).
 Every rank's verdict on its own file (digest, data only, layout, method) is agreed before any rank
 loads a tensor: one bad file stops every rank, before the first iteration.
 """
@@ -262,19 +264,24 @@ def load_dist(directory: str | os.PathLike, model_chunks: Sequence[torch.nn.Modu
     if not problems:
         metadata = mi.live(mi.DIST_CONTENT_METADATA)(str(path)) or {}
         why = sharded_state.problem_with(metadata.get(sharded_state.METADATA_KEY), _method_of(optimizer))
-        if why is None and metadata.get("layout", _layout()) != _layout():
-            why = f"written with layout {metadata['layout']}; this run has {_layout()}"
         if why:
             problems.append(f"{path}: {why}")
     agree_on_problems(problems)
+    saved_layout = metadata.get("layout", _layout())
     request = _model_sharded(model_chunks)
     request["optimizer"] = optimizer.sharded_state_dict(request, is_loading=True, metadata=metadata)
-    request["rng_state"] = _rng_sharded()
+    same_layout = saved_layout == _layout()
+    if same_layout:  # as Megatron-LM: the RNG states are per rank, ignored at another layout
+        request["rng_state"] = _rng_sharded()
     loaded = mi.live(mi.DIST_LOAD)(request, str(path))
     for key, chunk in zip(_model_keys(model_chunks), model_chunks):
         _unwrapped(chunk).load_state_dict(loaded[key])
     optimizer.load_state_dict(loaded["optimizer"])
-    set_rng_states(_rng_from_sharded(loaded["rng_state"]))
+    if same_layout:
+        set_rng_states(_rng_from_sharded(loaded["rng_state"]))
+    elif dist.get_rank() == 0:
+        print(f"{path}: resharded from layout {saved_layout} to {_layout()}; the RNG states (per rank) are not loaded",
+              flush=True)
     return int(loaded.get("iteration", iteration))
 
 

@@ -57,7 +57,8 @@ from ds_lowcomm.settings import ConfigError
 from .grad_sync import DeMoExchange, DenseMean, install_grad_sync, switch_off_grad_sync
 from .outer import OUTER_METHODS, OuterLoopOptimizer, _MegatronInner
 from . import internals as mi
-from .wrapper import MegatronLowcomm, chained, optimizer_kind, torch_optimizer
+from . import sharded_state
+from .wrapper import MegatronLowcomm, chained, model_params_of_mains, optimizer_kind, torch_optimizer
 
 GRAD_SYNC_METHODS = ("adamw", "demo")  # replace the bucket-level gradient all-reduce
 
@@ -176,6 +177,9 @@ class PerStepOptimizer(MegatronLowcomm):
             lowcomm["demo"] = self.demo.state_dict()
         return {"optimizer": self.optimizer.state_dict(), "lowcomm": lowcomm}
 
+    def state_holders(self):
+        return super().state_holders() + ([sharded_state.Holder("demo", self.demo)] if self.demo is not None else [])
+
     def _load_own(self, state_dict: dict) -> None:
         saved, mine = state_dict["lowcomm"]["settings"], self.config.effective()
         if saved != mine:
@@ -287,17 +291,6 @@ def _groups_by_model_param(optimizer) -> dict[int, dict]:
     return out
 
 
-def _model_of_main(optimizer) -> dict[int, torch.Tensor]:
-    """id(fp32 main copy) -> the model's bf16/fp16 parameter it copies (mixed precision); the
-    model's fp32 parameters are stepped as they are."""
-    out: dict[int, torch.Tensor] = {}
-    for opt in chained(optimizer):
-        if optimizer_kind(opt) == "float16":
-            for model_group, main_group in zip(mi.get(opt, mi.FLOAT16_GROUPS), mi.get(opt, mi.FP32_FROM_FLOAT16_GROUPS)):
-                out.update({id(main): p for p, main in zip(model_group, main_group)})
-    return out
-
-
 def _replace_inner(optimizer, build) -> None:
     """Put ``build(param_groups)`` in place of the torch optimizer inside each of Megatron's."""
     for opt in chained(optimizer):
@@ -367,7 +360,7 @@ def apply(model_chunks, optimizer, config: LowcommConfig | dict | None) -> Megat
                     ledger_steps=False)  # its momenta, exchange and rule's state; lr per step from Megatron's groups
         install_grad_sync(model_chunks, DeMoExchange(demo, lambda: _groups_by_model_param(optimizer)))
         tensor_parallel_matrices(demo, params, optimizer)
-        model_of = _model_of_main(optimizer)
+        model_of = model_params_of_mains(optimizer)
         _replace_inner(optimizer, lambda groups: SignDescent(groups, demo, model_of))
         return PerStepOptimizer(optimizer, config, transport, demo=demo)
 

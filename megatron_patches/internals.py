@@ -167,6 +167,23 @@ DIST_LOAD = Internal(_DIST_CKPT + ".serialization", "load", "function", params=(
                      use="loads launch/pretrain_gpt.py's torch_dist checkpoints as Megatron-LM does")
 DIST_CONTENT_METADATA = Internal(_DIST_CKPT + ".serialization", "load_content_metadata", "function",
                                  params=("checkpoint_dir",), use="reads the method's shapes before loading")
+SHARDED_TENSOR_FACTORY = Internal(_DIST_CKPT + ".mapping", "ShardedTensorFactory", "class",
+                                  use="maps a parameter's factory-built shards to the method's state of it")
+MAKE_SHARDED_OPTIMIZER_TENSOR = Internal(_DIST_CKPT + ".optimizer", "make_sharded_optimizer_tensor", "function",
+                                         params=("model_param", "optim_param", "prefix"),
+                                         use="shards the method's state of a parameter as the parameter is sharded")
+# Read from (or replaced in, with dataclasses.replace) the parameters' ShardedTensors / factories.
+SHARDED_KEY = Internal(_DIST_CKPT + ".mapping", "ShardedTensor.key", "field", use="names a parameter's state after it")
+SHARDED_LOCAL_SHAPE = Internal(_DIST_CKPT + ".mapping", "ShardedTensor.local_shape", "field",
+                               use="sizes the method's state of a parameter to load")
+SHARDED_GLOBAL_OFFSET = Internal(_DIST_CKPT + ".mapping", "ShardedTensor.global_offset", "field",
+                                 use="tells the shards of one parameter apart")
+SHARDED_PREPEND_AXIS_NUM = Internal(_DIST_CKPT + ".mapping", "ShardedTensor.prepend_axis_num", "field",
+                                    use="tells a stacked parameter (a block's layers) by its global layer")
+SHARDED_REPLICA_ID = Internal(_DIST_CKPT + ".mapping", "ShardedTensor.replica_id", "field",
+                              use="saves a replica's own state once per replica")
+FACTORY_REPLICA_ID = Internal(_DIST_CKPT + ".mapping", "ShardedTensorFactory.replica_id", "field",
+                              use="saves a replica's own state once per replica")
 RNG_TRACKER = Internal("megatron.core.tensor_parallel.random", "get_cuda_rng_tracker", "function", params=(),
                        use="saves and restores the RNG tracker's streams (dropout resumes exactly)")
 

@@ -19,6 +19,7 @@ from typing import Any
 from ds_lowcomm.optim.outer import OuterLoop
 from ds_lowcomm.optim.registry import OUTER_METHODS
 
+from .sharded_state import Holder
 from .wrapper import MegatronLowcomm, chained, copy_main_params_to_model_params
 
 
@@ -85,6 +86,9 @@ class OuterLoopOptimizer(MegatronLowcomm):
     def state_dict(self):
         """The outer loop's state, Megatron's optimizer's under ``lowcomm.inner``."""
         return self.outer.state_dict()
+
+    def state_holders(self):
+        return super().state_holders() + [Holder("outer", self.outer)]
 
     def _load_own(self, state_dict):
         self.outer.load_state_dict(state_dict)

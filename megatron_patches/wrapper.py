@@ -52,6 +52,17 @@ def copy_main_params_to_model_params(opt) -> None:
         mi.live(mi.COPY_MAIN_TO_MODEL)(opt)
 
 
+def model_params_of_mains(optimizer) -> dict[int, torch.Tensor]:
+    """id(fp32 main copy) -> the model's bf16/fp16 parameter it copies (mixed precision); the
+    model's fp32 parameters are stepped as they are."""
+    out: dict[int, torch.Tensor] = {}
+    for opt in chained(optimizer):
+        if optimizer_kind(opt) == "float16":
+            for model_group, main_group in zip(mi.get(opt, mi.FLOAT16_GROUPS), mi.get(opt, mi.FP32_FROM_FLOAT16_GROUPS)):
+                out.update({id(main): p for p, main in zip(model_group, main_group)})
+    return out
+
+
 class MegatronLowcomm:
     """Base of the wrappers: forwards what it does not define to Megatron's optimizer."""
 
@@ -85,35 +96,48 @@ class MegatronLowcomm:
         """The tensors Megatron's optimizer steps (fp32 main copies under mixed precision)."""
         return [p for opt in chained(self.optimizer) for g in torch_optimizer(opt).param_groups for p in g["params"]]
 
+    def state_holders(self) -> list[sharded_state.Holder]:
+        """The torch optimizers whose per-parameter state goes into distributed checkpoints by
+        parameter: the one inside each of Megatron's (Adam, or the method's in its place)."""
+        return [sharded_state.Holder(f"inner{j}", torch_optimizer(opt))
+                for j, opt in enumerate(chained(self.optimizer))]
+
+    def _shard_of(self, model_sharded_state_dict):
+        mains = model_params_of_mains(self.optimizer)
+        return sharded_state.sharded_params(model_sharded_state_dict, lambda p: mains.get(id(p), p))
+
     def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, metadata: dict | None = None,
                            **kwargs) -> dict:
-        """For Megatron's distributed checkpoints (``torch_dist``): every rank's whole state
-        and stepped parameters, per rank (megatron_patches/sharded_state.py). ``metadata``: the
-        content metadata dict, which carries the state's shapes and plain values (required)."""
+        """For Megatron's distributed checkpoints (``torch_dist``): the whole state, each
+        parameter's state sharded as the parameter (``model_sharded_state_dict``: the model's,
+        as Megatron passes it), so it reshards (megatron_patches/sharded_state.py). ``metadata``:
+        the content metadata dict, which carries the state's kinds and plain values (required)."""
+        shard_of = self._shard_of(model_sharded_state_dict)
         if is_loading:
-            request, self._sharded_mine = sharded_state.for_loading(self.method, metadata)
+            request, self._sharded_plan = sharded_state.for_loading(self.method, metadata, self.state_holders(),
+                                                                    self.stepped_params(), shard_of)
             return request
-        return sharded_state.for_saving({"state": self.state_dict(), "params": self.stepped_params()}, self.method,
-                                        metadata)
+        return sharded_state.for_saving(self.state_dict(), self.stepped_params(), self.state_holders(), shard_of,
+                                        self.method, metadata)
 
     def load_state_dict(self, state_dict: dict) -> None:
         """What :meth:`state_dict` gave, or what ``dist_checkpointing.load`` returned for
-        :meth:`sharded_state_dict` (then the replica's own parameters too)."""
+        :meth:`sharded_state_dict` (then the stepped parameters too)."""
         if not sharded_state.is_sharded(state_dict):
             self._load_own(state_dict)
             return
-        mine = self.__dict__.pop("_sharded_mine", None)
-        if mine is None:
+        plan = self.__dict__.pop("_sharded_plan", None)
+        if plan is None:
             raise sharded_state.ShardedStateError("load_state_dict got a distributed checkpoint's state without "
                                                   "sharded_state_dict(..., is_loading=True) having asked for it")
-        state = sharded_state.rebuild(state_dict, mine)
-        self._load_own(state["state"])
         params = self.stepped_params()
-        if len(params) != len(state["params"]):
-            raise sharded_state.ShardedStateError(f"the checkpoint holds {len(state['params'])} parameters for this "
+        state, saved_params = sharded_state.rebuild(state_dict, plan, self.state_dict(), params)
+        self._load_own(state)
+        if len(params) != len(saved_params):
+            raise sharded_state.ShardedStateError(f"the checkpoint holds {len(saved_params)} parameters for this "
                                                   f"rank; its optimizer steps {len(params)}")
         with torch.no_grad():
-            for p, saved in zip(params, state["params"]):
+            for p, saved in zip(params, saved_params):
                 p.copy_(saved)
         for opt in chained(self.optimizer):
             copy_main_params_to_model_params(opt)
@@ -122,4 +146,5 @@ class MegatronLowcomm:
         return getattr(self.__dict__["optimizer"], name)
 
 
-__all__ = ["MegatronLowcomm", "chained", "copy_main_params_to_model_params", "optimizer_kind", "torch_optimizer"]
+__all__ = ["MegatronLowcomm", "chained", "copy_main_params_to_model_params", "model_params_of_mains", "optimizer_kind",
+           "torch_optimizer"]

@@ -4,6 +4,8 @@ inside worker processes after ``initialize_model_parallel``."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from ds_lowcomm.checkpoint_io import params_digest
@@ -105,3 +107,40 @@ def coordinates() -> tuple[int, int, int]:
     from megatron.core import parallel_state as ps
 
     return (ps.get_tensor_model_parallel_rank(), ps.get_pipeline_model_parallel_rank(), ps.get_data_parallel_rank())
+
+
+def whole_tensors(model, tensors: dict, layers: int = 2) -> dict:
+    """{this rank's parameter name: a tensor shaped as that parameter (its value, its Adam
+    moment...)} -> {the whole model's name: the whole tensor}: shards all-gathered over the
+    tensor-parallel group and concatenated along the axis Megatron splits the parameter on, the
+    pipeline stage's local layer numbers shifted to the model's (``layers`` in all). The
+    reference for checkpoints loaded at another layout."""
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_patches.internals import tensor_parallel_shard
+
+    params = dict(model.named_parameters())
+    offset = ps.get_pipeline_model_parallel_rank() * (layers // ps.get_pipeline_model_parallel_world_size())
+    tp = ps.get_tensor_model_parallel_world_size()
+    out = {}
+    for name, t in tensors.items():
+        dim = tensor_parallel_shard(params[name])
+        if dim is not None and tp > 1:
+            shards = [torch.empty_like(t) for _ in range(tp)]
+            dist.all_gather(shards, t.contiguous(), group=ps.get_tensor_model_parallel_group())
+            t = torch.cat(shards, dim)
+        out[re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + offset}.", name)] = t
+    return out
+
+
+def release_checkpoint_writer() -> None:
+    """Megatron's dist_checkpointing keeps one multiprocessing Manager (a server process) for its
+    file writers' results, shut down by multiprocessing's exit handlers; a test worker leaves
+    through ``os._exit`` (ds_lowcomm.workers), which skips them: shut it down here, at the end of
+    a worker that saved a torch_dist checkpoint, or the server outlives the test."""
+    from megatron.core.dist_checkpointing.strategies import filesystem_async
+
+    queue, filesystem_async._results_queue = filesystem_async._results_queue, None
+    if queue is not None:
+        queue._manager.shutdown()

@@ -99,6 +99,8 @@ def _layout_worker(rank, world, tp, pp):
         out["demo_muon_ops"] = {op: row[0] for op, row in opt.ledger.by_op.items()}
     if pp > 1:
         out["activations"] = _activations(micro)
+    if (tp, pp) == (2, 1):
+        out["reshard"] = _reshard_per_replica_state()
     if (tp, pp) == (1, 1):
         _, _, out["adamw_overlap"], _ = train({"method": "adamw"}, 3, overlap=True)
         _, _, _, out["demo_overlap_digests"] = train(DEMO, 6, overlap=True)
@@ -114,6 +116,51 @@ def _layout_worker(rank, world, tp, pp):
         out["deepspeed_bytes"] = {m: _deepspeed_bytes(cfg) for m, cfg in (("adamw", {"method": "adamw"}),
                                                                            ("demo", DEMO))}
     ps.destroy_model_parallel()
+    return out
+
+
+def _reshard_per_replica_state():
+    """Each replica's own state follows a new tensor/pipeline layout with the same replicas:
+    DCT-DiLoCo between syncs (its residuals, the replicas' parameters; DeMo's momenta go the same
+    way) saved at TP 2 x DP 2 in torch_dist, loaded at PP 2 x DP 2. Returns each replica's whole
+    parameters and residuals as saved and as loaded (megatron_train.whole_tensors: the shards
+    gathered, the stage's layers renumbered)."""
+    import tempfile
+
+    import torch.distributed as dist
+    from megatron.core import parallel_state as ps
+
+    from megatron_patches.checkpoint import load_dist, save_dist
+    from tests.megatron_train import release_checkpoint_writer, whole_tensors
+
+    where = [tempfile.mkdtemp(prefix="reshard") if dist.get_rank() == 0 else None]
+    dist.broadcast_object_list(where)
+
+    def observed(opt, model):
+        names = {id(p): n for n, p in model.named_parameters()}
+        state = {names[id(p)]: s["residual"].clone() for p, s in opt.outer.state.items() if "residual" in s}
+        return {"params": whole_tensors(model, {n: p.detach().clone() for n, p in model.named_parameters()}),
+                "residual": whole_tensors(model, state)}
+
+    out = {}
+    for name, lowcomm, steps in (("dct_diloco", DCT_DILOCO, 4),):  # 1 step past a sync
+        path = f"{where[0]}/{name}"
+        model, opt, _, _ = train(lowcomm, steps)
+        saved = observed(opt, model)
+        save_dist(path, steps, [model], opt)
+        dp = ps.get_data_parallel_rank()
+        ps.destroy_model_parallel()
+        _init(1, 2)
+        got = {}
+
+        def load(opt, model):
+            load_dist(path, [model], opt)
+            got.update(observed(opt, model))
+        train(lowcomm, 1, micro=2, after_apply=load)
+        out[name] = {"saved": saved, "loaded": got, "dp": (dp, ps.get_data_parallel_rank())}
+        ps.destroy_model_parallel()
+        _init(2, 1)
+    release_checkpoint_writer()
     return out
 
 
@@ -297,6 +344,29 @@ def test_mtdao_dct_diloco_and_streaming_diloco(layout):
     assert r0["streaming"][-1] < r0["streaming"][0]
 
 
+def test_per_replica_state_follows_a_new_tensor_and_pipeline_layout(layout):
+    """Saved at TP 2 x DP 2, loaded at PP 2 x DP 2: each replica's parameters and its own state
+    (DCT-DiLoCo's residuals and parameters between syncs, which differ between the replicas) as
+    that replica saved them, every tensor whole and equal."""
+    (tp, pp), results = layout
+    if (tp, pp) != (2, 1):
+        pytest.skip("run from the TP 2 x DP 2 launch")
+    for method, key in (("dct_diloco", "residual"),):
+        by_replica = {}
+        for r in results:
+            case = r["reshard"][method]
+            by_replica.setdefault(case["dp"][0], case["saved"])  # what each replica saved, whole
+        a, b = by_replica[0], by_replica[1]
+        assert any(not torch.equal(a[key][n], b[key][n]) for n in a[key]), method  # each replica its own
+        assert any(not torch.equal(a["params"][n], b["params"][n]) for n in a["params"])
+        for r in results:
+            case = r["reshard"][method]
+            saved = by_replica[case["dp"][1]]
+            for what in ("params", key):
+                got = case["loaded"][what]
+                assert got and all(torch.equal(got[n], saved[what][n]) for n in got), (method, what)
+
+
 def _refusal_worker(rank, world):
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
@@ -425,7 +495,7 @@ def _resume(tmp_path, args, nproc=2):
 @pytest.mark.parametrize("case", list(RESUME_CASES))
 def test_pretrain_gpt_resumes_exactly(tmp_path, case):
     """Megatron-LM's checkpoint formats (torch_dist: Megatron-Core's dist_checkpointing, the
-    method's state per rank through the optimizer's sharded_state_dict; torch: a file per rank),
+    method's state through the optimizer's sharded_state_dict; torch: a file per rank),
     saved at iteration 10 (inside the outer methods' 4-step interval: the replicas differ), with
     dropout on: resumed to 20, the same parameters, losses and bytes as the run straight through.
     TP 2 x DP 2 on 4 ranks trains and resumes too."""
