@@ -5,13 +5,20 @@ Each replica is its own job and each of its processes builds one :class:`FaultTo
 torchft ``Manager`` (with the lighthouse's address and this replica's id; a replica of several
 ranks runs one per rank, rank r meeting rank r of the others) over a reconfigurable gloo group,
 and the :class:`~ds_lowcomm.comm.torchft.TorchftTransport` the method exchanges over.
-Then :meth:`FaultTolerance.attach` puts it into an outer method (diloco, dct_diloco, sparseloco),
-demo or adamw:
+Then :meth:`FaultTolerance.attach` drives a method (diloco, dct_diloco, sparseloco and their
+streaming variants, demo with any update rule, adamw, mtdao, dion) from outside, through the
+methods' exchange protocol (optim/base.py; no method knows of fault tolerance): the method runs
+each sync through the driver's :meth:`FaultTolerance.run_exchange` with the tensors it changes in
+place, and the driver takes its next quorum from the optimizer's step post-hook (as torchft's
+LocalSGD drives its outer loop), after a step in which a sync ran. The method says where it
+stands (``step_count``), what a heal leaves out (``replica_state``) and sends once
+(``synced_values``), what replicas hold alike (``replica_tensors``), and how a healed replica
+skips to its next sync (``skip_to_next_exchange``):
 
 - **Every sync is a quorum's.** Outer methods and mtdao: at the start of each interval (before
   the first step, then right after each sync lands) the replicas that are alive form a quorum;
-  the interval's exchange runs over them and the mean is over them. demo and adamw: the same at
-  every step.
+  the interval's exchange runs over them and the mean is over them. demo, adamw and dion: the
+  same at every step.
 - **Every sync is committed, tried again, or discarded, on all replicas alike** (torchft's
   ``should_commit``). A peer that dies or stalls past ``timeout_s`` during the exchange makes it
   fail; every participant puts back what the exchange changed in place (error-feedback residuals,
@@ -21,7 +28,8 @@ demo or adamw:
   or stopped replica is out once its heartbeats stop), up to ``retries`` times (2) while they
   make ``min_replicas``. Where no try is committed the sync is discarded: outer methods set their
   parameters back to the anchors (the interval's local progress is lost), demo and adamw skip the
-  step, mtdao's replicas keep their own parameters and moments. Never a partial sync applied.
+  step (dion's momenta keep the step's gradient), mtdao's replicas keep their own parameters and
+  moments. Never a partial sync applied.
 - **Healing from a peer.** A new, restarted or lagging replica joins at the next quorum and gets
   its state from a live peer through torchft's HTTP checkpoint transport, loaded with
   ``weights_only=True`` (:func:`~ds_lowcomm.comm.torchft.safe_http_transport`): parameters,
@@ -29,9 +37,12 @@ demo or adamw:
   ``state_dict()``), not each replica's own error feedback (the method's ``replica_state``:
   residuals, DeMo's momenta; the peer's would be sent twice), which starts at zero as a new
   replica's would. The peer copies it straight to CPU memory when the quorum forms and serves it
-  from the transport's thread while it trains on; the copy is freed at its next commit. It is
-  taken right after a sync, when every replica's parameters equal the anchors, so the healed
-  replica is identical to the others. Its bytes go to the ledger as ``heal``.
+  from a background thread (:func:`~ds_lowcomm.comm.torchft.heal_transport`) while it trains,
+  exchanges and commits on: its commits stop new reads of the copy but do not wait for one in
+  flight (torchft's own transport holds the peer's commit, and so its next exchange, until the
+  read ends); the copy is freed when its last read ends, or at the next commit if none is in
+  flight. It is taken right after a sync, when every replica's parameters equal the anchors, so
+  the healed replica is identical to the others. Its bytes go to the ledger as ``heal``.
 - **Not holding the others up** (outer methods). A healed replica's position jumps to the step
   before its next sync, which it sits out (it sends nothing of its own, takes the others' mean
   and is identical after it): it is at that exchange when the others are, however long its heal
@@ -72,7 +83,7 @@ from typing import Any, Mapping
 import torch
 
 from ..comm.consistency import gather_json, param_checksums, same_checksums, settings_differences
-from ..comm.torchft import TorchftTransport, quorum_id, safe_http_transport
+from ..comm.torchft import TorchftTransport, heal_transport, quorum_id
 from ..settings import ConfigError, Settings, check_int, check_positive
 
 
@@ -143,7 +154,7 @@ class FaultToleranceSettings(Settings):
         return int(self.replica_id), self.num_replica_groups
 
 
-SUPPORTED_METHODS = ("diloco", "dct_diloco", "sparseloco", "demo", "adamw", "mtdao")
+SUPPORTED_METHODS = ("diloco", "dct_diloco", "sparseloco", "demo", "adamw", "mtdao", "dion")
 
 
 def check_method(effective: Mapping[str, Any], where: str = "lowcomm") -> None:
@@ -178,6 +189,12 @@ def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_cpu(v) for v in obj)
     return obj
+
+
+def _free(state: Any) -> None:
+    """Free the memory of a state's tensors (a served copy nothing reads any more)."""
+    for t in _tensors(state):
+        t.set_()
 
 
 def _tensors(obj: Any):
@@ -220,8 +237,9 @@ class FaultTolerance:
         if store is None:
             self._store = torch.distributed.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
             store = (self.host, self._store.port)
-        # how a joining replica reads this one's state (a background thread serves it)
-        self.checkpoints = safe_http_transport(self._timeout, self.host)
+        # how a joining replica reads this one's state: a CPU copy, served from a background thread
+        # while this replica trains and commits on; freed once served (or at a commit, unread)
+        self.checkpoints = heal_transport(self._timeout, self.host, on_released=_free)
         from torchft import Manager
 
         # per-step methods: the quorum of the next step computed during its forward and backward
@@ -271,26 +289,25 @@ class FaultTolerance:
         self.optimizer, self.stateful, self.after_step = optimizer, stateful, tuple(after_step)
         self.agreed = json.loads(json.dumps(dict(settings) if settings is not None else
                                             {f"lowcomm.{k}": v for k, v in optimizer._record.items()}))
-        if self.async_quorum and optimizer._record["method"] not in ("demo", "adamw"):
-            raise ConfigError("DSLC_FT_ASYNC_QUORUM: the asynchronous quorum is for demo and adamw (a sync every step)")
-        optimizer.fault_tolerance = self
+        if self.async_quorum and not optimizer.exchanges_every_step:
+            raise ConfigError("DSLC_FT_ASYNC_QUORUM: the asynchronous quorum is for the methods that sync every step "
+                              f"(demo, adamw, dion); got {optimizer.method}")
+        # the method's syncs run through run_exchange; after a step in which one ran, the next quorum
+        optimizer.exchange_driver = self
+        self._hook = optimizer.register_step_post_hook(self._after_step)
         self._steps = 0
+        self._exchanged = False
         if self.async_quorum:  # a peer reads this replica's state only between steps (quorum_point)
             self.manager.disallow_state_dict_read()
         self.start_interval(stepped=False)
 
     @property
     def step(self) -> int:
-        """This replica's steps (restored by a heal): where the training loop stands."""
-        from .mtdao import MTDAO
-        from .outer import OuterLoop
-
-        opt = self.optimizer
-        key = "local_step" if isinstance(opt, OuterLoop) else "step" if isinstance(opt, MTDAO) else None
-        if key is not None:  # its own counter (a quorum is taken once per sync, not per step)
-            params = opt._current_params()
-            return int(opt.state[params[0]].get(key, 0)) if params else 0
-        return self._steps
+        """This replica's steps (restored by a heal): where the training loop stands. The method's
+        own count where it keeps one (a quorum is taken once per sync, not per step), else the
+        steps counted here (a sync and a quorum every step)."""
+        own = self.optimizer.step_count()
+        return self._steps if own is None else own
 
     @property
     def data_step(self) -> int:
@@ -298,7 +315,31 @@ class FaultTolerance:
         to sit out a sync after a heal (read now, in order, rather than skipped)."""
         return self.step - self.data_lag
 
-    # -- called by the method --------------------------------------------------------------------
+    # -- driving the method's exchanges (the protocol of optim/base.py) ----------------------------
+    def run_exchange(self, changes: list[torch.Tensor], run):
+        """One sync of the method in this replica's quorum, until torchft commits it: ``changes``
+        (what ``run`` changes in place) are copied first and put back when a try fails, so that it
+        runs again among the replicas still alive (:meth:`retry`), or is discarded. Only those
+        tensors are copied, not the method's whole state. Returns what landed, or None when the
+        sync was discarded (every replica alike)."""
+        self._exchanged = True  # the next quorum after this step
+        kept = [t.clone() for t in changes]
+        while True:
+            self.before_exchange()
+            landed = run()
+            if self.commit():
+                return landed
+            for t, before in zip(changes, kept):
+                t.copy_(before)
+            if not self.retry():
+                return None
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        """The optimizer's step post-hook: after a step in which a sync ran, the next quorum."""
+        if self._exchanged:
+            self._exchanged = False
+            self.start_interval()
+
     def start_interval(self, stepped: bool = True) -> None:
         """After each step (outer methods: after each sync) and at attach (``stepped`` False): a
         quorum of the replicas alive now; a replica that is behind heals from a peer here, and
@@ -432,9 +473,10 @@ class FaultTolerance:
     def commit(self) -> bool:
         """Whether this sync lands (on every replica alike); False: try again (:meth:`retry`) or discard it."""
         ok = self.manager.should_commit()
-        # should_commit stopped the serving of this replica's state (a read in flight finished first)
-        for t in self._served:
-            t.set_()  # its copy freed
+        # should_commit stopped new reads of this replica's served state, without waiting for a read
+        # in flight (that one goes on from the copy, which the transport frees when it ends)
+        if not self.checkpoints.reading():
+            _free(self._served)
         self._served = []
         if ok:
             self._sitting_out = self.transport.sits_out = False
@@ -468,8 +510,7 @@ class FaultTolerance:
         own error feedback (the method's ``replica_state``: the joiner starts it at zero)."""
         opt = self.optimizer
         params = opt._current_params()
-        anchors = [opt.state[p].get("anchor") for p in params]
-        if all(a is not None and torch.equal(p, a.to(p.dtype)) for p, a in zip(params, anchors)):
+        if all(a is not None and torch.equal(p, a.to(p.dtype)) for p, a in zip(params, opt.synced_values())):
             params = None  # an outer method's quorum follows a sync: the parameters are the anchors, sent once
         optimizer = opt.state_dict()
         optimizer["state"] = {i: {k: v for k, v in s.items() if k not in opt.replica_state}
@@ -493,7 +534,7 @@ class FaultTolerance:
         opt.ledger.record("heal", 0, nbytes)
         with torch.no_grad():
             params = opt._current_params()
-            saved = state["params"] or [opt.state[p]["anchor"] for p in params]
+            saved = state["params"] or opt.synced_values()
             for p, value in zip(params, saved):
                 p.copy_(value.to(p.dtype))
         for obj, saved in zip(self.stateful, state["stateful"]):
@@ -511,20 +552,15 @@ class FaultTolerance:
                  if jumped else f"; it reads its shard on from step {self.data_step}"), file=sys.stderr, flush=True)
 
     def _sit_out(self) -> int:
-        """After a heal, outer methods: the replica's position jumps to just before its next sync,
-        which it sits out (it sends nothing of its own and takes the others' mean, as every replica
-        does): it is at that exchange when the others are, however long its heal took, so they do
-        not wait for it. The batches of its shard it jumps over are read later (:attr:`data_step`).
-        Returns the steps jumped."""
-        from .outer import OuterLoop
-
-        opt = self.optimizer
-        params = opt._current_params()
-        if not isinstance(opt, OuterLoop) or not params or "local_step" not in opt.state[params[0]]:
+        """After a heal, where the method syncs every so many steps: the replica's position jumps
+        to just before its next sync (the method's ``skip_to_next_exchange``), which it sits out
+        (it sends nothing of its own and takes the others' mean, as every replica does): it is at
+        that exchange when the others are, however long its heal took, so they do not wait for it.
+        The batches of its shard it jumps over are read later (:attr:`data_step`). Returns the
+        steps jumped."""
+        jump = self.optimizer.skip_to_next_exchange()
+        if jump is None:
             return 0
-        jump = opt.steps_to_next_sync(int(opt.state[params[0]]["local_step"])) - 1
-        for p in params:
-            opt.state[p]["local_step"] += jump
         for _ in range(jump):  # the schedule and the engine's position as the others' will be
             for finish in self.after_step:
                 finish()
