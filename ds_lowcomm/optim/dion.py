@@ -124,8 +124,9 @@ class Dion(LowcommOptimizer):
         views = []
         for i, (p, _) in enumerate(mats):
             state = self.state[p]
-            if "momentum" not in state:
+            if "momentum" not in state:  # (a healed replica's starts at zero: replica_state; its Q is the peer's)
                 state["momentum"] = torch.zeros_like(p, dtype=self.state_dtype)
+            if "Q" not in state:
                 rows, cols = p.shape[0], p[0].numel()
                 tall = rows >= cols
                 state["Q"] = self._q_init(i, cols if tall else rows, dion_rank(p.shape, self.settings.rank_fraction),
