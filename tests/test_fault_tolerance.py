@@ -144,8 +144,16 @@ def test_a_killed_replica_restarts_and_heals_while_the_others_train(tmp_path, me
     assert back[-1]["step"] == STEPS and back[-1]["outer_steps"] == survivors[0][-1]["outer_steps"]
     lrs = {r["step"]: r["lr"] for r in survivors[0]}
     assert all(r["lr"] == lrs[r["step"]] for r in back)  # the schedule's position healed (and jumped), step for step
-    # its shard read on from where it healed, in order: what it jumped over is read, not skipped
-    assert [r["batch"] for r in back] == list(range(healed_at, healed_at + len(back)))
+    # its shard read on, in order, from where it stood at the last sync committed with it in its first
+    # life (what that life read after it, and what went unread while it was away, is read first;
+    # what it jumped over is read, not skipped): the last sync its records show, or the next if it
+    # died after committing that one, before writing its record
+    last = max(r["step"] for r in _steps(paths[2]))
+    commits = [s for s in range(1, STEPS + 1) if not outer or s % SYNC_EVERY in syncs]
+    lost = back[0]["batch"]
+    assert lost in (max(s for s in commits if s <= last), *([last + 1] if last + 1 in commits else [])), (lost, last)
+    assert [r["batch"] for r in back] == list(range(lost, lost + len(back)))
+    assert back[-1]["reread"] == healed_at - lost > 0
     if streaming:  # a fragment always trains locally: the anchors, every fragment's last sync, agree at every step
         anchors = [{r["step"]: r["anchors"] for r in rs} for rs in (*survivors, back)]
         assert all(anchors[0][s] == anchors[1][s] == anchors[2][s] for s in anchors[2])
@@ -735,9 +743,13 @@ def test_deepspeed_replicas_as_separate_launches_heal_and_agree(tmp_path, method
         assert after and all(len({m[s]["digest"] for m in by_step}) == 1 for s in after)  # all four ranks alike
     for s in range(resumed, DS_STEPS + 1):  # the engine's position and schedule, as the survivor's
         assert by_step[2][s]["lr"] == by_step[0][s]["lr"] and by_step[2][s]["global_samples"] == by_step[0][s]["global_samples"]
-    for k in range(2 if not pipeline else 0):  # its own shard, read on: nothing its first life read, nor the survivor
-        seen_first = {i for r in first[k] for i in r["samples"]}
+    for k in range(2 if not pipeline else 0):  # its own shard, read on: nothing the survivor read, and of its first
+        # life's samples only those after the last sync committed with it (lost with it: read again)
+        last = max(r["step"] for r in first[k])
+        commits = [s for s in (last - last % sync, last + 1) if s % sync == 0]
         seen_back = {i for r in back[k] for i in r["samples"]}
-        assert not seen_first & seen_back and not seen_back & {i for r in survivor[k] for i in r["samples"]}
+        again = [{i for r in first[k] if r["step"] > s for i in r["samples"]} for s in commits]
+        assert {i for r in first[k] for i in r["samples"]} & seen_back in again
+        assert not seen_back & {i for r in survivor[k] for i in r["samples"]}
     # the first step, seeded apart: every replica started from one replica's weights
     assert first[0][0]["digest"] == survivor[0][0]["digest"] and first[1][0]["digest"] == survivor[1][0]["digest"]

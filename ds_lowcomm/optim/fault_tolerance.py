@@ -50,9 +50,14 @@ skips to its next sync (``skip_to_next_exchange``):
 - **Data.** :attr:`FaultTolerance.step` (the replica's steps, restored by the heal) is where the
   training loop stands; :attr:`FaultTolerance.data_step` where it reads its own data shard (shard
   by replica id, not by how many are alive): the step less the steps it jumped over to sit out a
-  sync, whose batches are read afterwards, in order. A restarted replica resumes its shard at its
-  peer's position: the batches its previous life read since its last committed sync, and those up
-  to the heal, are not read (said in its log line).
+  sync, whose batches are read afterwards, in order. A restarted replica's previous life read
+  batches after its last committed sync that no committed sync holds, and its shard's batches
+  went unread while it was away: every replica keeps, per replica id, where its data stood at the
+  last sync committed with it (:attr:`FaultTolerance.positions`, learned from the members at each
+  membership and retry, healed with the state), so the restarted replica learns from its peer
+  where its own stood, says which batches were not trained (its log line) and reads them first,
+  in order (``report()["reread"]``). A replica new to the peers (no sync committed with it)
+  reads its shard from its peer's position.
 - **Starting alike, and agreeing when meeting.** While no sync has been committed (torchft's step
   0), every quorum's replicas take the weights of its first (a broadcast): replicas seeded apart
   start alike. Replicas whose first quorums formed apart (``min_replicas`` 1, one up before the
@@ -265,7 +270,13 @@ class FaultTolerance:
         self.retried = 0  # tries again of a sync a peer failed in, among the replicas still alive
         self.reconciled = 0  # quorums whose members met holding different parameters (one side healed)
         self.sat_out = 0  # syncs this replica sat out after a heal (outer methods)
-        self.data_lag = 0  # batches of its shard it jumped over to sit out: read later (data_step)
+        self.data_lag = 0  # batches of its shard it jumped over, or its restart skipped: read later (data_step)
+        self.reread = 0  # batches of its shard a restart had skipped (read after its heal)
+        # per replica id, where its data stood (batches of its shard read) at the last sync
+        # committed with it: a restarted replica learns from its peer which batches it lost
+        self.positions: dict[str, int] = {}
+        self._members: dict[str, int] | None = None  # the current members' data lags, by replica id
+        self._fresh = True  # nothing committed or healed in this process yet (a restarted replica)
         self._sitting_out = False
         self._tries = 0
         self._quorum_seen: int | None = None
@@ -375,8 +386,11 @@ class FaultTolerance:
     def _check_members(self) -> None:
         """Once per membership (torchft's quorum id; the lighthouse bumps it when the members
         change or a commit failed), where there are others: at torchft's step 0 every replica takes
-        the first's weights; later, the members compare their parameters (:meth:`_agree`)."""
+        the first's weights; later, the members compare their parameters (:meth:`_agree`). Either
+        way they learn who the members are (for :attr:`positions`)."""
         quorum = quorum_id(self.manager)
+        if self.transport.world_size <= 1:
+            self._members = {self.settings.replica_id: self.data_lag}
         if quorum == self._quorum_seen or self.transport.world_size <= 1 or self.manager.errored() is not None:
             return
         self._quorum_seen = quorum
@@ -392,13 +406,15 @@ class FaultTolerance:
         this round's error: the next sync is tried again or discarded where it failed, and a
         replica left behind heals at the next quorum."""
         # the replicas that start together agree on their settings (else every one of them raises)
-        everyone = gather_json(self.transport, self.agreed)
+        everyone = gather_json(self.transport, {"settings": self.agreed, **self._me()})
+        self._learn_members(everyone)
         if self.transport.failed is None:  # a failed gather: this round is discarded, no verdict
             for replica, theirs in enumerate(everyone[1:], start=1):
-                if theirs != everyone[0]:  # every replica the same verdict
+                if theirs["settings"] != everyone[0]["settings"]:  # every replica the same verdict
                     raise ConfigError("lowcomm.fault_tolerance: the replicas' settings differ ("
-                                      + settings_differences(everyone[0], theirs, "the quorum's replica 0 has",
-                                                             f"its replica {replica} has") + ")")
+                                      + settings_differences(everyone[0]["settings"], theirs["settings"],
+                                                             "the quorum's replica 0 has", f"its replica {replica} has")
+                                      + ")")
         tensors = {id(t): t for t in (*self.optimizer._current_params(), *self.optimizer.replica_tensors(),  # anchors
                                       *(t for obj in self.stateful for t in getattr(obj, "tensors", ())))}.values()
         with torch.no_grad():
@@ -418,7 +434,9 @@ class FaultTolerance:
         if self.replica_transport is not None and self.replica_transport.world_size > 1:  # the replica's, on each rank
             sums = [x for rank in gather_json(self.replica_transport, sums) for x in rank]
         healing = self.async_quorum and not self.manager.is_participating()  # it takes a peer's state at the commit
-        everyone = gather_json(self.transport, {"sums": sums, "at": self.checkpoints.metadata(), "healing": healing})
+        everyone = gather_json(self.transport, {"sums": sums, "at": self.checkpoints.metadata(), "healing": healing,
+                                                **self._me()})
+        self._learn_members(everyone)
         if self.transport.failed is not None:
             self._quorum_seen = None
             return
@@ -456,6 +474,15 @@ class FaultTolerance:
                 return
             self._load(state["user"]["default"])
 
+    def _me(self) -> dict:
+        return {"replica": self.settings.replica_id, "lag": self.data_lag}
+
+    def _learn_members(self, everyone: list) -> None:
+        """The members of this quorum and their data lags, from a gather of :meth:`_me` (None where
+        it failed: positions are then not advanced until the members are known again)."""
+        failed = self.transport.failed is not None or any(e is None for e in everyone)
+        self._members = None if failed else {e["replica"]: e["lag"] for e in everyone}
+
     def _serve(self, to: list[int], step: int) -> None:
         """Stage this replica's state for the quorum ranks ``to`` to read (a background thread serves it)."""
         self.checkpoints.send_checkpoint(dst_ranks=to, step=step, timeout=self._timeout,
@@ -473,6 +500,13 @@ class FaultTolerance:
     def commit(self) -> bool:
         """Whether this sync lands (on every replica alike); False: try again (:meth:`retry`) or discard it."""
         ok = self.manager.should_commit()
+        if ok:
+            self._fresh = False
+            if self._members is not None:  # where each member's data stands in the syncs committed with it
+                own = self.optimizer.step_count()
+                at = own if own is not None else self._steps + 1  # (per-step methods count the step at its end)
+                for replica, lag in self._members.items():
+                    self.positions[replica] = at - lag
         # should_commit stopped new reads of this replica's served state, without waiting for a read
         # in flight (that one goes on from the copy, which the transport frees when it ends)
         if not self.checkpoints.reading():
@@ -498,8 +532,14 @@ class FaultTolerance:
         self.manager.start_quorum(allow_heal=False, shrink_only=True)
         if self.async_quorum:
             self._awaiting = "retry"
+            self._members = None  # who is left is not asked (positions wait for the next membership)
         elif settled:  # some of the members that agreed at this interval's start, its local progress on: nothing to check
             self._quorum_seen = quorum_id(self.manager)
+            # but who is left (for positions): the members still alive tell
+            try:
+                self._learn_members(gather_json(self.transport, self._me()))
+            except ValueError:  # another peer failed in the gather (what arrived is not JSON): not known
+                self._members = None
         else:
             self._check_members()
         return True
@@ -517,7 +557,7 @@ class FaultTolerance:
                               for i, s in optimizer["state"].items()}
         state = _to_cpu({"optimizer": optimizer, "params": params,
                          "steps": self._steps, "stateful": [obj.state_dict() for obj in self.stateful],
-                         "mid_step": self._mid_step, "settings": self.agreed})
+                         "mid_step": self._mid_step, "settings": self.agreed, "positions": dict(self.positions)})
         self._served = list(_tensors(state))
         return state
 
@@ -545,9 +585,19 @@ class FaultTolerance:
                 finish()
         self.heals += 1
         at = self.step
+        # a restarted replica: the batches of its shard its previous life read after its last
+        # committed sync, and those up to here, were never trained: it reads them first
+        lost = state.get("positions", {}).get(self.settings.replica_id) if self._fresh else None
+        skipped = max(0, self.data_step - lost) if lost is not None else 0
+        self.positions = dict(state.get("positions", {}))
+        self._fresh = False
+        self.data_lag += skipped
+        self.reread += skipped
         jumped = self._sit_out()
         print(f"ds_lowcomm fault tolerance: replica {self.settings.replica_id} healed from a peer at step "
               f"{at}: {nbytes} bytes at {time.time():.3f}"
+              + (f"; batches {lost} to {lost + skipped - 1} of its shard (read after its last committed sync, or "
+                 f"due while it was away) were not trained: it reads them first" if skipped else "")
               + (f"; it sits out the sync at step {self.step + 1} and reads its shard on from step {self.data_step}"
                  if jumped else f"; it reads its shard on from step {self.data_step}"), file=sys.stderr, flush=True)
 
@@ -572,7 +622,7 @@ class FaultTolerance:
     def report(self) -> dict:
         """What fault tolerance did on this replica, for the run's report."""
         return {"heals": self.heals, "discarded": self.discarded, "retried": self.retried,
-                "reconciled": self.reconciled, "sat_out": self.sat_out, "data_lag": self.data_lag}
+                "reconciled": self.reconciled, "sat_out": self.sat_out, "data_lag": self.data_lag, "reread": self.reread}
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)
