@@ -144,8 +144,16 @@ def test_a_killed_replica_restarts_and_heals_while_the_others_train(tmp_path, me
     assert back[-1]["step"] == STEPS and back[-1]["outer_steps"] == survivors[0][-1]["outer_steps"]
     lrs = {r["step"]: r["lr"] for r in survivors[0]}
     assert all(r["lr"] == lrs[r["step"]] for r in back)  # the schedule's position healed (and jumped), step for step
-    # its shard read on from where it healed, in order: what it jumped over is read, not skipped
-    assert [r["batch"] for r in back] == list(range(healed_at, healed_at + len(back)))
+    # its shard read on, in order, from where it stood at the last sync committed with it in its first
+    # life (what that life read after it, and what went unread while it was away, is read first;
+    # what it jumped over is read, not skipped): the last sync its records show, or the next if it
+    # died after committing that one, before writing its record
+    last = max(r["step"] for r in _steps(paths[2]))
+    commits = [s for s in range(1, STEPS + 1) if not outer or s % SYNC_EVERY in syncs]
+    lost = back[0]["batch"]
+    assert lost in (max(s for s in commits if s <= last), *([last + 1] if last + 1 in commits else [])), (lost, last)
+    assert [r["batch"] for r in back] == list(range(lost, lost + len(back)))
+    assert back[-1]["reread"] == healed_at - lost > 0
     if streaming:  # a fragment always trains locally: the anchors, every fragment's last sync, agree at every step
         anchors = [{r["step"]: r["anchors"] for r in rs} for rs in (*survivors, back)]
         assert all(anchors[0][s] == anchors[1][s] == anchors[2][s] for s in anchors[2])
@@ -287,7 +295,7 @@ def test_what_fault_tolerance_copies(monkeypatch):
     clone, copied = torch.Tensor.clone, []
 
     def recorded(t, *args, **kwargs):
-        if sys._getframe(1).f_code.co_filename.endswith(os.path.join("optim", "base.py")):
+        if sys._getframe(1).f_code.co_filename.endswith(os.path.join("optim", "fault_tolerance.py")):
             copied.append(id(t))
         return clone(t, *args, **kwargs)
 
@@ -336,6 +344,74 @@ def test_what_fault_tolerance_copies(monkeypatch):
         server.shutdown()
 
 
+def test_a_heal_is_served_while_the_peer_trains_and_commits_on():
+    """A replica (alone in its quorums, a real lighthouse here) serves its state to a joining
+    replica's read that goes slowly (it takes the first bytes and waits): meanwhile the replica
+    commits two more syncs and steps on (torchft's own transport holds every commit until a read
+    in flight ends, and with it the next exchange); the reader then gets the state as it was when
+    it was served, whole, and the copy is freed once the read ends."""
+    import io
+    import threading
+    import urllib.request
+
+    import torch
+    from torch.distributed._serialization import _streaming_load
+
+    from ds_lowcomm.optim.fault_tolerance import FaultTolerance, FaultToleranceSettings
+    from ds_lowcomm.optim.registry import METHOD_CLASSES
+
+    server, address = _lighthouse(min_replicas=1)
+    ft = FaultTolerance(FaultToleranceSettings(lighthouse=address, replica_id="0", timeout_s=20), host="127.0.0.1")
+    try:
+        torch.manual_seed(0)
+        model = torch.nn.Linear(1024, 1024)  # its state (about 20 MB) outgrows the sockets' buffers: the server waits
+        opt = METHOD_CLASSES["diloco"](torch.optim.AdamW(model.parameters(), lr=1e-2), transport=ft.transport,
+                                       sync_every=2)
+        ft.attach(opt)
+        events, go = [], threading.Event()
+
+        def train(steps):
+            for _ in range(steps):
+                model(torch.randn(4, 1024)).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+                events.append(("step", ft.step, ft.manager.current_step()))
+
+        train(2)  # a sync: the parameters are the anchors
+        at, served_params = ft.manager.current_step(), [p.detach().clone() for p in model.parameters()]
+        ft._serve([1], at)  # as for a replica that heals from this one
+        served = ft._served
+        got = {}
+
+        def read():  # a joining replica on a slow link
+            with urllib.request.urlopen(f"{ft.checkpoints.metadata()}{at}/full", timeout=60) as f:
+                head = f.read(65536)
+                events.append(("reading", at))
+                go.wait(timeout=20)
+                got["state"] = _streaming_load(io.BytesIO(head + f.read()), weights_only=True)
+            events.append(("read", at))
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        while ("reading", at) not in events:
+            time.sleep(0.01)
+        train(4)  # two more syncs, committed, while the read is in flight
+        assert ft.checkpoints.reading() and all(t.numel() for t in served)  # the copy stays while read
+        go.set()
+        reader.join(timeout=60)
+        assert [e[0] for e in events] == ["step"] * 2 + ["reading"] + ["step"] * 4 + ["read"], events
+        assert [e[2] for e in events if e[0] == "step"] == [0, 1, 1, 2, 2, 3]  # commits went on during the read
+        assert ft.checkpoints.events == [("served", at), ("released", at)]
+        state = got["state"]["user"]["default"]
+        anchors = [s["anchor"] for s in state["optimizer"]["state"].values()]
+        assert state["params"] is None and all(torch.equal(a, p) for a, p in zip(anchors, served_params))
+        assert not all(torch.equal(a, p) for a, p in zip(anchors, model.parameters()))  # it trained on meanwhile
+        assert all(t.numel() == 0 for t in served)  # freed once read
+    finally:
+        ft.shutdown()
+        server.shutdown()
+
+
 class _PickledCall:
     def __reduce__(self):  # loading this with pickle would call os.getpid
         return os.getpid, ()
@@ -361,6 +437,98 @@ def test_a_heal_loads_no_pickled_code():
         with pytest.raises(Exception, match="unsupported GLOBAL posix.getpid"):
             safe_http_transport(timeout).recv_checkpoint(src_rank=0, metadata=server.metadata(), step=4,
                                                          timeout=timeout)
+    finally:
+        server.shutdown()
+
+
+def _imports(path: Path) -> set[str]:
+    """The modules a source file imports (relative ones with their dots; ``from . import x`` as ``.x``)."""
+    import ast
+
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = "." * node.level + (node.module or "")
+            names.add(base)
+            names.update(f"{base}.{a.name}" if node.module else base + a.name for a in node.names)
+    return names
+
+
+def test_no_method_knows_of_fault_tolerance():
+    """Fault tolerance drives the methods from outside, through their exchange protocol
+    (optim/base.py): no module of ds_lowcomm.optim imports it or torchft, in its source or at
+    import time, and it imports none of the methods (no switch on their types)."""
+    optim = ROOT / "ds_lowcomm" / "optim"
+    for path in sorted(optim.glob("*.py")):
+        if path.name != "fault_tolerance.py":
+            found = [n for n in _imports(path) if "fault_tolerance" in n or "torchft" in n]
+            assert not found, (path.name, found)
+    methods = {p.stem for p in optim.glob("*.py")} - {"fault_tolerance", "__init__", "base"}
+    assert {"demo", "dion", "outer", "mtdao", "adamw"} <= methods
+    found = [n for n in _imports(optim / "fault_tolerance.py") if n.lstrip(".").split(".")[0] in methods
+             or n.startswith("ds_lowcomm.optim.") and n.split(".")[2] in methods]
+    assert not found, found
+    loaded = subprocess.run([sys.executable, "-c", "import sys, ds_lowcomm.optim, ds_lowcomm.optim.registry; "
+                             "print(sorted(m for m in sys.modules if 'fault_tolerance' in m or 'torchft' in m))"],
+                            cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert loaded.returncode == 0 and loaded.stdout.strip() == "[]", (loaded.stdout, loaded.stderr[-2000:])
+
+
+def test_fault_tolerance_drives_every_method_through_its_exchanges():
+    """One replica, alone in its quorums (a real lighthouse here), for every method and variant
+    (the outer methods, Streaming DiLoCo, demo with sign's and Muon's rule, adamw, mtdao, dion):
+    driven by fault tolerance it steps its parameters bit for bit as the same method with no
+    driver does, each of its syncs runs in the driver (a quorum after every step in which one
+    ran, none after the others), and the driver reads where it stands from the method."""
+    import copy
+
+    import torch
+
+    from ds_lowcomm.comm.torchft import TorchftTransport
+    from ds_lowcomm.optim.fault_tolerance import FaultTolerance, FaultToleranceSettings
+    from ds_lowcomm.optim.registry import LowcommConfig, build_optimizer, model_param_groups
+
+    steps, codec = 6, {"topk": 4, "chunk": 8}
+    cases = {  # settings, syncs in `steps` steps
+        "diloco": ({"method": "diloco", "sync_every": 2}, 3),
+        "streaming": ({"method": "diloco", "sync_every": 2, "fragments": 2}, 6),  # a fragment at every step
+        "dct_diloco": ({"method": "dct_diloco", "sync_every": 3, **codec}, 2),
+        "sparseloco": ({"method": "sparseloco", "sync_every": 2, **codec}, 3),
+        "demo": ({"method": "demo", **codec}, steps),
+        "demo_muon": ({"method": "demo", "update": "muon", **codec}, steps),
+        "adamw": ({"method": "adamw"}, steps),
+        "mtdao": ({"method": "mtdao", "sync_every": 3, "momentum_sync_every": [3], "second_moment_sync_every": 3}, 2),
+        "dion": ({"method": "dion", "rank_fraction": 0.5}, steps),
+    }
+    server, address = _lighthouse(min_replicas=1)
+    try:
+        for name, (settings, syncs) in cases.items():
+            cfg = LowcommConfig.from_dict(settings)
+            torch.manual_seed(0)
+            models = [torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 16),
+                                          torch.nn.Tanh(), torch.nn.Linear(16, 1))]
+            models.append(copy.deepcopy(models[0]))
+            start = copy.deepcopy(models[0])
+            ft = FaultTolerance(FaultToleranceSettings(lighthouse=address, replica_id="0", timeout_s=10),
+                                host="127.0.0.1")
+            driven, plain = (build_optimizer(cfg, model_param_groups(cfg, m, list(m.parameters())), lr=1e-2,
+                                             transport=t) for m, t in zip(models, (ft.transport, TorchftTransport(None))))
+            ft.attach(driven)
+            quorums, asks = [], ft.manager.start_quorum
+            ft.manager.start_quorum = lambda *a, **k: (quorums.append(ft.step), asks(*a, **k))[1]
+            for step in range(steps):
+                x = torch.randn(4, 8, generator=torch.Generator().manual_seed(step))
+                for model, opt in zip(models, (driven, plain)):
+                    model(x).square().mean().backward()
+                    opt.step()
+                    opt.zero_grad()
+            assert all(torch.equal(a, b) for a, b in zip(*(m.parameters() for m in models))), name
+            assert not any(torch.equal(a, b) for a, b in zip(models[0].parameters(), start.parameters())), name
+            assert len(quorums) == syncs and ft.step == steps, (name, quorums, ft.step)
+            assert ft.report()["discarded"] == 0, name
+            ft.shutdown()
     finally:
         server.shutdown()
 
@@ -575,9 +743,13 @@ def test_deepspeed_replicas_as_separate_launches_heal_and_agree(tmp_path, method
         assert after and all(len({m[s]["digest"] for m in by_step}) == 1 for s in after)  # all four ranks alike
     for s in range(resumed, DS_STEPS + 1):  # the engine's position and schedule, as the survivor's
         assert by_step[2][s]["lr"] == by_step[0][s]["lr"] and by_step[2][s]["global_samples"] == by_step[0][s]["global_samples"]
-    for k in range(2 if not pipeline else 0):  # its own shard, read on: nothing its first life read, nor the survivor
-        seen_first = {i for r in first[k] for i in r["samples"]}
+    for k in range(2 if not pipeline else 0):  # its own shard, read on: nothing the survivor read, and of its first
+        # life's samples only those after the last sync committed with it (lost with it: read again)
+        last = max(r["step"] for r in first[k])
+        commits = [s for s in (last - last % sync, last + 1) if s % sync == 0]
         seen_back = {i for r in back[k] for i in r["samples"]}
-        assert not seen_first & seen_back and not seen_back & {i for r in survivor[k] for i in r["samples"]}
+        again = [{i for r in first[k] if r["step"] > s for i in r["samples"]} for s in commits]
+        assert {i for r in first[k] for i in r["samples"]} & seen_back in again
+        assert not seen_back & {i for r in survivor[k] for i in r["samples"]}
     # the first step, seeded apart: every replica started from one replica's weights
     assert first[0][0]["digest"] == survivor[0][0]["digest"] and first[1][0]["digest"] == survivor[1][0]["digest"]

@@ -8,10 +8,13 @@ died or stalled past the group's timeout) is reported to the manager, and every 
 of the same exchange returns at once: the exchange's result is garbage and is discarded at
 ``should_commit`` (optim/fault_tolerance.py), on every replica alike.
 
-:class:`SafeHTTPTransport` is torchft's HTTP checkpoint transport (how a joining replica gets a
-live peer's state) loading with ``torch.load(weights_only=True)``: tensors and plain data only,
-never code (torchft's own loads with ``weights_only=False``). torchft's lighthouse and transports
-are unauthenticated: run them on a private network.
+:func:`heal_transport` is how a joining replica gets a live peer's state (torchft's checkpoint
+transport API, its HTTP transport's URLs): the peer serves a copy from a background thread while
+it trains and commits on, and the joiner loads it with ``torch.load(weights_only=True)``: tensors
+and plain data only, never code. :func:`safe_http_transport` is torchft's own HTTP transport
+loading so (torchft's loads with ``weights_only=False``), for torchft's DiLoCo (the benchmarks'
+peer), which serves its live state under torchft's lock. torchft's lighthouse and transports are
+unauthenticated: run them on a private network.
 
 The torchft internals used (the HTTP transport's loader, replaced; the manager's quorum id, read
 to tell a new membership) are declared and checked with the supported version before use
@@ -20,11 +23,15 @@ to tell a new membership) are declared and checked with the supported version be
 
 from __future__ import annotations
 
+import socket
+import threading
 from datetime import timedelta
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Callable
 
 import torch
 import torch.distributed.distributed_c10d as c10d
+from torch.distributed._serialization import _streaming_load, _streaming_save  # the format torchft's transport sends
 
 from ..reflect import FrameworkInternals, Internal, read_instance
 from .ledger import ByteLedger
@@ -139,8 +146,6 @@ def safe_http_transport(timeout: timedelta, host: str | None = None):
     address peers fetch from (torchft advertises this machine's hostname, which may resolve to a
     loopback address the peers cannot reach)."""
     INTERNALS.ensure_checked()
-    import socket
-
     from torchft.checkpointing.http_transport import HTTPTransport
 
     class SafeHTTPTransport(HTTPTransport):
@@ -152,12 +157,145 @@ def safe_http_transport(timeout: timedelta, host: str | None = None):
         def _load_from_address(cls, address: str, timeout: timedelta) -> object:
             import urllib.request
 
-            from torch.distributed._serialization import _streaming_load  # the format torchft sends
-
             with urllib.request.urlopen(address, timeout=timeout.total_seconds()) as f:
                 return _streaming_load(f, weights_only=True)
 
     return SafeHTTPTransport(timeout, num_chunks=0)
 
 
-__all__ = ["INTERNALS", "TorchftTransport", "safe_http_transport"]
+def _checkpoint_transport_base():
+    from torchft.checkpointing.transport import CheckpointTransport
+
+    return CheckpointTransport
+
+
+class _DualStackServer(ThreadingHTTPServer):
+    """Every address of this machine, IPv6 and IPv4 (where IPv6 is there), a thread per request."""
+
+    daemon_threads = True
+    address_family = socket.AF_INET6 if socket.has_ipv6 else socket.AF_INET
+
+    def server_bind(self):
+        if self.address_family == socket.AF_INET6:
+            self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        super().server_bind()
+
+
+def heal_transport(timeout: timedelta, host: str | None = None, on_released: Callable[[Any], None] | None = None):
+    """How a joining replica gets a live peer's state (torchft's ``CheckpointTransport``, the same
+    URLs as its HTTP transport), served from a background thread so that the peer's own steps and
+    exchanges go on meanwhile. torchft's HTTP transport serves the live state under a lock that
+    the manager takes at every ``should_commit``: a peer's commit waits until a read in flight
+    ends, and its next exchange with it. Here what is staged must be a copy of its own (fault
+    tolerance stages a CPU copy, never changed after): ``disallow_checkpoint`` (each commit) only
+    stops new reads of it; a read in flight goes on from the copy, and ``on_released(state)`` runs
+    once nothing serves or reads that copy any more (its memory can go). Loads with
+    ``weights_only=True``: tensors and plain data only. ``host``: the address peers fetch from
+    (default this machine's hostname)."""
+    CheckpointTransport = _checkpoint_transport_base()
+
+    class HealTransport(CheckpointTransport):
+        def __init__(self):
+            self._timeout = timeout
+            self._host = host or socket.gethostname()
+            self._cond = threading.Condition()
+            self._staged: tuple[int, Any] | None = None  # (step, state) new reads get
+            self._readers: dict[int, int] = {}  # id(state) -> reads in flight
+            self._retired: dict[int, Any] = {}  # states no longer staged, reads of them in flight
+            self.on_released = on_released
+            self.events: list[tuple[str, int]] = []  # ("served" | "released", step): what happened, in order
+            transport = self
+
+            class Handler(BaseHTTPRequestHandler):
+                def log_message(self, *args):  # quiet (torchft logs its own)
+                    pass
+
+                def do_GET(self):
+                    parts = self.path.split("/")
+                    if len(parts) != 4 or parts[1] != "checkpoint" or parts[3] != "full" or not parts[2].isdigit():
+                        self.send_error(400, f"expected /checkpoint/<step>/full, got {self.path}")
+                        return
+                    state = transport._open(int(parts[2]))
+                    if state is None:
+                        self.send_error(400, f"step {parts[2]} is not served here")
+                        return
+                    try:
+                        self.send_response(200)
+                        self.send_header("Content-type", "application/octet-stream")
+                        self.end_headers()
+                        _streaming_save(state, self.wfile)
+                    finally:
+                        transport._close(int(parts[2]), state)
+
+            self._server = _DualStackServer(("", 0), Handler)
+            self._thread = threading.Thread(target=self._server.serve_forever, daemon=True, name="ds_lowcomm_heal")
+            self._thread.start()
+
+        def metadata(self) -> str:
+            return f"http://{self._host}:{self._server.server_address[1]}/checkpoint/"
+
+        def send_checkpoint(self, dst_ranks: list[int], step: int, state_dict: Any, timeout: timedelta) -> None:
+            with self._cond:
+                self._retire()
+                self._staged = (step, state_dict)
+                self._cond.notify_all()
+
+        def disallow_checkpoint(self) -> None:
+            with self._cond:
+                self._retire()
+
+        def _retire(self) -> None:  # (under the lock) no new reads of what is staged
+            if self._staged is not None:
+                step, state = self._staged
+                self._staged = None
+                if self._readers.get(id(state)):
+                    self._retired[id(state)] = (step, state)
+                else:
+                    self._release(step, state)
+
+        def _release(self, step: int, state: Any) -> None:
+            self.events.append(("released", step))
+            if self.on_released is not None:
+                self.on_released(state)
+
+        def reading(self) -> bool:
+            """Whether a read is in flight."""
+            with self._cond:
+                return bool(self._readers)
+
+        def _open(self, step: int) -> Any:
+            """The state of ``step`` for a read (counted), waiting up to the timeout while nothing is staged."""
+            with self._cond:
+                self._cond.wait_for(lambda: self._staged is not None, timeout=self._timeout.total_seconds())
+                if self._staged is None or self._staged[0] != step:
+                    return None
+                state = self._staged[1]
+                self._readers[id(state)] = self._readers.get(id(state), 0) + 1
+                return state
+
+        def _close(self, step: int, state: Any) -> None:
+            with self._cond:
+                self.events.append(("served", step))
+                self._readers[id(state)] -= 1
+                if not self._readers[id(state)]:
+                    del self._readers[id(state)]
+                    retired = self._retired.pop(id(state), None)
+                    if retired is not None:
+                        self._release(*retired)
+
+        def recv_checkpoint(self, src_rank: int, metadata: str, step: int, timeout: timedelta) -> Any:
+            import urllib.request
+
+            with urllib.request.urlopen(f"{metadata}{step}/full", timeout=timeout.total_seconds()) as f:
+                return _streaming_load(f, weights_only=True)
+
+        def shutdown(self, wait: bool = True) -> None:
+            self._server.shutdown() if wait else setattr(self._server, "_BaseServer__shutdown_request", True)
+            if wait:
+                self._server.server_close()
+                self._thread.join()
+
+    return HealTransport()
+
+
+__all__ = ["INTERNALS", "TorchftTransport", "heal_transport", "safe_http_transport"]

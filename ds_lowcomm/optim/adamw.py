@@ -49,6 +49,7 @@ class AllReduceSettings(Settings):
 class AllReduceAdamW(LowcommOptimizer, torch.optim.AdamW):
     method = "adamw"
     settings_class = AllReduceSettings
+    exchanges_every_step = True
 
     def __init__(self, params, lr: float = AdamSettings.lr, *, transport: Transport | None = None,
                  shard: ReplicaShard | None = None, ledger_steps: bool = True, clip_grad: float = 0.0,
@@ -62,16 +63,9 @@ class AllReduceAdamW(LowcommOptimizer, torch.optim.AdamW):
         for p in params:
             if p.grad is None:  # keep the flat buffer's layout the same on every rank
                 p.grad = torch.zeros_like(p)
-        ft = self.fault_tolerance
         grads = [p.grad for p in owned]
-
-        def exchange():
-            return self._start_mean_(owned, grads, "all_reduce").wait()
-
-        # under fault tolerance the gradients it averages in place are kept, for a try that fails
-        committed = ft is None or self._exchange_in_quorum(grads, exchange) is not None
-        if ft is None:
-            exchange()
+        # it averages the gradients in place: what a driver keeps, for a try that fails
+        committed = self._run_exchange(grads, lambda: self._start_mean_(owned, grads, "all_reduce").wait()) is not None
         self._clip_(params)  # the mean gradient, as DDP clips after its all-reduce
         if self.shard is not None:  # AdamW skips parameters without a gradient
             keep = {id(p) for p in owned}
@@ -81,5 +75,3 @@ class AllReduceAdamW(LowcommOptimizer, torch.optim.AdamW):
         if committed:  # else no replica could commit it: every replica skips this step alike
             torch.optim.AdamW.step(self)
         self._share(params)
-        if ft is not None:
-            ft.start_interval()  # the next step's quorum (a joining replica heals)

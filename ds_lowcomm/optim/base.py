@@ -242,33 +242,53 @@ class LowcommOptimizer(torch.optim.Optimizer):
         """One step of the method on ``params`` (gradients in ``p.grad``), its syncs included."""
         raise NotImplementedError
 
-    # -- live fault tolerance (optim/fault_tolerance.py) ------------------------------------------
-    # Set by FaultTolerance.attach: every exchange runs in a torchft quorum and is committed, tried
-    # again among the replicas still alive, or discarded, on every replica alike. None: the plain
-    # single world.
-    fault_tolerance = None
+    # -- the exchange protocol: how a driver runs the method's syncs from outside ---------------
+    # Every sync of a method goes through _run_exchange(changes, run): ``run`` sends it and lands
+    # it (returns what landed), ``changes`` are the tensors it changes in place. Without a driver it
+    # just runs. A driver (live fault tolerance, optim/fault_tolerance.py, set by its attach) wraps
+    # it: it may keep ``changes`` first, run it in a quorum, put them back and run it again, or
+    # discard it (None: the method then does what a sync that did not happen means for it, on
+    # every replica alike). The rest of the protocol says where the method stands
+    # (``step_count``), what a heal carries (``replica_state``, ``synced_values``), what replicas
+    # hold alike (``replica_tensors``) and how a healed replica joins the next sync without
+    # holding the others up (``skip_to_next_exchange``). The driver takes its next quorum after a
+    # step in which a sync ran (an optimizer step post-hook, as torchft's LocalSGD). No method
+    # knows of fault tolerance.
+    exchange_driver = None
     # State a heal does not carry (a joining replica starts it at zero, as a new replica would): a
     # replica's own error feedback. The peer's would be sent twice, by the peer and by the joiner.
     replica_state: ClassVar[tuple[str, ...]] = ()
+    # Whether every step() is a sync (demo, adamw, dion) or syncs come every so many steps.
+    exchanges_every_step: ClassVar[bool] = False
 
-    def _exchange_in_quorum(self, changed: list[torch.Tensor], exchange):
-        """Under fault tolerance: run ``exchange()`` (one sync, started and landed; returns what
-        landed) until torchft commits it. ``changed``: what the exchange changes in place (error
-        feedback, momenta, the gradients it averages), copied first and put back when it fails,
-        so that it can run again, among the replicas still alive (``FaultTolerance.retry``), or be
-        discarded. Only those tensors are copied, not the method's whole state. Returns what
-        landed, or None when the sync was discarded (every replica alike)."""
-        ft = self.fault_tolerance
-        kept = [t.clone() for t in changed]
-        while True:
-            ft.before_exchange()
-            landed = exchange()
-            if ft.commit():
-                return landed
-            for t, before in zip(changed, kept):
-                t.copy_(before)
-            if not ft.retry():
-                return None
+    def _run_exchange(self, changes: list[torch.Tensor], run):
+        """One sync: ``run()`` (started and landed; returns what landed), through the driver where
+        there is one. ``changes``: what ``run`` changes in place (error feedback, momenta, the
+        gradients it averages; only those, not the method's whole state), which a driver keeps so
+        that the sync can be put back and run again, or discarded. Returns what landed, or None
+        where the driver discarded the sync (every replica alike)."""
+        if self.exchange_driver is None:
+            return run()
+        return self.exchange_driver.run_exchange(changes, run)
+
+    def step_count(self) -> int | None:
+        """The method's own count of its steps, restored with its state (where the training loop
+        stands: a healed replica reads its data on from there); None where it keeps none (a
+        driver counts them)."""
+        return None
+
+    def skip_to_next_exchange(self) -> int | None:
+        """After a heal: move this replica to the step just before its next sync, which it then
+        sits out (it takes the others' mean), so that it reaches that sync when the others do,
+        however long its heal took. Returns the steps jumped (their batches are read later), or
+        None where the method syncs every step and nothing is skipped."""
+        return None
+
+    def synced_values(self) -> list[torch.Tensor | None]:
+        """Per parameter of ``_current_params()``, the state tensor holding its value as of the
+        last sync where the method keeps one (the outer methods' anchors), else None: a heal taken
+        right after a sync sends those once, not the parameters too."""
+        return [None] * len(self._current_params())
 
     def _owned(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         return params if self.shard is None else self.shard.owned(params)

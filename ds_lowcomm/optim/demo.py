@@ -73,6 +73,7 @@ class DeMo(LowcommOptimizer):
     method = "demo"
     settings_class = DeMoSettings
     replica_state = ("momentum",)  # each rank's own, with what it has not sent yet
+    exchanges_every_step = True
 
     def __init__(self, params, lr: float = 4e-4, *, weight_decay: float = 0.0, settings: DeMoSettings | None = None,
                  transport: Transport | None = None, shard: ReplicaShard | None = None, ledger_steps: bool = True,
@@ -115,22 +116,17 @@ class DeMo(LowcommOptimizer):
             landed = self._land_in_flight(synced)
             self._in_flight = (tuple(id(p) for p in synced), self.start_momentum_sync(synced, grads, lrs))
             self._step_each(synced, landed, lrs, decays, rules, scales)
-        elif self.fault_tolerance is not None:  # every rank of a replica asks torchft, owning any or not
-            # the exchange changes the momenta (folded in, sent components out): only they are kept
+        else:  # every rank of a replica runs the exchange, owning any parameter or not (a driver asks each)
+            # it changes the momenta (folded in, sent components out): what a driver keeps
             momenta = [self._momentum(p) for p in synced]
-            means = self._exchange_in_quorum(
+            means = self._run_exchange(
                 momenta, lambda: self.start_momentum_sync(synced, grads, lrs).wait() if synced else [])
-            if means is not None:  # else no replica could commit it: every replica skips this step alike
-                # a replica that healed at the commit (asynchronous quorum) steps with its peer's schedule
+            if means is not None:  # else a driver discarded it: every replica skips this step alike
+                # a replica healed at the exchange (a driver's asynchronous quorum) steps with its peer's schedule
                 by_id = {id(p): g for g in self.param_groups for p in g["params"]}
                 lrs = [by_id[id(p)]["lr"] for p in synced]
                 self._step_each(synced, means, lrs, decays, rules, scales)
-        elif synced:
-            means = self.start_momentum_sync(synced, grads, lrs).wait()
-            self._step_each(synced, means, lrs, decays, rules, scales)
         self._share(params)
-        if self.fault_tolerance is not None:
-            self.fault_tolerance.start_interval()  # the next step's quorum (a joining replica heals)
 
     def add_param_group(self, param_group: dict) -> None:
         if "update" in param_group:  # a group's own rule: checked as the setting is

@@ -69,6 +69,8 @@ def dion_rank(shape: tuple[int, ...], rank_fraction: float) -> int:
 class Dion(LowcommOptimizer):
     method = "dion"
     settings_class = DionSettings
+    replica_state = ("momentum",)  # each rank's own (no gradient is averaged)
+    exchanges_every_step = True
 
     def __init__(self, params, lr: float = 1e-3, *, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  settings: DionSettings | None = None, transport: Transport | None = None,
@@ -119,11 +121,12 @@ class Dion(LowcommOptimizer):
         finite = self._grads_finite(grads, "dion_fold")  # if not: no fold, this rank sits the exchange out
         healthy = self._healthy() and finite
         wire = WIRE_DTYPES[self.settings.value_dtype]
-        views, local_p = [], []
+        views = []
         for i, (p, _) in enumerate(mats):
             state = self.state[p]
-            if "momentum" not in state:
+            if "momentum" not in state:  # (a healed replica's starts at zero: replica_state; its Q is the peer's)
                 state["momentum"] = torch.zeros_like(p, dtype=self.state_dtype)
+            if "Q" not in state:
                 rows, cols = p.shape[0], p[0].numel()
                 tall = rows >= cols
                 state["Q"] = self._q_init(i, cols if tall else rows, dion_rank(p.shape, self.settings.rank_fraction),
@@ -132,19 +135,28 @@ class Dion(LowcommOptimizer):
             if finite and p.grad is not None:
                 m.add_(p.grad.to(m.dtype))
             mat = m.view(m.shape[0], -1)
-            b = mat if mat.shape[0] >= mat.shape[1] else mat.T  # rows >= cols
-            views.append(b)
-            local_p.append((b @ state["Q"].to(b.dtype)).to(wire))
+            views.append(mat if mat.shape[0] >= mat.shape[1] else mat.T)  # rows >= cols
         dense = [(p.grad if p.grad is not None else torch.zeros_like(p)).to(wire, copy=True) for p, _ in rest]
-        start_all_reduce_mean_(local_p + dense, self.transport, op="dion_all_reduce", healthy=healthy).wait()
-        ps, local_r = [], []
-        for b, pm in zip(views, local_p):
-            pm = pm.float()
-            if pm.any():
-                pm = torch.linalg.qr(pm).Q  # Householder, in fp32
-            ps.append(pm)
-            local_r.append((b.T.float() @ pm).to(wire))
-        start_all_reduce_mean_(local_r, self.transport, op="dion_all_reduce", healthy=healthy).wait()
+
+        def run():
+            local_p = [(b @ self.state[p]["Q"].to(b.dtype)).to(wire) for (p, _), b in zip(mats, views)]
+            start_all_reduce_mean_(local_p + dense, self.transport, op="dion_all_reduce", healthy=healthy).wait()
+            ps, local_r = [], []
+            for b, pm in zip(views, local_p):
+                pm = pm.float()
+                if pm.any():
+                    pm = torch.linalg.qr(pm).Q  # Householder, in fp32
+                ps.append(pm)
+                local_r.append((b.T.float() @ pm).to(wire))
+            start_all_reduce_mean_(local_r, self.transport, op="dion_all_reduce", healthy=healthy).wait()
+            return ps, local_r
+
+        # it averages the other parameters' gradients in place (the factors are made afresh each
+        # try; the momenta change only after it): what a driver keeps
+        landed = self._run_exchange(dense, run)
+        if landed is None:  # a driver discarded it: every replica skips this step alike (the momenta keep the fold)
+            return
+        ps, local_r = landed
         for (p, group), b, pm, r in zip(mats, views, ps, local_r):
             state, r = self.state[p], r.float()
             if not pm.any():  # nothing caught on any rank (all momenta zero): no step, Q kept

@@ -5,13 +5,20 @@ Each replica is its own job and each of its processes builds one :class:`FaultTo
 torchft ``Manager`` (with the lighthouse's address and this replica's id; a replica of several
 ranks runs one per rank, rank r meeting rank r of the others) over a reconfigurable gloo group,
 and the :class:`~ds_lowcomm.comm.torchft.TorchftTransport` the method exchanges over.
-Then :meth:`FaultTolerance.attach` puts it into an outer method (diloco, dct_diloco, sparseloco),
-demo or adamw:
+Then :meth:`FaultTolerance.attach` drives a method (diloco, dct_diloco, sparseloco and their
+streaming variants, demo with any update rule, adamw, mtdao, dion) from outside, through the
+methods' exchange protocol (optim/base.py; no method knows of fault tolerance): the method runs
+each sync through the driver's :meth:`FaultTolerance.run_exchange` with the tensors it changes in
+place, and the driver takes its next quorum from the optimizer's step post-hook (as torchft's
+LocalSGD drives its outer loop), after a step in which a sync ran. The method says where it
+stands (``step_count``), what a heal leaves out (``replica_state``) and sends once
+(``synced_values``), what replicas hold alike (``replica_tensors``), and how a healed replica
+skips to its next sync (``skip_to_next_exchange``):
 
 - **Every sync is a quorum's.** Outer methods and mtdao: at the start of each interval (before
   the first step, then right after each sync lands) the replicas that are alive form a quorum;
-  the interval's exchange runs over them and the mean is over them. demo and adamw: the same at
-  every step.
+  the interval's exchange runs over them and the mean is over them. demo, adamw and dion: the
+  same at every step.
 - **Every sync is committed, tried again, or discarded, on all replicas alike** (torchft's
   ``should_commit``). A peer that dies or stalls past ``timeout_s`` during the exchange makes it
   fail; every participant puts back what the exchange changed in place (error-feedback residuals,
@@ -21,7 +28,8 @@ demo or adamw:
   or stopped replica is out once its heartbeats stop), up to ``retries`` times (2) while they
   make ``min_replicas``. Where no try is committed the sync is discarded: outer methods set their
   parameters back to the anchors (the interval's local progress is lost), demo and adamw skip the
-  step, mtdao's replicas keep their own parameters and moments. Never a partial sync applied.
+  step (dion's momenta keep the step's gradient), mtdao's replicas keep their own parameters and
+  moments. Never a partial sync applied.
 - **Healing from a peer.** A new, restarted or lagging replica joins at the next quorum and gets
   its state from a live peer through torchft's HTTP checkpoint transport, loaded with
   ``weights_only=True`` (:func:`~ds_lowcomm.comm.torchft.safe_http_transport`): parameters,
@@ -29,9 +37,12 @@ demo or adamw:
   ``state_dict()``), not each replica's own error feedback (the method's ``replica_state``:
   residuals, DeMo's momenta; the peer's would be sent twice), which starts at zero as a new
   replica's would. The peer copies it straight to CPU memory when the quorum forms and serves it
-  from the transport's thread while it trains on; the copy is freed at its next commit. It is
-  taken right after a sync, when every replica's parameters equal the anchors, so the healed
-  replica is identical to the others. Its bytes go to the ledger as ``heal``.
+  from a background thread (:func:`~ds_lowcomm.comm.torchft.heal_transport`) while it trains,
+  exchanges and commits on: its commits stop new reads of the copy but do not wait for one in
+  flight (torchft's own transport holds the peer's commit, and so its next exchange, until the
+  read ends); the copy is freed when its last read ends, or at the next commit if none is in
+  flight. It is taken right after a sync, when every replica's parameters equal the anchors, so
+  the healed replica is identical to the others. Its bytes go to the ledger as ``heal``.
 - **Not holding the others up** (outer methods). A healed replica's position jumps to the step
   before its next sync, which it sits out (it sends nothing of its own, takes the others' mean
   and is identical after it): it is at that exchange when the others are, however long its heal
@@ -39,9 +50,14 @@ demo or adamw:
 - **Data.** :attr:`FaultTolerance.step` (the replica's steps, restored by the heal) is where the
   training loop stands; :attr:`FaultTolerance.data_step` where it reads its own data shard (shard
   by replica id, not by how many are alive): the step less the steps it jumped over to sit out a
-  sync, whose batches are read afterwards, in order. A restarted replica resumes its shard at its
-  peer's position: the batches its previous life read since its last committed sync, and those up
-  to the heal, are not read (said in its log line).
+  sync, whose batches are read afterwards, in order. A restarted replica's previous life read
+  batches after its last committed sync that no committed sync holds, and its shard's batches
+  went unread while it was away: every replica keeps, per replica id, where its data stood at the
+  last sync committed with it (:attr:`FaultTolerance.positions`, learned from the members at each
+  membership and retry, healed with the state), so the restarted replica learns from its peer
+  where its own stood, says which batches were not trained (its log line) and reads them first,
+  in order (``report()["reread"]``). A replica new to the peers (no sync committed with it)
+  reads its shard from its peer's position.
 - **Starting alike, and agreeing when meeting.** While no sync has been committed (torchft's step
   0), every quorum's replicas take the weights of its first (a broadcast): replicas seeded apart
   start alike. Replicas whose first quorums formed apart (``min_replicas`` 1, one up before the
@@ -72,7 +88,7 @@ from typing import Any, Mapping
 import torch
 
 from ..comm.consistency import gather_json, param_checksums, same_checksums, settings_differences
-from ..comm.torchft import TorchftTransport, quorum_id, safe_http_transport
+from ..comm.torchft import TorchftTransport, heal_transport, quorum_id
 from ..settings import ConfigError, Settings, check_int, check_positive
 
 
@@ -143,7 +159,7 @@ class FaultToleranceSettings(Settings):
         return int(self.replica_id), self.num_replica_groups
 
 
-SUPPORTED_METHODS = ("diloco", "dct_diloco", "sparseloco", "demo", "adamw", "mtdao")
+SUPPORTED_METHODS = ("diloco", "dct_diloco", "sparseloco", "demo", "adamw", "mtdao", "dion")
 
 
 def check_method(effective: Mapping[str, Any], where: str = "lowcomm") -> None:
@@ -178,6 +194,12 @@ def _to_cpu(obj: Any) -> Any:
     if isinstance(obj, (list, tuple)):
         return type(obj)(_to_cpu(v) for v in obj)
     return obj
+
+
+def _free(state: Any) -> None:
+    """Free the memory of a state's tensors (a served copy nothing reads any more)."""
+    for t in _tensors(state):
+        t.set_()
 
 
 def _tensors(obj: Any):
@@ -220,8 +242,9 @@ class FaultTolerance:
         if store is None:
             self._store = torch.distributed.TCPStore(self.host, 0, is_master=True, wait_for_workers=False)
             store = (self.host, self._store.port)
-        # how a joining replica reads this one's state (a background thread serves it)
-        self.checkpoints = safe_http_transport(self._timeout, self.host)
+        # how a joining replica reads this one's state: a CPU copy, served from a background thread
+        # while this replica trains and commits on; freed once served (or at a commit, unread)
+        self.checkpoints = heal_transport(self._timeout, self.host, on_released=_free)
         from torchft import Manager
 
         # per-step methods: the quorum of the next step computed during its forward and backward
@@ -247,7 +270,13 @@ class FaultTolerance:
         self.retried = 0  # tries again of a sync a peer failed in, among the replicas still alive
         self.reconciled = 0  # quorums whose members met holding different parameters (one side healed)
         self.sat_out = 0  # syncs this replica sat out after a heal (outer methods)
-        self.data_lag = 0  # batches of its shard it jumped over to sit out: read later (data_step)
+        self.data_lag = 0  # batches of its shard it jumped over, or its restart skipped: read later (data_step)
+        self.reread = 0  # batches of its shard a restart had skipped (read after its heal)
+        # per replica id, where its data stood (batches of its shard read) at the last sync
+        # committed with it: a restarted replica learns from its peer which batches it lost
+        self.positions: dict[str, int] = {}
+        self._members: dict[str, int] | None = None  # the current members' data lags, by replica id
+        self._fresh = True  # nothing committed or healed in this process yet (a restarted replica)
         self._sitting_out = False
         self._tries = 0
         self._quorum_seen: int | None = None
@@ -271,26 +300,25 @@ class FaultTolerance:
         self.optimizer, self.stateful, self.after_step = optimizer, stateful, tuple(after_step)
         self.agreed = json.loads(json.dumps(dict(settings) if settings is not None else
                                             {f"lowcomm.{k}": v for k, v in optimizer._record.items()}))
-        if self.async_quorum and optimizer._record["method"] not in ("demo", "adamw"):
-            raise ConfigError("DSLC_FT_ASYNC_QUORUM: the asynchronous quorum is for demo and adamw (a sync every step)")
-        optimizer.fault_tolerance = self
+        if self.async_quorum and not optimizer.exchanges_every_step:
+            raise ConfigError("DSLC_FT_ASYNC_QUORUM: the asynchronous quorum is for the methods that sync every step "
+                              f"(demo, adamw, dion); got {optimizer.method}")
+        # the method's syncs run through run_exchange; after a step in which one ran, the next quorum
+        optimizer.exchange_driver = self
+        self._hook = optimizer.register_step_post_hook(self._after_step)
         self._steps = 0
+        self._exchanged = False
         if self.async_quorum:  # a peer reads this replica's state only between steps (quorum_point)
             self.manager.disallow_state_dict_read()
         self.start_interval(stepped=False)
 
     @property
     def step(self) -> int:
-        """This replica's steps (restored by a heal): where the training loop stands."""
-        from .mtdao import MTDAO
-        from .outer import OuterLoop
-
-        opt = self.optimizer
-        key = "local_step" if isinstance(opt, OuterLoop) else "step" if isinstance(opt, MTDAO) else None
-        if key is not None:  # its own counter (a quorum is taken once per sync, not per step)
-            params = opt._current_params()
-            return int(opt.state[params[0]].get(key, 0)) if params else 0
-        return self._steps
+        """This replica's steps (restored by a heal): where the training loop stands. The method's
+        own count where it keeps one (a quorum is taken once per sync, not per step), else the
+        steps counted here (a sync and a quorum every step)."""
+        own = self.optimizer.step_count()
+        return self._steps if own is None else own
 
     @property
     def data_step(self) -> int:
@@ -298,7 +326,31 @@ class FaultTolerance:
         to sit out a sync after a heal (read now, in order, rather than skipped)."""
         return self.step - self.data_lag
 
-    # -- called by the method --------------------------------------------------------------------
+    # -- driving the method's exchanges (the protocol of optim/base.py) ----------------------------
+    def run_exchange(self, changes: list[torch.Tensor], run):
+        """One sync of the method in this replica's quorum, until torchft commits it: ``changes``
+        (what ``run`` changes in place) are copied first and put back when a try fails, so that it
+        runs again among the replicas still alive (:meth:`retry`), or is discarded. Only those
+        tensors are copied, not the method's whole state. Returns what landed, or None when the
+        sync was discarded (every replica alike)."""
+        self._exchanged = True  # the next quorum after this step
+        kept = [t.clone() for t in changes]
+        while True:
+            self.before_exchange()
+            landed = run()
+            if self.commit():
+                return landed
+            for t, before in zip(changes, kept):
+                t.copy_(before)
+            if not self.retry():
+                return None
+
+    def _after_step(self, optimizer, args, kwargs) -> None:
+        """The optimizer's step post-hook: after a step in which a sync ran, the next quorum."""
+        if self._exchanged:
+            self._exchanged = False
+            self.start_interval()
+
     def start_interval(self, stepped: bool = True) -> None:
         """After each step (outer methods: after each sync) and at attach (``stepped`` False): a
         quorum of the replicas alive now; a replica that is behind heals from a peer here, and
@@ -334,8 +386,11 @@ class FaultTolerance:
     def _check_members(self) -> None:
         """Once per membership (torchft's quorum id; the lighthouse bumps it when the members
         change or a commit failed), where there are others: at torchft's step 0 every replica takes
-        the first's weights; later, the members compare their parameters (:meth:`_agree`)."""
+        the first's weights; later, the members compare their parameters (:meth:`_agree`). Either
+        way they learn who the members are (for :attr:`positions`)."""
         quorum = quorum_id(self.manager)
+        if self.transport.world_size <= 1:
+            self._members = {self.settings.replica_id: self.data_lag}
         if quorum == self._quorum_seen or self.transport.world_size <= 1 or self.manager.errored() is not None:
             return
         self._quorum_seen = quorum
@@ -351,13 +406,15 @@ class FaultTolerance:
         this round's error: the next sync is tried again or discarded where it failed, and a
         replica left behind heals at the next quorum."""
         # the replicas that start together agree on their settings (else every one of them raises)
-        everyone = gather_json(self.transport, self.agreed)
+        everyone = gather_json(self.transport, {"settings": self.agreed, **self._me()})
+        self._learn_members(everyone)
         if self.transport.failed is None:  # a failed gather: this round is discarded, no verdict
             for replica, theirs in enumerate(everyone[1:], start=1):
-                if theirs != everyone[0]:  # every replica the same verdict
+                if theirs["settings"] != everyone[0]["settings"]:  # every replica the same verdict
                     raise ConfigError("lowcomm.fault_tolerance: the replicas' settings differ ("
-                                      + settings_differences(everyone[0], theirs, "the quorum's replica 0 has",
-                                                             f"its replica {replica} has") + ")")
+                                      + settings_differences(everyone[0]["settings"], theirs["settings"],
+                                                             "the quorum's replica 0 has", f"its replica {replica} has")
+                                      + ")")
         tensors = {id(t): t for t in (*self.optimizer._current_params(), *self.optimizer.replica_tensors(),  # anchors
                                       *(t for obj in self.stateful for t in getattr(obj, "tensors", ())))}.values()
         with torch.no_grad():
@@ -377,7 +434,9 @@ class FaultTolerance:
         if self.replica_transport is not None and self.replica_transport.world_size > 1:  # the replica's, on each rank
             sums = [x for rank in gather_json(self.replica_transport, sums) for x in rank]
         healing = self.async_quorum and not self.manager.is_participating()  # it takes a peer's state at the commit
-        everyone = gather_json(self.transport, {"sums": sums, "at": self.checkpoints.metadata(), "healing": healing})
+        everyone = gather_json(self.transport, {"sums": sums, "at": self.checkpoints.metadata(), "healing": healing,
+                                                **self._me()})
+        self._learn_members(everyone)
         if self.transport.failed is not None:
             self._quorum_seen = None
             return
@@ -415,6 +474,15 @@ class FaultTolerance:
                 return
             self._load(state["user"]["default"])
 
+    def _me(self) -> dict:
+        return {"replica": self.settings.replica_id, "lag": self.data_lag}
+
+    def _learn_members(self, everyone: list) -> None:
+        """The members of this quorum and their data lags, from a gather of :meth:`_me` (None where
+        it failed: positions are then not advanced until the members are known again)."""
+        failed = self.transport.failed is not None or any(e is None for e in everyone)
+        self._members = None if failed else {e["replica"]: e["lag"] for e in everyone}
+
     def _serve(self, to: list[int], step: int) -> None:
         """Stage this replica's state for the quorum ranks ``to`` to read (a background thread serves it)."""
         self.checkpoints.send_checkpoint(dst_ranks=to, step=step, timeout=self._timeout,
@@ -432,9 +500,17 @@ class FaultTolerance:
     def commit(self) -> bool:
         """Whether this sync lands (on every replica alike); False: try again (:meth:`retry`) or discard it."""
         ok = self.manager.should_commit()
-        # should_commit stopped the serving of this replica's state (a read in flight finished first)
-        for t in self._served:
-            t.set_()  # its copy freed
+        if ok:
+            self._fresh = False
+            if self._members is not None:  # where each member's data stands in the syncs committed with it
+                own = self.optimizer.step_count()
+                at = own if own is not None else self._steps + 1  # (per-step methods count the step at its end)
+                for replica, lag in self._members.items():
+                    self.positions[replica] = at - lag
+        # should_commit stopped new reads of this replica's served state, without waiting for a read
+        # in flight (that one goes on from the copy, which the transport frees when it ends)
+        if not self.checkpoints.reading():
+            _free(self._served)
         self._served = []
         if ok:
             self._sitting_out = self.transport.sits_out = False
@@ -456,8 +532,14 @@ class FaultTolerance:
         self.manager.start_quorum(allow_heal=False, shrink_only=True)
         if self.async_quorum:
             self._awaiting = "retry"
+            self._members = None  # who is left is not asked (positions wait for the next membership)
         elif settled:  # some of the members that agreed at this interval's start, its local progress on: nothing to check
             self._quorum_seen = quorum_id(self.manager)
+            # but who is left (for positions): the members still alive tell
+            try:
+                self._learn_members(gather_json(self.transport, self._me()))
+            except ValueError:  # another peer failed in the gather (what arrived is not JSON): not known
+                self._members = None
         else:
             self._check_members()
         return True
@@ -468,15 +550,14 @@ class FaultTolerance:
         own error feedback (the method's ``replica_state``: the joiner starts it at zero)."""
         opt = self.optimizer
         params = opt._current_params()
-        anchors = [opt.state[p].get("anchor") for p in params]
-        if all(a is not None and torch.equal(p, a.to(p.dtype)) for p, a in zip(params, anchors)):
+        if all(a is not None and torch.equal(p, a.to(p.dtype)) for p, a in zip(params, opt.synced_values())):
             params = None  # an outer method's quorum follows a sync: the parameters are the anchors, sent once
         optimizer = opt.state_dict()
         optimizer["state"] = {i: {k: v for k, v in s.items() if k not in opt.replica_state}
                               for i, s in optimizer["state"].items()}
         state = _to_cpu({"optimizer": optimizer, "params": params,
                          "steps": self._steps, "stateful": [obj.state_dict() for obj in self.stateful],
-                         "mid_step": self._mid_step, "settings": self.agreed})
+                         "mid_step": self._mid_step, "settings": self.agreed, "positions": dict(self.positions)})
         self._served = list(_tensors(state))
         return state
 
@@ -493,7 +574,7 @@ class FaultTolerance:
         opt.ledger.record("heal", 0, nbytes)
         with torch.no_grad():
             params = opt._current_params()
-            saved = state["params"] or [opt.state[p]["anchor"] for p in params]
+            saved = state["params"] or opt.synced_values()
             for p, value in zip(params, saved):
                 p.copy_(value.to(p.dtype))
         for obj, saved in zip(self.stateful, state["stateful"]):
@@ -504,27 +585,32 @@ class FaultTolerance:
                 finish()
         self.heals += 1
         at = self.step
+        # a restarted replica: the batches of its shard its previous life read after its last
+        # committed sync, and those up to here, were never trained: it reads them first
+        lost = state.get("positions", {}).get(self.settings.replica_id) if self._fresh else None
+        skipped = max(0, self.data_step - lost) if lost is not None else 0
+        self.positions = dict(state.get("positions", {}))
+        self._fresh = False
+        self.data_lag += skipped
+        self.reread += skipped
         jumped = self._sit_out()
         print(f"ds_lowcomm fault tolerance: replica {self.settings.replica_id} healed from a peer at step "
               f"{at}: {nbytes} bytes at {time.time():.3f}"
+              + (f"; batches {lost} to {lost + skipped - 1} of its shard (read after its last committed sync, or "
+                 f"due while it was away) were not trained: it reads them first" if skipped else "")
               + (f"; it sits out the sync at step {self.step + 1} and reads its shard on from step {self.data_step}"
                  if jumped else f"; it reads its shard on from step {self.data_step}"), file=sys.stderr, flush=True)
 
     def _sit_out(self) -> int:
-        """After a heal, outer methods: the replica's position jumps to just before its next sync,
-        which it sits out (it sends nothing of its own and takes the others' mean, as every replica
-        does): it is at that exchange when the others are, however long its heal took, so they do
-        not wait for it. The batches of its shard it jumps over are read later (:attr:`data_step`).
-        Returns the steps jumped."""
-        from .outer import OuterLoop
-
-        opt = self.optimizer
-        params = opt._current_params()
-        if not isinstance(opt, OuterLoop) or not params or "local_step" not in opt.state[params[0]]:
+        """After a heal, where the method syncs every so many steps: the replica's position jumps
+        to just before its next sync (the method's ``skip_to_next_exchange``), which it sits out
+        (it sends nothing of its own and takes the others' mean, as every replica does): it is at
+        that exchange when the others are, however long its heal took, so they do not wait for it.
+        The batches of its shard it jumps over are read later (:attr:`data_step`). Returns the
+        steps jumped."""
+        jump = self.optimizer.skip_to_next_exchange()
+        if jump is None:
             return 0
-        jump = opt.steps_to_next_sync(int(opt.state[params[0]]["local_step"])) - 1
-        for p in params:
-            opt.state[p]["local_step"] += jump
         for _ in range(jump):  # the schedule and the engine's position as the others' will be
             for finish in self.after_step:
                 finish()
@@ -536,7 +622,7 @@ class FaultTolerance:
     def report(self) -> dict:
         """What fault tolerance did on this replica, for the run's report."""
         return {"heals": self.heals, "discarded": self.discarded, "retried": self.retried,
-                "reconciled": self.reconciled, "sat_out": self.sat_out, "data_lag": self.data_lag}
+                "reconciled": self.reconciled, "sat_out": self.sat_out, "data_lag": self.data_lag, "reread": self.reread}
 
     def shutdown(self) -> None:
         self.manager.shutdown(wait=False)

@@ -208,8 +208,9 @@ class MTDAO(LowcommOptimizer):
         for p in params:
             if p.grad is None:  # keep the flat buffer's layout the same on every rank
                 p.grad = torch.zeros_like(p)
-        if self.fault_tolerance is not None:  # refused at configuration (optim/fault_tolerance.py): a backstop
-            raise RuntimeError("mtdao's warm start (switch_step > 0) does not run under fault tolerance yet")
+        if self.exchange_driver is not None:  # refused at configuration (optim/fault_tolerance.py): a backstop
+            raise RuntimeError("mtdao's warm start (switch_step > 0) does not run under a driver of its exchanges "
+                               "(fault tolerance) yet")
         self._start_mean_(params, [p.grad for p in params], "mtdao_grad_all_reduce").wait()
         self._clip_(params)
         beta1, beta2 = self.settings.warm_betas
@@ -238,6 +239,13 @@ class MTDAO(LowcommOptimizer):
             for u, beta, w in zip(us, betas, weights):
                 direction.add_(u / (1.0 - beta**t), alpha=w)
         p.addcdiv_(direction.to(p.dtype), denom.to(p.dtype), value=-lr)
+
+    def step_count(self) -> int:
+        params = self._current_params()
+        return int(self.state[params[0]].get("step", 0)) if params else 0
+
+    def synced_values(self):
+        return [self.state[p].get("anchor") for p in self._current_params()]
 
     def replica_tensors(self):
         # Equal on every replica: the parameters in the warm start and right after a parameter sync;
@@ -279,7 +287,7 @@ class MTDAO(LowcommOptimizer):
         dense_params = [p for (p, name) in names if not compress or name == "v"]
         compressed = [(p, name, x) for (p, name), x in zip(names, tensors) if compress and name != "v"]
 
-        def exchange():
+        def run():
             pending = self._start_mean_(dense_params, dense, "mtdao_all_reduce") if dense else None
             if compressed:
                 self._sync_compressed(compressed)
@@ -287,19 +295,13 @@ class MTDAO(LowcommOptimizer):
                 pending.wait()
             return True
 
-        ft = self.fault_tolerance
-        if ft is None:
-            committed = exchange()
-        else:
-            # what the exchange changes in place: the averaged tensors; compressed, also what was synced and is unsent
-            changed = [*dense, *(t for p, name, x in compressed
-                                 for t in (x, self.state[p][f"{name}_synced"], self.state[p][f"{name}_unsent"]))]
-            # not committed: every replica keeps its own values, as before the sync (put back)
-            committed = self._exchange_in_quorum(changed, exchange) is not None
+        # what it changes in place: the averaged tensors; compressed, also what was synced and is unsent
+        changes = [*dense, *(t for p, name, x in compressed
+                             for t in (x, self.state[p][f"{name}_synced"], self.state[p][f"{name}_unsent"]))]
+        # None: a driver discarded it (put back): every replica keeps its own values, as before the sync
+        committed = self._run_exchange(changes, run) is not None
         if committed and "param" in due and self.settings.outer_optimizer != "none":
             self._outer_step(params)
-        if ft is not None:
-            ft.start_interval()  # the next sync's quorum (a joining replica heals)
 
     def _sync_compressed(self, items: list[tuple[torch.Tensor, str, torch.Tensor]]) -> None:
         """Send the change since the last sync plus the unsent remainder; adopt last sync + mean."""

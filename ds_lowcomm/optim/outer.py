@@ -305,13 +305,29 @@ class OuterLoop(LowcommOptimizer):
         t = self.state[params[0]]["local_step"]
         for f, fragment in enumerate(self.fragments_of(params)):
             owned = [p for p in fragment if id(p) in owned_ids]
-            if self._sends_at(f, t) and self.fault_tolerance is not None:
-                self._sync_in_quorum(fragment, owned)  # sync_delay 0: sent and landed now
+            if self._sends_at(f, t) and not self.settings.streaming.sync_delay:
+                self._sync_now(fragment, owned)  # sent and landed in this step
                 continue
             if self._sends_at(f, t):
                 self._send(fragment, owned, t)
             if self.state[fragment[0]].get("sync_sent_at") == t - self.settings.streaming.sync_delay:
                 self._land(fragment, owned)
+
+    def step_count(self) -> int:
+        params = self._current_params()
+        return int(self.state[params[0]].get("local_step", 0)) if params else 0
+
+    def skip_to_next_exchange(self) -> int | None:
+        params = self._current_params()
+        if not params or "local_step" not in self.state[params[0]]:
+            return None
+        jump = self.steps_to_next_sync(int(self.state[params[0]]["local_step"])) - 1
+        for p in params:
+            self.state[p]["local_step"] += jump
+        return jump
+
+    def synced_values(self):
+        return [self.state[p].get("anchor") for p in self._current_params()]
 
     def steps_to_next_sync(self, step: int) -> int:
         """Inner steps from local step ``step`` to the next one at which a fragment syncs."""
@@ -339,18 +355,18 @@ class OuterLoop(LowcommOptimizer):
             del state["sync_sent_at"]
             state["outer_steps"] += 1
 
-    def _sync_in_quorum(self, fragment: list[torch.Tensor], owned: list[torch.Tensor]) -> None:
-        """A fragment's sync under fault tolerance: committed by torchft, tried again among the
-        replicas still alive when a peer failed in it, or discarded on every replica alike, the
-        parameters then back to the anchors (this interval's local progress is lost, as the
-        others' is, so every replica starts the next one alike). Then the next quorum."""
+    def _sync_now(self, fragment: list[torch.Tensor], owned: list[torch.Tensor]) -> None:
+        """A fragment's sync, sent and landed in this step (sync_delay 0). Where a driver
+        discarded it (fault tolerance: no try of it could be committed), the parameters go back to
+        the anchors (this interval's local progress is lost, as the others' is, so every replica
+        starts the next one alike)."""
 
-        def exchange():
+        def run():
             deltas = [self.state[p]["anchor"] - p.to(self.state_dtype) for p in owned]
             return self._start_combine(owned, deltas).wait() if owned else []
 
-        # every rank of a replica asks torchft, its owned parameters or none: the answer is the replica's
-        updates = self._exchange_in_quorum(self._exchanged(owned), exchange)
+        # every rank of a replica runs it, its owned parameters or none (a driver asks each: the answer is the replica's)
+        updates = self._run_exchange(self._exchanged(owned), run)
         if owned:
             if updates is not None:
                 self._apply_outer(owned, updates)
@@ -360,7 +376,6 @@ class OuterLoop(LowcommOptimizer):
         self._share(fragment)
         for p in fragment:
             self.state[p]["outer_steps"] += updates is not None
-        self.fault_tolerance.start_interval()
 
     def _exchanged(self, params: list[torch.Tensor]) -> list[torch.Tensor]:
         """What a sync changes in place in these parameters' state (kept for a try that fails):
