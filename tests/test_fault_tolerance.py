@@ -441,6 +441,16 @@ def test_a_heal_loads_no_pickled_code():
         server.shutdown()
 
 
+def test_the_framework_internals_fault_tolerance_uses_are_as_declared():
+    """torchft's (its transport, the quorum id) and torch's (the streaming format of the heal)."""
+    import torch
+
+    from ds_lowcomm.comm import torchft as ft
+
+    assert ft.INTERNALS.problems() == [] and ft.TORCH_SERIALIZATION.problems() == []
+    assert ft.TORCH_SERIALIZATION.ensure_checked() == torch.__version__
+
+
 def _imports(path: Path) -> set[str]:
     """The modules a source file imports (relative ones with their dots; ``from . import x`` as ``.x``)."""
     import ast

@@ -31,7 +31,6 @@ from typing import Any, Callable
 
 import torch
 import torch.distributed.distributed_c10d as c10d
-from torch.distributed._serialization import _streaming_load, _streaming_save  # the format torchft's transport sends
 
 from ..reflect import FrameworkInternals, Internal, read_instance
 from .ledger import ByteLedger
@@ -45,6 +44,22 @@ QUORUM_ID = Internal("torchft.manager", "Manager._quorum_id", "instance",
                      use="tells a quorum of new members, whose parameters are compared (optim/fault_tolerance.py)")
 INTERNALS = FrameworkInternals(DISTRIBUTION, (LOAD_FROM_ADDRESS, QUORUM_ID), (), {}, "torchft", user="ds_lowcomm",
                                copies="", label="torchft")
+# torch's streaming format, the one torchft's HTTP transport sends (its own FrameworkInternals: torch's range)
+_SERIALIZATION = "torch.distributed._serialization"
+STREAMING_SAVE = Internal(_SERIALIZATION, "_streaming_save", "function", params=("obj", "f"),
+                          use="writes the heal snapshot as torchft's transport does (heal_transport's server)")
+STREAMING_LOAD = Internal(_SERIALIZATION, "_streaming_load", "function", params=("f", "weights_only"),
+                          use="reads a peer's heal state with weights_only=True")
+TORCH_SERIALIZATION = FrameworkInternals("torch", (STREAMING_SAVE, STREAMING_LOAD), (), {}, "torch.",
+                                         user="ds_lowcomm", copies="", label="torch")
+
+
+def _streaming_save(obj, f) -> None:
+    TORCH_SERIALIZATION.live(STREAMING_SAVE)(obj, f)
+
+
+def _streaming_load(f, weights_only: bool = True):
+    return TORCH_SERIALIZATION.live(STREAMING_LOAD)(f, weights_only=weights_only)
 
 
 def quorum_id(manager) -> int:
