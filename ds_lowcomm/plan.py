@@ -20,7 +20,7 @@ ZeRO stage, and the step's compute time, per method:
   ``overlap_comm``); demo's ``overlap`` behind the next step's compute; a streaming outer sync
   behind the ``sync_delay`` inner steps it has to land, fragment by fragment;
 - codec seconds per step (encode and decode of every exchanged element at a throughput measured
-  by ``python -m ds_lowcomm.bench codec``; the default is stated as such);
+  by ``python -m lowcomm_bench codec``; the default is stated as such);
 - the method's optimizer state per GPU, and its addition over adamw's, at the ZeRO stage and
   ``state_dtype`` (ZeRO 1-3 partition the optimizer state over the replica's GPUs);
 - the comm/compute ratio (adamw's communication over the compute), and the predicted speed-up in
@@ -46,8 +46,8 @@ from pathlib import Path
 from typing import Any
 
 from .codec import FLOAT_DTYPES, SparseSpec
-from .compare import RECIPES
 from .optim.mtdao import MTDAOSettings
+from .optim.recipes import RECIPES
 from .optim.registry import METHODS, LowcommConfig
 from .settings import ConfigError
 
@@ -57,7 +57,7 @@ WIRE_OVERHEAD = 1514 / 1448
 
 # The codec's throughput (GB/s of fp32 elements through encode + decode, one rank). CPU: in
 # training, demo's recipe on the 101M-parameter GPT, 2 workers on 2 cores (``python -m
-# ds_lowcomm.bench plan_scale``: 52 ns an element; 7x below the isolated codec benchmark's 0.544 GB/s
+# lowcomm_bench plan_scale``: 52 ns an element; 7x below the isolated codec benchmark's 0.544 GB/s
 # for one 1024x1024 tensor). GPU: in training too, demo's recipe at about 125M parameters on the
 # newest lent GPU (``bash launch/gpu_check.sh``: docs/bench/gpu/<date>-<gpu>-methods.csv), or,
 # before any such run, the isolated codec benchmark on one H100 (likely optimistic).
@@ -102,7 +102,7 @@ STEPS_RATIO_SOURCE = {"adamw": "definition", "demo": "time_to_loss.csv (tuned ad
 
 # -- the model's shapes ---------------------------------------------------------------------------
 def gpt_shapes(n_layer: int, n_embd: int, vocab: int = 256, seq_len: int = 128) -> list[tuple[int, ...]]:
-    """The reference GPT's parameters (ds_lowcomm/task/model.py: tied embeddings, biases), in order."""
+    """The reference GPT's parameters (lab/lowcomm_task/model.py: tied embeddings, biases), in order."""
     d = n_embd
     block = [(d,), (d,), (3 * d, d), (3 * d,), (d, d), (d,), (d,), (d,), (4 * d, d), (4 * d,), (d, 4 * d), (d,)]
     return [(vocab, d), (seq_len, d), *block * n_layer, (d,), (d,)]

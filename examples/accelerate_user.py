@@ -16,6 +16,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lab"))  # the reference corpus (lowcomm_task)
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import ds_lowcomm.deepspeed  # noqa: E402
@@ -26,7 +27,7 @@ import torch  # noqa: E402
 from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import DummyOptim, InitProcessGroupKwargs  # noqa: E402
 
-from ds_lowcomm.task.data import ByteCorpus  # noqa: E402
+from lowcomm_task.data import ByteCorpus  # noqa: E402
 from hf_trainer import Windows, _digest, llama  # noqa: E402
 
 

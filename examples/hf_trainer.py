@@ -17,6 +17,7 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lab"))  # the reference corpus (lowcomm_task)
 
 import ds_lowcomm.deepspeed  # noqa: E402
 
@@ -25,7 +26,7 @@ ds_lowcomm.deepspeed.install()  # the one line: deepspeed.initialize goes throug
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments  # noqa: E402
 
-from ds_lowcomm.task.data import ByteCorpus  # noqa: E402
+from lowcomm_task.data import ByteCorpus  # noqa: E402
 
 
 class Windows(torch.utils.data.Dataset):

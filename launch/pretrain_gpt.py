@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Train a Megatron-Core GPTModel on the reference corpus (bytes; ds_lowcomm/task/data.py) with
+"""Train a Megatron-Core GPTModel on the reference corpus (bytes; lab/lowcomm_task/data.py) with
 Megatron's tensor/pipeline parallelism, Megatron's schedules, DDP and optimizer, and, with any
 ``--lowcomm-*`` option, a ds_lowcomm method across the data-parallel replicas
 (``megatron_patches.apply``: adamw, demo, mtdao, diloco, dct_diloco, sparseloco)::
@@ -40,6 +40,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout without installing
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lab"))  # and its laboratory (lowcomm_task)
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
@@ -128,7 +129,7 @@ def main(argv=None) -> dict | None:
     from megatron.core.transformer.module import Float16Module
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from ds_lowcomm.task.data import ByteCorpus
+    from lowcomm_task.data import ByteCorpus
     from megatron_patches import apply, checkpoint
     from megatron_patches.activations import install_activation_compression
 

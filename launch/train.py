@@ -6,7 +6,7 @@
     mpirun -np 2 python launch/train.py --deepspeed_config configs/dct_diloco.json
 """
 
-from ds_lowcomm.task.deepspeed_main import main
+from lowcomm_task.deepspeed_main import main
 
 if __name__ == "__main__":
     main()

@@ -19,7 +19,7 @@ import torch  # noqa: E402
 from transformers import TrainerCallback  # noqa: E402
 
 import ds_lowcomm.deepspeed as dl  # noqa: E402
-from ds_lowcomm.task.data import ByteCorpus  # noqa: E402
+from lowcomm_task.data import ByteCorpus  # noqa: E402
 
 STEPS = 6
 

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from ds_lowcomm.bench import netns
-from ds_lowcomm.bench.runs import loss_at_time, time_to_loss
+from lowcomm_bench import netns
+from lowcomm_bench.runs import loss_at_time, time_to_loss
 
 ROOT = os.geteuid() == 0
 needs_root = pytest.mark.skipif(not ROOT, reason="network namespaces and tc need root")
@@ -147,7 +147,7 @@ def test_network_benchmark_refuses_without_root(monkeypatch):
 
 
 def test_network_benchmark_refuses_repeat_links_outside_links():
-    from ds_lowcomm.bench import network
+    from lowcomm_bench import network
 
     with pytest.raises(SystemExit, match=r"--repeat-links must name links of --links \(unshaped\); got 1gbit-5ms"):
         network.main(["--links", "unshaped", "--repeat-links", "1gbit-5ms"])
@@ -156,7 +156,7 @@ def test_network_benchmark_refuses_repeat_links_outside_links():
 def test_repeats_per_run_repeats_only_the_chosen_links_and_entries():
     from argparse import Namespace
 
-    from ds_lowcomm.bench.runs import repeats_per_run
+    from lowcomm_bench.runs import repeats_per_run
 
     args = Namespace(repeats=3, repeat_links="10mbit", repeat_entries="demo,diloco")
     got = repeats_per_run(args, ["unshaped", "10mbit"], ["adamw", "demo", "diloco"])
@@ -171,9 +171,9 @@ def test_repeats_per_run_repeats_only_the_chosen_links_and_entries():
 def test_time_to_loss_keeps_the_other_host_counts_of_an_earlier_run(tmp_path):
     import json
 
-    from ds_lowcomm.bench.time_to_loss import earlier_results
+    from lowcomm_bench.time_to_loss import earlier_results
 
-    from ds_lowcomm.bench.time_to_loss import Result
+    from lowcomm_bench.time_to_loss import Result
 
     row2, row4 = {"hosts": 2, "link": "10mbit", "entry": "adamw"}, {"hosts": 4, "link": "10mbit", "entry": "adamw"}
 
@@ -190,7 +190,7 @@ def test_time_to_loss_keeps_the_other_host_counts_of_an_earlier_run(tmp_path):
 
 @needs_root
 def test_network_and_peers_benchmarks_tiny(tmp_path):
-    from ds_lowcomm.bench import network, peers
+    from lowcomm_bench import network, peers
 
     cache = str(tmp_path / "cache")
     rows = network.main(["--hosts", "2", "--links", "unshaped", "--methods", "adamw,demo", "--budget-factor", "1",
@@ -208,7 +208,7 @@ def test_network_and_peers_benchmarks_tiny(tmp_path):
 
 @needs_root
 def test_streaming_benchmark_tiny(tmp_path):
-    from ds_lowcomm.bench import streaming
+    from lowcomm_bench import streaming
 
     rows = streaming.main(["--links", "unshaped", "--steps", "8", "--sync-every", "4", "--fragments", "2",
                            "--sync-delay", "1", "--n-layer", "1", "--n-embd", "32", "--seq-len", "32", "--batch", "4",
@@ -218,7 +218,7 @@ def test_streaming_benchmark_tiny(tmp_path):
 
 
 def test_scaling_benchmark_tiny(tmp_path):
-    from ds_lowcomm.bench import scaling
+    from lowcomm_bench import scaling
 
     result = scaling.main(["--workers", "2", "--widths", "32", "--steps", "5", "--methods", "adamw,demo",
                            "--replica-sizes", "1", "--out", str(tmp_path)])
@@ -229,7 +229,7 @@ def test_scaling_benchmark_tiny(tmp_path):
 
 
 def test_time_to_loss_arithmetic():
-    from ds_lowcomm.bench.time_to_loss import bytes_to_target, comm_compute_ratio, steps_to_target
+    from lowcomm_bench.time_to_loss import bytes_to_target, comm_compute_ratio, steps_to_target
 
     h = [{"step": 5, "val_loss": 3.0, "bytes_sent": 10}, {"step": 10, "val_loss": 2.0, "bytes_sent": 20}]
     assert steps_to_target(h, 2.5) == 10 and steps_to_target(h, 1.0) is None
@@ -240,7 +240,7 @@ def test_time_to_loss_arithmetic():
 @needs_root
 def test_time_to_loss_benchmark_tiny(tmp_path):
     """A slow link raises adamw's comm/compute ratio; the CSV holds the columns users read."""
-    from ds_lowcomm.bench import time_to_loss
+    from lowcomm_bench import time_to_loss
 
     rows = time_to_loss.main(["--hosts", "2", "--links", "unshaped,10mbit", "--entries", "adamw,demo",
                               "--budget-factor", "1", "--cache", str(tmp_path / "cache"), "--out", str(tmp_path),
@@ -266,7 +266,7 @@ def test_torchft_diloco_peer_trains_as_ds_lowcomm_diloco(tmp_path, torchft_cache
     as a peer: on the diloco recipe (H, outer lr 0.7, Nesterov 0.9, inner AdamW) it reaches the
     same held-out losses as ds_lowcomm's diloco at every evaluation, an independent implementation
     of the same algorithm; its pseudo-gradient all-reduces are counted (one fp32 model per sync)."""
-    from ds_lowcomm.bench import time_to_loss
+    from lowcomm_bench import time_to_loss
 
     steps = ["--steps", "20", "--eval-every", "10", "--n-layer", "1", "--n-embd", "32", "--seq-len", "32"]
     time_to_loss.main(["--hosts", "2", "--links", "unshaped", "--entries", "adamw,diloco,torchft_diloco",
@@ -276,7 +276,7 @@ def test_torchft_diloco_peer_trains_as_ds_lowcomm_diloco(tmp_path, torchft_cache
     assert [h["val_loss"] for h in peer["history"]] == pytest.approx([h["val_loss"] for h in ours["history"]],
                                                                      rel=1e-6)
     assert peer["replicas_identical"]
-    from ds_lowcomm.task.model import GPT, GPTConfig
+    from lowcomm_task.model import GPT, GPTConfig
 
     model_bytes = 4 * sum(p.numel() for p in GPT(GPTConfig(n_layer=1, n_embd=32, seq_len=32)).parameters())
     syncs = peer["history"][-1]["step"] // 20
@@ -290,7 +290,7 @@ def test_torchft_streaming_diloco_peer_trains_as_ds_lowcomm_streaming(tmp_path, 
     losses at every evaluation. With a delay the two differ only in phase (torchft sends a fragment
     ``sync_delay`` steps before its slot, ds_lowcomm at its slot), so both run without one here.
     Each sync sends one fragment, about a quarter of the model."""
-    from ds_lowcomm.bench import runs, time_to_loss
+    from lowcomm_bench import runs, time_to_loss
 
     monkeypatch.setitem(runs.VARIANTS, "diloco_streaming", ("diloco", {"fragments": 4, "sync_delay": 0}))
     monkeypatch.setitem(time_to_loss.PEERS, "torchft_streaming_diloco",
@@ -305,7 +305,7 @@ def test_torchft_streaming_diloco_peer_trains_as_ds_lowcomm_streaming(tmp_path, 
     assert [h["val_loss"] for h in peer["history"]] == pytest.approx([h["val_loss"] for h in ours["history"]],
                                                                      rel=1e-6)
     assert not peer["replicas_identical"] and not ours["replicas_identical"]  # fragments 0-2 trained on locally
-    from ds_lowcomm.task.model import GPT, GPTConfig
+    from lowcomm_task.model import GPT, GPTConfig
 
     model_bytes = 4 * sum(p.numel() for p in GPT(GPTConfig(n_layer=1, n_embd=32, seq_len=32)).parameters())
     syncs = peer["history"][-1]["step"] // 5
@@ -315,7 +315,7 @@ def test_torchft_streaming_diloco_peer_trains_as_ds_lowcomm_streaming(tmp_path, 
 def test_sweep_benchmark_tiny(tmp_path):
     """Each grid point trains with its settings over the recipe: a larger demo lr moves the loss,
     and the recorded steps to target are those of the history."""
-    from ds_lowcomm.bench import sweep
+    from lowcomm_bench import sweep
 
     rows = sweep.main(["--method", "demo", "--grid", '{"lr": [0.001, 0.004], "lowcomm.topk": [2]}',
                        "--budget", "20", "--eval-every", "10", "--target", "9.0", "--out", str(tmp_path),
@@ -333,7 +333,7 @@ def test_megatron_benchmark_refuses_iterations_shorter_than_a_sync_interval(monk
     """--iters 10 with diloco's 20-step interval would send nothing and report 0 bytes: refused
     before any run, naming the entries and their intervals (an override among the extra arguments
     counts)."""
-    from ds_lowcomm.bench import megatron
+    from lowcomm_bench import megatron
 
     monkeypatch.setattr(megatron, "run_entry", lambda *a: (_ for _ in ()).throw(AssertionError("a run started")))
     with pytest.raises(SystemExit, match=r"--iters 10 is shorter than the sync interval of diloco \(20 iterations\), "
@@ -353,7 +353,7 @@ def test_faults_benchmark_tiny(tmp_path):
     DiLoCo as replicas of their own jobs (the survivor goes on; the restarted one heals or the run
     ends first), and the stop-and-restart path, which resumes every rank from the last checkpoint
     and so ends exactly where the run without faults does."""
-    from ds_lowcomm.bench import faults
+    from lowcomm_bench import faults
 
     rows = faults.main(["--entries", "torchft_diloco,restart", "--replicas", "2", "--steps", "160", "--eval-every", "80",
                         "--kill-every", "2", "--kills", "1", "--target", "9", "--n-layer", "1", "--n-embd", "32",

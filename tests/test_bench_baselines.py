@@ -5,10 +5,10 @@ method; and the benchmark's speed-ups against the fastest adamw entry on each li
 
 import pytest
 
-from ds_lowcomm.bench.peers import BASELINES, peer_step
-from ds_lowcomm.bench.runs import method_spec, peer_spec
-from ds_lowcomm.task.train import train_worker
-from ds_lowcomm.workers import run_local_workers
+from lowcomm_bench.peers import BASELINES, peer_step
+from lowcomm_bench.runs import method_spec, peer_spec
+from lowcomm_task.train import train_worker
+from lowcomm_task.workers import run_local_workers
 
 MODEL = {"n_layer": 1, "n_embd": 32, "seq_len": 32}  # 21,984 parameters, 88 KB in fp32
 STEPS = 6
@@ -98,7 +98,7 @@ def _run_of(seconds_per_step, reached_at, comm_share=0.5):
 def test_time_to_loss_compares_against_the_fastest_dense_entry():
     """On each link the speed-ups are against whichever adamw entry reaches the target first; the
     ratio stays plain adamw's, and the no-communication limit is against the same baseline."""
-    from ds_lowcomm.bench.time_to_loss import COLUMNS, fastest_dense, result_of, rows_for
+    from lowcomm_bench.time_to_loss import COLUMNS, fastest_dense, result_of, rows_for
 
     entries = ["adamw", "adamw_overlap", "adamw_overlap_bf16", "demo"]
     runs = {

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from ds_lowcomm.bench import codec
+from lowcomm_bench import codec
 from ds_lowcomm.codec import SparseSpec
 
 

@@ -9,9 +9,9 @@ import json
 
 import pytest
 
-from ds_lowcomm.bench import sweep, time_to_loss
-from ds_lowcomm.bench.peers import PEER_KINDS
-from ds_lowcomm.bench.time_to_loss import PEERS, entry_spec
+from lowcomm_bench import sweep, time_to_loss
+from lowcomm_bench.peers import PEER_KINDS
+from lowcomm_bench.time_to_loss import PEERS, entry_spec
 
 MODEL = {"n_layer": 1, "n_embd": 32, "seq_len": 32}
 TINY = ["--n-layer", "1", "--n-embd", "32", "--seq-len", "32"]
@@ -257,7 +257,7 @@ def test_seconds_at_a_step_from_a_timing_run_and_the_step_at_the_target():
     assert time_to_loss.step_at_target(history, 2.5) == pytest.approx(5.0)  # the first evaluation
     assert time_to_loss.step_at_target(history, -1.0) is None
     # a run's own seconds at its interpolated step are time_to_loss's
-    from ds_lowcomm.bench.runs import time_to_loss as seconds_to_loss
+    from lowcomm_bench.runs import time_to_loss as seconds_to_loss
     assert time_to_loss.seconds_at_step({"history": history}, 14.0) == pytest.approx(seconds_to_loss(history, 1.6))
 
 
@@ -340,7 +340,7 @@ def test_time_to_loss_steps_from_seeds_seconds_from_timing_runs_checked_on_one_l
 def test_a_timing_run_is_the_first_steps_of_the_full_schedule(tmp_path):
     """stop_at_step: the run ends after that step (evaluated there), its steps those of the full
     schedule's run (the same losses), not those of a shorter schedule."""
-    from ds_lowcomm.workers import run_local_workers
+    from lowcomm_task.workers import run_local_workers
 
     spec, _ = entry_spec("adamw", 8, 2, MODEL)
     full = run_local_workers(sweep.train_one, 2, spec, None)[0]["history"]

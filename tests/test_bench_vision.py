@@ -8,7 +8,7 @@ pytest.importorskip("sklearn")
 
 
 def test_vision_benchmark_quick(tmp_path):
-    from ds_lowcomm.bench import vision
+    from lowcomm_bench import vision
 
     rows = {r["method"]: r for r in vision.main(["--quick", "--out", str(tmp_path)])}
     assert set(rows) == set(vision.RECIPES)
@@ -22,7 +22,7 @@ def test_vision_benchmark_quick(tmp_path):
 
 
 def test_vision_ablation_quick(tmp_path):
-    from ds_lowcomm.bench import vision
+    from lowcomm_bench import vision
 
     rows = vision.main(["--ablate", "--quick", "--jobs", "2", "--out", str(tmp_path)])
     assert [r["variant"] for r in rows] == list(vision.ABLATIONS)[:2]

@@ -262,7 +262,7 @@ def test_single_rank_decode_of_an_unaligned_slice(value_dtype):
 # a long vector (chunk x chunk pieces), an odd 12-bit count (a group of its own), a 3-D weight,
 # a scalar-like vector, and a mixed-dtype pair.
 def _model_list():
-    from ds_lowcomm.task.model import GPT, GPTConfig
+    from lowcomm_task.model import GPT, GPTConfig
 
     shapes = [tuple(p.shape) for p in GPT(GPTConfig()).parameters()]
     return shapes + [(65536,), (7, 9), (50, 3, 3), (3,), (1000,)]

@@ -8,7 +8,7 @@ from ds_lowcomm.checkpoint_io import params_digest
 from ds_lowcomm.codec import SparseSpec
 from ds_lowcomm.codec.dct import dct_decode, dct_encode
 from ds_lowcomm.comm import SparseAllGather, TorchDistTransport, all_reduce_mean_
-from ds_lowcomm.workers import run_local_workers
+from lowcomm_task.workers import run_local_workers
 
 SHAPES = [(64, 128), (128,), (16, 3, 5, 5), (100, 30)]
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from ds_lowcomm.compare import RECIPES
+from ds_lowcomm.optim.recipes import RECIPES
 from ds_lowcomm.config import METHODS, LowcommConfig
 from ds_lowcomm.deepspeed.config import split_config
 
@@ -64,8 +64,8 @@ def test_shipped_megatron_section_is_valid(path, tmp_path):
 def test_mtdao_recipe_warm_start_follows_the_run_length():
     """compare's mtdao recipe is the authors': its switch and warm-up a third of --steps, their
     clipping and held peak; an override may drop the warm start (the recipe before issue 43)."""
-    from ds_lowcomm.compare import build_specs
-    from ds_lowcomm.task.spec import TrainSpec
+    from ds_lowcomm.optim.recipes import build_specs
+    from lowcomm_task.spec import TrainSpec
 
     spec, = build_specs(["mtdao"], TrainSpec(steps=300, warmup=20), {}, workers=2)
     assert (spec.lowcomm["switch_step"], spec.warmup, spec.clip_grad, spec.lr_decay) == (100, 100, 1.0, "none")

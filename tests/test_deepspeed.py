@@ -14,9 +14,9 @@ import torch
 
 from ds_lowcomm.config import ConfigError
 from ds_lowcomm.deepspeed.config import split_config
-from ds_lowcomm.task.spec import TrainSpec
-from ds_lowcomm.task.train import train_worker
-from ds_lowcomm.workers import run_local_workers
+from lowcomm_task.spec import TrainSpec
+from lowcomm_task.train import train_worker
+from lowcomm_task.workers import run_local_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
@@ -54,7 +54,7 @@ def ds_config(method, stage=0, replica_size=1, **extra):
 
 
 def _run(cfg, workdir, name, *more):
-    from ds_lowcomm.task.deepspeed_main import parser, run, spec_from_args
+    from lowcomm_task.deepspeed_main import parser, run, spec_from_args
 
     path = Path(workdir) / f"{name}.json"
     if torch.distributed.get_rank() == 0:
@@ -260,7 +260,7 @@ def _mismatch_worker(rank, world, workdir):
     if rank == 1:
         cfg["lowcomm"]["topk"] = 2
     from ds_lowcomm.deepspeed import initialize
-    from ds_lowcomm.task.model import GPT, GPTConfig
+    from lowcomm_task.model import GPT, GPTConfig
 
     torch.manual_seed(0)
     initialize(model=GPT(GPTConfig(n_layer=1, n_embd=32, n_head=2, seq_len=32)), config=cfg)

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from ds_lowcomm.checkpoint_io import CheckpointError, atomic_write, save_file
-from ds_lowcomm.workers import run_local_workers
+from lowcomm_task.workers import run_local_workers
 from tests.test_deepspeed import ds_config
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")

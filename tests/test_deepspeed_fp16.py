@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from ds_lowcomm.workers import run_local_workers
+from lowcomm_task.workers import run_local_workers
 
 from .conftest import params_digest, tiny_batch, tiny_model
 from .test_deepspeed import LOWCOMM

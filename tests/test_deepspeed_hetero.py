@@ -11,7 +11,7 @@ import os
 import pytest
 import torch
 
-from ds_lowcomm.workers import run_local_workers
+from lowcomm_task.workers import run_local_workers
 
 from .test_deepspeed_pipeline import Regression  # the same data as the homogeneous pipeline tests
 

@@ -21,7 +21,7 @@ import pytest
 from ds_lowcomm import reflect, versions
 from ds_lowcomm.reflect import FrameworkInternalsError
 from ds_lowcomm.versions import ALLOW_ENV, UnsupportedVersionError
-from ds_lowcomm.workers import run_local_workers
+from lowcomm_task.workers import run_local_workers
 
 from .internals_scan import own_names
 

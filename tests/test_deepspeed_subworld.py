@@ -8,7 +8,7 @@ import os
 
 import torch
 
-from ds_lowcomm.workers import run_local_workers
+from lowcomm_task.workers import run_local_workers
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from ds_lowcomm.config import ConfigError
-from ds_lowcomm.workers import run_local_workers
+from lowcomm_task.workers import run_local_workers
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 

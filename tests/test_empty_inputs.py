@@ -7,7 +7,7 @@ import torch
 
 from ds_lowcomm.codec import SparseSpec
 from ds_lowcomm.config import ConfigError
-from ds_lowcomm.workers import run_local_workers
+from lowcomm_task.workers import run_local_workers
 
 METHODS = {
     "adamw": {"method": "adamw"},
@@ -50,7 +50,7 @@ def test_codec_names_an_empty_shape():
 
 def test_compare_refuses_no_methods():
     from ds_lowcomm.cli import _parser
-    from ds_lowcomm.compare import run_compare
+    from lowcomm_task.compare import run_compare
 
     with pytest.raises(ConfigError, match="--methods must name at least one of"):
         run_compare(_parser().parse_args(["compare", "--methods", " , "]))

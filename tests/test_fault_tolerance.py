@@ -549,7 +549,7 @@ def _loop_replica(tmp_path, replica: int, spec: dict):
     job.write_text(json.dumps({"spec": spec, "peer": None}))
     env = {**os.environ, "RANK": "0", "WORLD_SIZE": "1", "MASTER_ADDR": "127.0.0.1", "OMP_NUM_THREADS": "1",
            "MASTER_PORT": str(_free_port()), "REPLICA_GROUP_ID": str(replica), "CUDA_VISIBLE_DEVICES": ""}
-    return subprocess.Popen([sys.executable, "-m", "ds_lowcomm.bench.worker", str(job), str(tmp_path / f"m{replica}")],
+    return subprocess.Popen([sys.executable, "-m", "lowcomm_bench.worker", str(job), str(tmp_path / f"m{replica}")],
                             cwd=ROOT, env=env, stdout=open(tmp_path / f"loop{replica}.log", "w"),
                             stderr=subprocess.STDOUT)
 
@@ -568,9 +568,9 @@ def test_the_training_loop_as_replicas_over_torchft_equals_one_world():
     same 2 ranks in one world do when nothing fails: bit-identical parameters, the same held-out loss."""
     import tempfile
 
-    from ds_lowcomm.task.spec import TrainSpec
-    from ds_lowcomm.task.train import train_worker
-    from ds_lowcomm.workers import run_local_workers
+    from lowcomm_task.spec import TrainSpec
+    from lowcomm_task.train import train_worker
+    from lowcomm_task.workers import run_local_workers
 
     base = dict(steps=10, eval_every=5, verbose=False, model={"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 32})
     lowcomm = {"method": "sparseloco", "sync_every": 5, "topk": 8, "chunk": 32}
@@ -595,7 +595,7 @@ def test_the_training_loop_as_replicas_over_torchft_equals_one_world():
 
 def test_fault_tolerance_settings_are_checked_by_name(monkeypatch):
     from ds_lowcomm.config import ConfigError
-    from ds_lowcomm.task.spec import TrainSpec
+    from lowcomm_task.spec import TrainSpec
 
     monkeypatch.delenv("TORCHFT_LIGHTHOUSE", raising=False)
     monkeypatch.delenv("REPLICA_GROUP_ID", raising=False)

@@ -18,8 +18,8 @@ import pytest
 import torch
 
 from ds_lowcomm.codec import SparseSpec
-from ds_lowcomm.workers import run_local_workers
-from ds_lowcomm.task.train import train_worker
+from lowcomm_task.workers import run_local_workers
+from lowcomm_task.train import train_worker
 
 from .test_mpi import check_mpi_equals_torch
 from .test_resume import LOWCOMM, STREAMING, TINY

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from ds_lowcomm import plan
-from ds_lowcomm.bench import gpu_check
+from lowcomm_bench import gpu_check
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -18,12 +18,12 @@ LAYERS = {
     "ds_lowcomm.config": 3,  # the documented import path of optim's LowcommConfig
     "ds_lowcomm.deepspeed": 4,
     "megatron_patches": 4,
-    "ds_lowcomm.task": 5,
-    "ds_lowcomm.workers": 5,
-    "ds_lowcomm.compare": 5,
+    "lowcomm_task": 5,
+    "lowcomm_task.workers": 5,
+    "lowcomm_task.compare": 5,
     "ds_lowcomm.cli": 5,
     "ds_lowcomm.plan": 5,  # the planner: reads the codec, the methods' settings and the compare recipes
-    "ds_lowcomm.bench": 5,
+    "lowcomm_bench": 5,
     "launch": 6,
 }
 INTEGRATIONS = ("ds_lowcomm.deepspeed", "megatron_patches")

@@ -11,7 +11,7 @@ import pytest
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (the 'megatron' extra)")
 
 from ds_lowcomm.settings import ConfigError  # noqa: E402
-from ds_lowcomm.workers import run_local_workers  # noqa: E402
+from lowcomm_task.workers import run_local_workers  # noqa: E402
 from megatron_patches.args import activation_settings, add_lowcomm_args, lowcomm_config  # noqa: E402
 
 from tests.megatron_train import BATCH, SEQ, train  # noqa: E402

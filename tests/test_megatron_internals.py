@@ -258,7 +258,7 @@ def results():
     pytest.importorskip("megatron.core", reason="megatron-core is not installed (the 'megatron' extra)")
     import os
 
-    from ds_lowcomm.workers import run_local_workers
+    from lowcomm_task.workers import run_local_workers
 
     hidden = os.environ.get("CUDA_VISIBLE_DEVICES")
     os.environ["CUDA_VISIBLE_DEVICES"] = ""  # the CPU path on every machine

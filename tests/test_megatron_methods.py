@@ -24,7 +24,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (the 'megatron' extra)")
 
-from ds_lowcomm.workers import run_local_workers  # noqa: E402
+from lowcomm_task.workers import run_local_workers  # noqa: E402
 from tests.megatron_train import BATCH, SEQ, batch, coordinates, train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]

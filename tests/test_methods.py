@@ -10,7 +10,7 @@ import torch.distributed as dist
 from ds_lowcomm.codec import ChunkPlan, topk_count
 from ds_lowcomm.codec.dct import from_blocks, to_blocks
 from ds_lowcomm.comm import TorchDistTransport
-from ds_lowcomm.workers import run_local_workers
+from lowcomm_task.workers import run_local_workers
 from ds_lowcomm.config import ConfigError
 from ds_lowcomm.optim import DCTDiLoCo, DeMo, DiLoCo
 from ds_lowcomm.optim.demo import muon_param_groups, orthogonalize

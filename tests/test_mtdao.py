@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from ds_lowcomm.workers import run_local_workers
+from lowcomm_task.workers import run_local_workers
 from ds_lowcomm.optim import MTDAO
 from ds_lowcomm.optim.mtdao import MTDAOSettings
 

@@ -7,7 +7,7 @@ import torch
 
 from ds_lowcomm.optim.demo import muon_param_groups
 from ds_lowcomm.optim.muon import MuonWithAdamW, split_muon_params, takes_muon_step
-from ds_lowcomm.task.model import GPT, GPTConfig
+from lowcomm_task.model import GPT, GPTConfig
 
 
 class UntiedHead(torch.nn.Module):

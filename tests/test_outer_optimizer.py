@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from ds_lowcomm.optim import DiLoCo, LowcommConfig, SparseLoCo, build_optimizer
 from ds_lowcomm.settings import ConfigError
-from ds_lowcomm.workers import run_local_workers
+from lowcomm_task.workers import run_local_workers
 
 from .conftest import replay_sgd_step, tiny_loss, tiny_model
 

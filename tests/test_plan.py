@@ -15,10 +15,10 @@ import torch
 import torch.distributed as dist
 
 from ds_lowcomm import plan as planner
-from ds_lowcomm.compare import RECIPES
+from ds_lowcomm.optim.recipes import RECIPES
 from ds_lowcomm.optim.registry import LowcommConfig, build_optimizer, model_param_groups
 from ds_lowcomm.settings import ConfigError
-from ds_lowcomm.task.model import GPT, GPTConfig
+from lowcomm_task.model import GPT, GPTConfig
 
 
 def test_the_reference_gpt_shapes_are_the_models():
@@ -187,7 +187,7 @@ def test_the_wire_bytes_are_what_gloo_writes_to_its_sockets():
     the planner's wire bytes at 3 workers (ring: 2 P per all-gather, 4/3 N per all-reduce) plus
     gloo's framing of each round, measured in the same run on a one-byte all-gather; the ledger's
     convention (P, N) is short of it by those factors."""
-    from ds_lowcomm.bench.plan_check import measure_wire
+    from lowcomm_bench.plan_check import measure_wire
 
     rows = measure_wire(3, list(RECIPES), steps=2, n_layer=1, n_embd=32, seq_len=32)
     assert [r["method"] for r in rows] == list(RECIPES)
@@ -209,7 +209,7 @@ def test_the_planner_predicts_the_measured_steps():
     network, fair time-to-loss and streaming benchmarks, predicted from the compute of the entry's
     own unshaped run (less its timed codec seconds) with the planner's own codec and link model:
     within 15% of the measured step but for the misses docs/planning.md names, and those within 35%."""
-    from ds_lowcomm.bench.plan_check import STEP_WITHIN, network_rows, streaming_rows, time_to_loss_rows
+    from lowcomm_bench.plan_check import STEP_WITHIN, network_rows, streaming_rows, time_to_loss_rows
 
     bench = Path(__file__).resolve().parents[1] / "docs" / "bench"
     rows = [*network_rows(bench / "network-2h.json"), *network_rows(bench / "network-4h.json"),
@@ -228,8 +228,8 @@ def test_the_predicted_speed_up_does_not_flatter():
     never claims more than was measured, and is within 30% of it."""
     import csv
 
-    from ds_lowcomm.bench.netns import rate_bits
-    from ds_lowcomm.bench.runs import LINKS
+    from lowcomm_bench.netns import rate_bits
+    from lowcomm_bench.runs import LINKS
 
     bench = Path(__file__).resolve().parents[1] / "docs" / "bench"
     timing = {k: v["timing"] for k, v in json.loads((bench / "time_to_loss.json").read_text())["results"].items()}
@@ -255,7 +255,7 @@ def test_the_hf_benchmark_configs_and_verdict():
     """bench hf: plain DeepSpeed's config has no lowcomm section; a method's is its compare recipe
     with one rank per replica, overrides on top; the verdict compares bytes within 1% of plain
     DeepSpeed's best loss (its AdamW or its own Muon)."""
-    from ds_lowcomm.bench.hf import entry_config, target_verdict
+    from lowcomm_bench.hf import entry_config, target_verdict
 
     plain, lr = entry_config("deepspeed")
     assert "lowcomm" not in plain and lr == RECIPES["adamw"]["lr"]

@@ -5,9 +5,9 @@ from dataclasses import replace
 
 import pytest
 
-from ds_lowcomm.task.spec import TrainSpec
-from ds_lowcomm.task.train import train_worker
-from ds_lowcomm.workers import run_local_workers
+from lowcomm_task.spec import TrainSpec
+from lowcomm_task.train import train_worker
+from lowcomm_task.workers import run_local_workers
 
 TINY = TrainSpec(
     steps=9, batch=4, lr=3e-3, warmup=2, eval_every=3, seed=3,

@@ -14,7 +14,7 @@ from ds_lowcomm.codec import SparseSpec
 from ds_lowcomm.comm import Piece, Routes
 from ds_lowcomm.comm.routes import whole
 from ds_lowcomm.settings import ConfigError
-from ds_lowcomm.workers import run_local_workers
+from lowcomm_task.workers import run_local_workers
 
 SHAPES = {"a": (8, 16), "b": (32,), "tied": (4, 8), "c": (16, 16)}
 REPLICAS = [[0], [1, 2], [3]]

@@ -7,7 +7,7 @@ import torch
 
 from ds_lowcomm.codec import ChunkPlan, SparseSpec, topk_count
 from ds_lowcomm.codec.dct import from_blocks, to_blocks
-from ds_lowcomm.workers import run_local_workers
+from lowcomm_task.workers import run_local_workers
 from ds_lowcomm.optim import SparseLoCo
 
 from .conftest import params_digest, replay_sgd_step, tiny_loss, tiny_model

@@ -7,9 +7,9 @@ import pytest
 
 from ds_lowcomm.cli import _parser
 from ds_lowcomm.config import ConfigError
-from ds_lowcomm.task.deepspeed_main import parser as ds_parser
-from ds_lowcomm.task.deepspeed_main import spec_from_args
-from ds_lowcomm.task.spec import DEFAULTS, TrainSpec
+from lowcomm_task.deepspeed_main import parser as ds_parser
+from lowcomm_task.deepspeed_main import spec_from_args
+from lowcomm_task.spec import DEFAULTS, TrainSpec
 
 
 def test_json_round_trip():

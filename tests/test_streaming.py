@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 import torch
 
-from ds_lowcomm.workers import run_local_workers
+from lowcomm_task.workers import run_local_workers
 from ds_lowcomm.optim import DiLoCo
 
 from .conftest import replay_sgd_step, tiny_loss, tiny_model

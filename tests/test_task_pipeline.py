@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from ds_lowcomm.config import ConfigError
-from ds_lowcomm.workers import run_local_workers
+from lowcomm_task.workers import run_local_workers
 
 from .test_deepspeed import TINY_ARGS, _run, ds_config
 
@@ -31,7 +31,7 @@ def _layers_worker(rank, world):
     import torch.distributed as dist
 
     import ds_lowcomm.deepspeed as dl
-    from ds_lowcomm.task.model import GPT, GPTConfig, gpt_loss, gpt_pipeline_module
+    from lowcomm_task.model import GPT, GPTConfig, gpt_loss, gpt_pipeline_module
 
     deepspeed.init_distributed(dist_backend="gloo")
     cfg = GPTConfig(**TINY)
@@ -121,8 +121,8 @@ def test_launch_train_with_pipeline_stages(tmp_path):
 
 def test_pipeline_flags_refused():
     from ds_lowcomm.cli import _parser
-    from ds_lowcomm.compare import build_specs
-    from ds_lowcomm.task.spec import TrainSpec
+    from lowcomm_task.compare import build_specs
+    from lowcomm_task.spec import TrainSpec
 
     args = _parser().parse_args(["compare", "--pipeline-stages", "2", "--workers", "3"])
     assert args.pipeline_stages == 2

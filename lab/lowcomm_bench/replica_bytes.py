@@ -1,0 +1,134 @@
+"""``python -m lowcomm_bench replica_bytes``: bytes each worker sends on its link per step as
+replicas grow, measured on test hosts (2 and 4 here) and computed from the wire format beyond
+(8, 64) with the planner's formula (:func:`ds_lowcomm.plan.wire_bytes_per_step`: a ring
+all-gather forwards (n - 1) payloads, a ring all-reduce sends 2 (n - 1) / n of its buffer).
+
+Measured: each entry trains the reference task on n test hosts (unshaped) for ``--steps`` K1 and
+then K2 steps in the same test network; every host's veth counts the bytes it transmits (IP
+packets with their TCP and Ethernet headers, ACKs of what it receives included). The second run's
+bytes less the first's, over K2 - K1 steps, is a step's (start-up, the settings check, the final
+evaluation's all-reduce cancel out). Outer-loop methods run with ``sync_every`` 1, so a step is a
+sync: their per-step figure is that over H. The formula's payload times the framing of full
+segments (:data:`ds_lowcomm.plan.WIRE_OVERHEAD`) is printed beside it; small messages carry
+relatively more headers, so a measured figure above the formula's by a few percent is framing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import subprocess
+from pathlib import Path
+
+from ds_lowcomm import plan as planner
+from ds_lowcomm.optim.registry import LowcommConfig
+
+from .codec import write_csv
+from .hosts import run_on_hosts
+from .netns import LinkShape, TestNetwork, check_can_create
+from .runs import add_model_args, model_of
+from .time_to_loss import ENTRIES, entry_spec
+
+COLUMNS = ["entry", "method", "replicas", "sync_every", "measured", "wire_bytes_per_sync", "framed_bytes_per_sync",
+           "measured_bytes_per_sync", "measured_over_framed", "wire_bytes_per_step"]
+DEFAULT_ENTRIES = "adamw,muon_bf16,demo_muon,demo_muon_c16,dion,muloco,muloco_sparse"
+
+
+def tx_bytes(net: TestNetwork) -> list[int]:
+    """Bytes each test host has transmitted on its veth since the network was made."""
+    out = []
+    for i in range(net.hosts):
+        path = f"/sys/class/net/{net.interface(i)}/statistics/tx_bytes"
+        out.append(int(subprocess.run(net.command(i, ["cat", path]), capture_output=True, text=True,
+                                      check=True).stdout))
+    return out
+
+
+def powersgd_all_reduces(shapes, rank: int, min_compression_rate: float = 2.0) -> list[int]:
+    """Bytes of the three fp32 all-reduces torch's ``powerSGD_hook`` issues per bucket once compressing
+    (one bucket here, ``bench.peers.peer_setup``): the tensors it leaves uncompressed, then the Ps,
+    then the Qs. Each tensor is viewed as (shape[0], -1) and compressed at rank min(n, m, rank) when
+    (n + m) x rank x ``min_compression_rate`` < n x m, as the hook's ``_should_compress`` decides."""
+    plain = ps = qs = 0
+    for s in shapes:
+        n = s[0]
+        m = planner.math.prod(s) // n
+        r = min(n, m, rank)
+        if (n + m) * r * min_compression_rate < n * m:
+            ps, qs = ps + n * r, qs + m * r
+        else:
+            plain += n * m
+    return [4 * plain, 4 * ps, 4 * qs]
+
+
+def planned(entry: str, spec, peer: dict | None, model: dict, replicas: int) -> tuple[str, int, float]:
+    """(method, steps per sync, payload bytes a worker puts on its link per sync) by the formula."""
+    shapes = planner.gpt_shapes(model["n_layer"], model["n_embd"], seq_len=model["seq_len"])
+    matrices = planner.hidden_matrices("reference", shapes)
+    if peer is not None and peer.get("kind") == "ddp_powersgd":
+        return "powersgd", 1, sum(planner.wire_bytes(planner.Message("powersgd", "all_reduce", n), replicas)
+                                  for n in powersgd_all_reduces(shapes, peer["rank"]))
+    if peer is not None:  # DDP: one all-reduce of every gradient a step, fp32 or bf16 (its hooks; no health flag)
+        grad = 2 if peer.get("compress") == "bf16" else 4
+        n = sum(planner.math.prod(s) for s in shapes) * grad
+        return "ddp", 1, planner.wire_bytes(planner.Message("ddp", "all_reduce", n), replicas)
+    settings = LowcommConfig.from_dict(spec.lowcomm).effective()
+    every, messages = planner.sync_messages(settings["method"], settings, shapes, matrices=matrices)
+    return settings["method"], every, sum(planner.wire_bytes(m, replicas) for m in messages)
+
+
+def main(argv: list[str] | None = None) -> list[dict]:
+    ap = argparse.ArgumentParser(prog="python -m lowcomm_bench replica_bytes", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default="runs/bench/replica_bytes")
+    ap.add_argument("--entries", default=DEFAULT_ENTRIES, help=f"comma list of {', '.join(ENTRIES)}")
+    ap.add_argument("--hosts", default="2,4", help="measured on this many test hosts")
+    ap.add_argument("--replicas", default="2,8,64", help="computed from the wire format for these")
+    ap.add_argument("--steps", default="3,8", help="K1,K2: the two runs' steps")
+    add_model_args(ap)
+    args = ap.parse_args(argv)
+    entries = [e.strip() for e in args.entries.split(",")]
+    bad = [e for e in entries if e not in ENTRIES]
+    if bad:
+        raise SystemExit(f"--entries: unknown {', '.join(bad)}; allowed: {', '.join(ENTRIES)}")
+    k1, k2 = (int(x) for x in args.steps.split(","))
+    hosts = [int(h) for h in args.hosts.split(",")]
+    model = model_of(args)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for entry in entries:
+        spec, peer = entry_spec(entry, k2, k2, model)
+        if "sync_every" in spec.lowcomm or LowcommConfig.from_dict(spec.lowcomm).method in ("diloco", "dct_diloco",
+                                                                                              "sparseloco"):
+            h = LowcommConfig.from_dict(spec.lowcomm).effective()["sync_every"]
+            spec = dataclasses.replace(spec, lowcomm={**spec.lowcomm, "sync_every": 1, "fragments": 1,
+                                                      "sync_delay": 0})
+        else:
+            h = 1
+        for n in sorted({*hosts, *(int(r) for r in args.replicas.split(","))}):
+            method, every, wire = planned(entry, spec, peer, model, n)
+            row = {"entry": entry, "method": method, "replicas": n, "sync_every": h, "measured": n in hosts,
+                   "wire_bytes_per_sync": wire, "framed_bytes_per_sync": wire * planner.WIRE_OVERHEAD,
+                   "measured_bytes_per_sync": None, "measured_over_framed": None, "wire_bytes_per_step": wire / h}
+            if n in hosts:
+                check_can_create()
+                with TestNetwork(n, LinkShape()) as net:
+                    counts = []
+                    for k in (k1, k2):
+                        run_on_hosts(net, dataclasses.replace(spec, steps=k, eval_every=k, warmup=1), peer)
+                        counts.append(tx_bytes(net))
+                per_host = [(c2 - c1) - c1 for c1, c2 in zip(*counts)]
+                row["measured_bytes_per_sync"] = sum(per_host) / n / (k2 - k1)
+                row["measured_over_framed"] = row["measured_bytes_per_sync"] / row["framed_bytes_per_sync"]
+            rows.append(row)
+            print(f"{entry:<16} n={n:<3} formula {wire / 1e3:10.1f} kB/sync (framed {wire * planner.WIRE_OVERHEAD / 1e3:.1f})"
+                  + (f", measured {row['measured_bytes_per_sync'] / 1e3:.1f} kB" if row["measured_bytes_per_sync"] else "")
+                  + f"; per step {wire / h / 1e3:.2f} kB (H {h})", flush=True)
+            write_csv(out / "replica_bytes.csv", rows, COLUMNS)
+    (out / "replica_bytes.json").write_text(json.dumps({"args": vars(args), "rows": rows}, indent=1))
+    return rows
+
+
+if __name__ == "__main__":
+    main()
