@@ -1,57 +1,64 @@
-"""The ``ds-lowcomm`` command."""
+"""The ``ds-lowcomm`` command: ``plan`` (the library's), and the commands other installed
+distributions register under the ``ds_lowcomm.commands`` entry-point group: ``compare`` is the
+laboratory's (``lab/``: the reference task, installed from a checkout by ``pip install -e lab``,
+which launch/env.sh runs). Each such entry point names a module (or object) with ``HELP``,
+``add_arguments(parser)`` and ``run(args)``; the library never imports the laboratory itself."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from importlib.metadata import entry_points
 
-from .config import METHODS, ConfigError
-from .task.spec import DEFAULTS
+from .config import ConfigError
+
+COMMAND_GROUP = "ds_lowcomm.commands"
+# Commands documented in the README that come from the laboratory: named in the error when it is absent.
+LAB_COMMANDS = ("compare",)
 
 
-def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="ds-lowcomm", description="Low-communication distributed training.")
-    sub = parser.add_subparsers(dest="command", required=True)
-    c = sub.add_parser("compare", help="train the reference task with several methods and compare loss vs bytes")
-    c.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated method names (default: all, {', '.join(METHODS)})")
-    c.add_argument("--workers", type=int, default=2, help="worker processes per method (gloo on this machine)")
-    c.add_argument("--steps", type=int, default=DEFAULTS.steps)
-    c.add_argument("--out", default="runs/compare", help="output directory")
-    c.add_argument("--batch", type=int, default=DEFAULTS.batch, help="sequences per worker per step")
-    c.add_argument("--seq-len", type=int, default=DEFAULTS.model.seq_len)
-    c.add_argument("--n-layer", type=int, default=DEFAULTS.model.n_layer)
-    c.add_argument("--n-embd", type=int, default=DEFAULTS.model.n_embd)
-    c.add_argument("--warmup", type=int, default=DEFAULTS.warmup)
-    c.add_argument("--eval-every", type=int, default=0, help="default: steps/10")
-    c.add_argument("--seed", type=int, default=DEFAULTS.seed)
-    c.add_argument("--device", default=DEFAULTS.device,
-                   help="cpu, or cuda (each worker on GPU LOCAL_RANK modulo the GPUs present)")
-    c.add_argument("--backend", default=DEFAULTS.backend,
-                   help="torch.distributed backend of the workers: gloo, or nccl (one GPU per worker)")
-    c.add_argument("--data", default=DEFAULTS.data, help="text file or directory (default: the Python standard library sources)")
-    c.add_argument("--pipeline-stages", type=int, default=DEFAULTS.pipeline_stages,
-                   help="> 0: each method through DeepSpeed's pipeline engine, the GPT in this many stages, one "
-                        "pipeline per replica (--workers: a multiple of it; --batch: per pipeline)")
-    c.add_argument("--config", default=None, help="JSON/YAML overrides: {method: {lr: .., lowcomm: {...}}}")
-    p = sub.add_parser("plan", help="predict each method's bytes, step time, memory and speed-up for a model, "
-                                    "cluster and link (ds_lowcomm/plan.py)")
+def plugin_commands() -> dict:
+    """name -> entry point, of every installed distribution's ``ds_lowcomm.commands``."""
+    return {ep.name: ep for ep in entry_points(group=COMMAND_GROUP)}
+
+
+def _parser(commands: dict | None = None) -> argparse.ArgumentParser:
+    """The parser of ``plan`` and of ``commands`` (name -> loaded command; default: every installed one)."""
     from .plan import add_arguments
 
+    if commands is None:
+        commands = {name: ep.load() for name, ep in plugin_commands().items()}
+
+    parser = argparse.ArgumentParser(prog="ds-lowcomm", description="Low-communication distributed training.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("plan", help="predict each method's bytes, step time, memory and speed-up for a model, "
+                                    "cluster and link (ds_lowcomm/plan.py)")
     add_arguments(p)
+    for name, command in commands.items():
+        command.add_arguments(sub.add_parser(name, help=command.HELP))
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    first = next((a for a in argv if not a.startswith("-")), None)
+    found = plugin_commands()
+    if first in LAB_COMMANDS and first not in found:
+        print(f"ds-lowcomm: {first!r} is a command of ds_lowcomm's laboratory (the reference task, lab/ in the "
+              "repository), which is not installed: from a checkout, run `pip install -e lab --no-deps` after the "
+              "library (bash launch/env.sh does both)", file=sys.stderr)
+        return 2
+    # load only the command asked for (``plan`` loads none); all of them to list them in --help
+    names = [first] if first in found else ([] if first == "plan" else list(found))
+    commands = {name: found[name].load() for name in names}
+    args = _parser(commands).parse_args(argv)
     try:
-        if args.command == "compare":
-            from .compare import run_compare
-
-            run_compare(args)
-        elif args.command == "plan":
+        if args.command == "plan":
             from .plan import run_plan
 
             run_plan(args)
+        else:
+            commands[args.command].run(args)
     except ConfigError as err:
         print(f"ds-lowcomm: configuration error: {err}", file=sys.stderr)
         return 2

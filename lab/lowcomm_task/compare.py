@@ -1,5 +1,7 @@
 """``ds-lowcomm compare``: train the reference task with several methods from the same
-initialisation, each with real worker processes over gloo, and report loss against bytes.
+initialisation, each with real worker processes over gloo, and report loss against bytes. The
+library's CLI finds this module through the ``ds_lowcomm.commands`` entry point (lab/pyproject.toml):
+:data:`HELP`, :func:`add_arguments`, :func:`run`.
 
 Writes ``OUT/results.csv`` (one row per method), ``OUT/history.csv`` (held-out loss over steps),
 ``OUT/results.json`` (everything, ledgers included) and ``OUT/loss_vs_bytes.png``.
@@ -25,7 +27,7 @@ from ds_lowcomm.comm.ledger import SETUP_OP
 from ds_lowcomm.config import METHODS, ConfigError
 from ds_lowcomm.optim.recipes import RECIPE_FIELDS, RECIPES
 
-from .spec import TrainSpec
+from .spec import DEFAULTS, TrainSpec
 from .train import train_worker
 from .workers import run_local_workers
 
@@ -35,6 +37,37 @@ RESULT_COLUMNS = [
     "synced", "replicas_identical",
 ]
 
+
+HELP = "train the reference task with several methods and compare loss vs bytes"
+
+
+def add_arguments(c) -> None:
+    """``ds-lowcomm compare``'s options on the argparse (sub)parser ``c``."""
+    c.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated method names (default: all, {', '.join(METHODS)})")
+    c.add_argument("--workers", type=int, default=2, help="worker processes per method (gloo on this machine)")
+    c.add_argument("--steps", type=int, default=DEFAULTS.steps)
+    c.add_argument("--out", default="runs/compare", help="output directory")
+    c.add_argument("--batch", type=int, default=DEFAULTS.batch, help="sequences per worker per step")
+    c.add_argument("--seq-len", type=int, default=DEFAULTS.model.seq_len)
+    c.add_argument("--n-layer", type=int, default=DEFAULTS.model.n_layer)
+    c.add_argument("--n-embd", type=int, default=DEFAULTS.model.n_embd)
+    c.add_argument("--warmup", type=int, default=DEFAULTS.warmup)
+    c.add_argument("--eval-every", type=int, default=0, help="default: steps/10")
+    c.add_argument("--seed", type=int, default=DEFAULTS.seed)
+    c.add_argument("--device", default=DEFAULTS.device,
+                   help="cpu, or cuda (each worker on GPU LOCAL_RANK modulo the GPUs present)")
+    c.add_argument("--backend", default=DEFAULTS.backend,
+                   help="torch.distributed backend of the workers: gloo, or nccl (one GPU per worker)")
+    c.add_argument("--data", default=DEFAULTS.data, help="text file or directory (default: the Python standard library sources)")
+    c.add_argument("--pipeline-stages", type=int, default=DEFAULTS.pipeline_stages,
+                   help="> 0: each method through DeepSpeed's pipeline engine, the GPT in this many stages, one "
+                        "pipeline per replica (--workers: a multiple of it; --batch: per pipeline)")
+    c.add_argument("--config", default=None, help="JSON/YAML overrides: {method: {lr: .., lowcomm: {...}}}")
+
+
+def run(args) -> None:
+    """The command (the CLI catches ConfigError)."""
+    run_compare(args)
 
 def load_overrides(path: str | None) -> dict:
     """A JSON or YAML file {method: {"lr": ..., "lowcomm": {...}}} merged over the recipes."""
