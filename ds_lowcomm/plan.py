@@ -20,13 +20,13 @@ ZeRO stage, and the step's compute time, per method:
   ``overlap_comm``); demo's ``overlap`` behind the next step's compute; a streaming outer sync
   behind the ``sync_delay`` inner steps it has to land, fragment by fragment;
 - codec seconds per step (encode and decode of every exchanged element at a throughput measured
-  by ``python -m lowcomm_bench codec``; the default is stated as such);
+  by ``python -m lowcomm_bench codec``; the default, ds_lowcomm/measured.json's, is stated as such);
 - the method's optimizer state per GPU, and its addition over adamw's, at the ZeRO stage and
   ``state_dtype`` (ZeRO 1-3 partition the optimizer state over the replica's GPUs);
 - the comm/compute ratio (adamw's communication over the compute), and the predicted speed-up in
   time to a target loss against adamw: adamw's step time over (the method's step time x its
   steps-to-target ratio). The ratios default to those measured on the reference task
-  (docs/benchmarks.md, "A fair fight") and are an input.
+  (docs/benchmarks.md, "A fair fight"; ds_lowcomm/measured.json) and are an input.
 
 Assumptions, stated where they matter: one replica's GPUs each exchange their own shard (1/G of
 the elements) with their counterparts in the other replicas, so a worker's bytes are the model's
@@ -37,7 +37,6 @@ all-reduce pays them per bucket: the model favours adamw there).
 
 from __future__ import annotations
 
-import csv
 import dataclasses
 import json
 import math
@@ -55,49 +54,33 @@ from .settings import ConfigError
 # a 1500-byte MTU carries 1448 bytes of payload in a 1514-byte frame, which a shaper counts.
 WIRE_OVERHEAD = 1514 / 1448
 
-# The codec's throughput (GB/s of fp32 elements through encode + decode, one rank). CPU: in
-# training, demo's recipe on the 101M-parameter GPT, 2 workers on 2 cores (``python -m
-# lowcomm_bench plan_scale``: 52 ns an element; 7x below the isolated codec benchmark's 0.544 GB/s
-# for one 1024x1024 tensor). GPU: in training too, demo's recipe at about 125M parameters on the
-# newest lent GPU (``bash launch/gpu_check.sh``: docs/bench/gpu/<date>-<gpu>-methods.csv), or,
-# before any such run, the isolated codec benchmark on one H100 (likely optimistic).
-GPU_RESULTS = Path(__file__).resolve().parents[1] / "docs" / "bench" / "gpu"
-GPU_CODEC_FALLBACK = (5.24, "one H100, isolated codec benchmark, 2026-11-24 (docs/bench/codec-h100.csv): "
-                            "likely optimistic, see docs/planning.md")
+# The measured defaults (ds_lowcomm/measured.json, package data; written by the benchmarks that
+# measure each figure: lab/lowcomm_bench/measured.py), each with where it comes from:
+# - the codec's throughput (GB/s of fp32 elements through encode + decode, one rank), per device.
+#   CPU: in training, demo's recipe on the 101M-parameter GPT, 2 workers on 2 cores (``python -m
+#   lowcomm_bench plan_scale --record``: 52 ns an element; 7x below the isolated codec benchmark's
+#   0.544 GB/s for one 1024x1024 tensor). GPU: in training too, demo's recipe at about 125M parameters
+#   on the newest lent GPU (``bash launch/gpu_check.sh``);
+# - steps to the target over adamw's own, measured on the reference task (2 hosts; ``python -m
+#   lowcomm_bench time_to_loss --record``): adamw and demo against the tuned adamw's loss
+#   (docs/bench/time_to_loss.csv, "A fair fight": 240 and 260 steps); the outer methods were not run
+#   there, so theirs are against the untuned adamw's target (docs/bench/time_to_loss_issue17.csv:
+#   adamw 225, diloco 285, dct_diloco 330, sparseloco 345, mtdao 360), where demo's was 195/225:
+#   likely optimistic for them; dion: its recipe's steps on seed 0 against the tuned adamw's median
+#   (issue 41's exploration: one seed, not tuned under the fair protocol). An input: --steps-ratio.
+MEASURED_PATH = Path(__file__).with_name("measured.json")
 
 
-def gpu_codec_default(results: Path = GPU_RESULTS) -> tuple[float, str]:
-    """(GB/s, where it comes from): demo's in-training codec throughput in the newest GPU check
-    (``<date>-<gpu>-methods.csv`` under ``results``; dry runs, named ``<date>-cpu-...``, are not
-    GPU runs), else :data:`GPU_CODEC_FALLBACK`."""
-    runs = sorted(p for p in results.glob("????-??-??-*-methods.csv") if not p.name[11:].startswith("cpu-")) \
-        if results.is_dir() else []
-    for path in reversed(runs):
-        with open(path) as f:
-            for row in csv.DictReader(f):
-                if row.get("entry") == "demo" and row.get("ok") == "True" and row.get("codec_gbps"):
-                    size = f"{int(row['parameters']) / 1e6:.0f}M" if row.get("parameters") else "?"
-                    return float(row["codec_gbps"]), (f"{row.get('device', 'GPU')}, demo's recipe in training at {size} "
-                                                      f"parameters, {path.name[:10]} (docs/bench/gpu/{path.name})")
-    return GPU_CODEC_FALLBACK
+def load_measured(path: Path = MEASURED_PATH) -> dict:
+    """The measured defaults: {"codec_gbps": {device: entry}, "steps_ratio": {method: entry}}, an
+    entry {"value": ..., "source": ..., ...}."""
+    return json.loads(Path(path).read_text())
 
 
-CODEC_GBPS = {"cpu": (0.0768, "CPU, in training at 101M parameters, 2026-11-26 (docs/bench/plan_scale.csv)"),
-              "gpu": gpu_codec_default()}
-
-# Steps to the target over adamw's own, measured on the reference task (2 hosts): adamw and demo
-# against the tuned adamw's loss (docs/bench/time_to_loss.csv, "A fair fight": 240 and 260 steps);
-# the outer methods were not run there, so theirs are against the untuned adamw's target
-# (docs/bench/time_to_loss_issue17.csv: adamw 225, diloco 285, dct_diloco 330, sparseloco 345,
-# mtdao 360), where demo's was 195/225: likely optimistic for them. An input: --steps-ratio.
-# dion: its recipe's steps on seed 0 against the tuned adamw's median (issue 41's exploration: one seed,
-# not tuned under the fair protocol).
-STEPS_RATIO = {"adamw": 1.0, "demo": 260 / 240, "diloco": 285 / 225, "dct_diloco": 330 / 225,
-               "sparseloco": 345 / 225, "mtdao": 360 / 225, "dion": 190 / 240}
-STEPS_RATIO_SOURCE = {"adamw": "definition", "demo": "time_to_loss.csv (tuned adamw's target)",
-                      **{m: "time_to_loss_issue17.csv (untuned adamw's target)"
-                         for m in ("diloco", "dct_diloco", "sparseloco", "mtdao")},
-                      "dion": "sweep.csv, issue 41 (seed 0, tuned adamw's target)"}
+MEASURED = load_measured()
+CODEC_GBPS = {device: (e["value"], e["source"]) for device, e in MEASURED["codec_gbps"].items()}
+STEPS_RATIO = {m: e["value"] for m, e in MEASURED["steps_ratio"].items()}
+STEPS_RATIO_SOURCE = {m: e["source"] for m, e in MEASURED["steps_ratio"].items()}
 
 
 # -- the model's shapes ---------------------------------------------------------------------------

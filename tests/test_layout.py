@@ -1,10 +1,17 @@
 """The code's shape: imports run one way (settings <- codec <- comm <- optim <- integrations <-
-applications) with no circle between modules, lazy imports inside functions included."""
+applications <- the laboratory) with no circle between modules, lazy imports inside functions
+included; the package holds the library only, and importing it loads nothing of the laboratory
+(lab/: the reference task and the benchmarks, beside the package)."""
 
 import ast
+import subprocess
+import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
+LAB = ROOT / "lab"
 
 # Layer of each top-level piece; a module may import only from its own layer or below.
 LAYERS = {
@@ -31,9 +38,10 @@ INTEGRATIONS = ("ds_lowcomm.deepspeed", "megatron_patches")
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for top in ("ds_lowcomm", "megatron_patches", "launch"):
-        for path in sorted((ROOT / top).rglob("*.py")):
-            parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    for base, top in ((ROOT, "ds_lowcomm"), (ROOT, "megatron_patches"), (ROOT, "launch"),
+                      (LAB, "lowcomm_task"), (LAB, "lowcomm_bench")):
+        for path in sorted((base / top).rglob("*.py")):
+            parts = list(path.relative_to(base).with_suffix("").parts)
             if parts[-1] == "__init__":
                 parts = parts[:-1]
             out[".".join(parts)] = path
@@ -113,3 +121,50 @@ def test_no_import_circle():
         if node not in state:
             visit(node)
     assert not cycles, "import circles:\n" + "\n".join(" -> ".join(c) for c in cycles)
+
+
+def _find(pyproject: Path) -> set[str]:
+    """The packages setuptools puts in the distribution of ``pyproject`` (its packages.find)."""
+    tomllib = pytest.importorskip("tomllib")
+    from setuptools import find_packages
+
+    find = tomllib.loads(pyproject.read_text())["tool"]["setuptools"]["packages"]["find"]
+    return set(find_packages(str(pyproject.parent), include=find["include"], exclude=find.get("exclude", ())))
+
+
+def test_the_package_holds_the_library_only():
+    """The wheel: codec, comm, optim, the integrations, planner, CLI and settings, with the
+    planner's measured defaults as package data; the laboratory is its own distribution."""
+    tomllib = pytest.importorskip("tomllib")
+
+    assert _find(ROOT / "pyproject.toml") == {"ds_lowcomm", "ds_lowcomm.codec", "ds_lowcomm.comm", "ds_lowcomm.optim",
+                                              "ds_lowcomm.deepspeed", "megatron_patches"}
+    assert _find(LAB / "pyproject.toml") == {"lowcomm_task", "lowcomm_bench"}
+    data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    assert data == {"ds_lowcomm": ["measured.json"]} and (ROOT / "ds_lowcomm" / "measured.json").is_file()
+
+
+def test_the_library_loads_no_laboratory():
+    """``import ds_lowcomm.plan`` (and the package, the CLI, ``ds-lowcomm plan`` itself) in a fresh
+    interpreter where the laboratory is importable: neither the training loop nor a benchmark loads."""
+    code = ("import importlib.util, io, contextlib, sys\n"
+            "assert importlib.util.find_spec('lowcomm_task') and importlib.util.find_spec('lowcomm_bench')\n"
+            "import ds_lowcomm, ds_lowcomm.plan, ds_lowcomm.cli\n"
+            "with contextlib.redirect_stdout(io.StringIO()):\n"
+            "    assert ds_lowcomm.cli.main(['plan', '--model', 'reference']) == 0\n"
+            "print(sorted(m for m in sys.modules if m.split('.')[0] in ('lowcomm_task', 'lowcomm_bench')))\n"
+            "print('ds_lowcomm.plan' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.stdout.split() == ["[]", "True"]
+
+
+def test_compare_is_the_laboratorys_command(monkeypatch, capsys):
+    """``ds-lowcomm compare`` comes from the laboratory's ``ds_lowcomm.commands`` entry point (lab/pyproject.toml,
+    installed by launch/env.sh); without the laboratory the CLI says how to install it."""
+    from ds_lowcomm import cli
+
+    assert cli.plugin_commands()["compare"].load().__name__ == "lowcomm_task.compare"
+    monkeypatch.setattr(cli, "plugin_commands", dict)  # as in an environment without the laboratory
+    assert cli.main(["compare", "--methods", "adamw"]) == 2
+    assert "pip install -e lab" in capsys.readouterr().err

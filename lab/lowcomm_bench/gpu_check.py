@@ -25,8 +25,9 @@ Each part writes ``<date>-<gpu>-<part>.csv`` under ``--out``; the run ends with 
 summary.json`` (the machine, each part's status, seconds and error) and a short table.
 ``--dry-run`` runs the same parts on the CPU at tiny sizes (the test suite runs it, so the script
 cannot rot before a GPU is lent): the tests part then only collects the GPU tests.
-``ds-lowcomm plan`` takes its GPU codec default from the newest ``*-methods.csv`` in docs/bench/gpu
-(:func:`ds_lowcomm.plan.gpu_codec_default`).
+On a GPU the ``methods`` part records demo's in-training codec throughput as ``ds-lowcomm plan``'s
+GPU default (ds_lowcomm/measured.json, :mod:`lowcomm_bench.measured`; from a CSV fetched from a lent
+machine: ``python -m lowcomm_bench measured --gpu-csv docs/bench/gpu/<date>-<gpu>-methods.csv``).
 """
 
 from __future__ import annotations
@@ -407,7 +408,14 @@ def run_part(args) -> None:
     rows = PART_FUNCTIONS[args.part](args)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    write_rows(Path(f"{prefix(out, args.date, gpu_name() if not args.dry_run else 'cpu')}-{args.part}.csv"), rows)
+    path = Path(f"{prefix(out, args.date, gpu_name() if not args.dry_run else 'cpu')}-{args.part}.csv")
+    write_rows(path, rows)
+    if args.part == "methods" and not args.dry_run:  # the planner's GPU codec default (a dry run's is no GPU's)
+        from .measured import gpu_codec_from_methods_csv, record
+
+        entry = gpu_codec_from_methods_csv(path)
+        if entry is not None:
+            record("codec_gbps", "gpu", entry)
 
 
 def machine() -> dict:

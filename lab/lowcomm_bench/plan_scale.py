@@ -51,6 +51,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--sync-every", type=int, default=2)
+    ap.add_argument("--record", action="store_true",
+                    help="record demo's codec throughput at the largest width as the planner's CPU default "
+                         "(ds_lowcomm/measured.json)")
     args = ap.parse_args(argv)
     rows = []
     for width in (int(w) for w in args.widths.split(",")):
@@ -82,7 +85,25 @@ def main(argv: list[str] | None = None) -> list[dict]:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "plan_scale.csv", rows, COLUMNS)
+    if args.record:
+        record_cpu_codec(rows, out / "plan_scale.csv")
     return rows
+
+
+def record_cpu_codec(rows: list[dict], csv_path: Path) -> None:
+    """The planner's CPU codec throughput (ds_lowcomm/measured.json): demo's fp32 bytes per second
+    of exchanged elements, in training, at the largest width run."""
+    import datetime
+
+    from .measured import record
+
+    demo = [r for r in rows if r["method"] == "demo" and r["codec_ns_per_element"]]
+    if not demo:
+        raise SystemExit("--record: no demo row with a codec time; nothing recorded")
+    r = max(demo, key=lambda r: r["parameters"])
+    date = datetime.date.today().isoformat()
+    record("codec_gbps", "cpu", {"value": round(4 / r["codec_ns_per_element"], 4), "date": date,
+                                 "source": f"CPU, in training at {r['parameters'] / 1e6:.0f}M parameters, {date} ({csv_path})"})
 
 
 if __name__ == "__main__":

@@ -274,6 +274,9 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          "final held-out loss at the tuning budget")
     ap.add_argument("--keep-other-hosts", action="store_true",
                     help="keep the rows and runs of other host counts already in --out (add 4 hosts to a 2-host run)")
+    ap.add_argument("--record", action="store_true",
+                    help="record each method's steps ratio at its recipe (unshaped link, first host count) as the "
+                         "planner's default (ds_lowcomm/measured.json)")
     add_repeat_args(ap)
     add_model_args(ap)
     args = ap.parse_args(argv)
@@ -365,7 +368,37 @@ def main(argv: list[str] | None = None) -> list[dict]:
                       f"steps {r['steps_to_target']} ({r['steps_range']}) x{r['speedup_vs_dense'] or 0:.2f} "
                       f"vs {r['dense_baseline']}", flush=True)
             write(out, rows, results, args)
+    if args.record:
+        record_steps_ratios(rows, hosts_list[0], args, out)
     return rows
+
+
+def recipe_entries(entries: list[str], from_sweep: bool) -> dict[str, str]:
+    """method -> the entry that trained it at its recipe (the settings the planner prices): a
+    ``<method>_recipe`` variant, else the method's own entry unless a sweep chose its settings."""
+    found = {m: m for m in entries if m in METHODS and not from_sweep}
+    found.update({VARIANTS[e][0]: e for e in entries if e in VARIANTS and VARIANTS[e] == (VARIANTS[e][0], {})})
+    return found
+
+
+def record_steps_ratios(rows: list[dict], hosts: int, args, out: Path) -> None:
+    """The planner's steps ratios (ds_lowcomm/measured.json): each method's median steps to the
+    target at its recipe over adamw's, on the unshaped link."""
+    import datetime
+
+    from .measured import record
+
+    steps = {r["entry"]: r["steps_to_target"] for r in rows if r["hosts"] == hosts and r["link"] == "unshaped"}
+    if not steps.get("adamw"):
+        raise SystemExit("--record: adamw did not reach its target on the unshaped link; nothing recorded")
+    date = datetime.date.today().isoformat()
+    seeds = len(parse_seeds(args.seeds))
+    source = (f"time_to_loss, {date} ({out}/time_to_loss.csv: {hosts} hosts, {seeds} seed(s), adamw's loss after "
+              f"{args.steps} steps{', tuned: ' + args.from_sweep if args.from_sweep else ''})")
+    for method, entry in recipe_entries(list(steps), bool(args.from_sweep)).items():
+        if method != "adamw" and steps.get(entry):
+            record("steps_ratio", method, {"value": steps[entry] / steps["adamw"], "steps": steps[entry],
+                                           "adamw_steps": steps["adamw"], "date": date, "source": source})
 
 
 def earlier_results(out: Path, skip_hosts: list[int]) -> tuple[dict, list[dict]]:
