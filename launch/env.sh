@@ -3,7 +3,9 @@
 # missing, a virtual environment at .venv/, torch==2.13.0 there only when no torch is importable
 # (pip takes the CPU build where a CPU wheel is provided locally, as on these machines; on a GPU
 # machine it is the regular build), then this package with its test, plot and bench extras, and
-# its mpi extra (mpi4py) where an MPI library is installed.
+# its mpi extra (mpi4py) where an MPI library is installed, then its laboratory (lab/: the reference
+# task, `ds-lowcomm compare`, the benchmarks), editable, which spawned workers, the DeepSpeed launcher
+# and mpirun then import with no PYTHONPATH.
 # Re-running skips every step that is already done.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
@@ -46,4 +48,16 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ] || ! "$VPY" -c "import 
     echo "[env] installing ds_lowcomm and its dependencies ($extras) into .venv"
     pip_install -q -e ".[$extras]"
     echo "$want" > "$stamp"
+fi
+
+# The laboratory (lab/pyproject.toml, ds-lowcomm-lab: never published), editable, after the library
+# whose extras carry its dependencies; again whenever its distribution is missing from the venv (one
+# made before the laboratory left the package) or its pyproject changed (its entry points).
+lab_stamp=.venv/.ds_lowcomm_lab-installed
+lab_want="$(sha256sum lab/pyproject.toml | cut -d' ' -f1)"
+if [ ! -f "$lab_stamp" ] || [ "$(cat "$lab_stamp")" != "$lab_want" ] \
+    || ! "$VPY" -c "import importlib.metadata as m; m.distribution('ds-lowcomm-lab'); import lowcomm_task, lowcomm_bench" >/dev/null 2>&1; then
+    echo "[env] installing the laboratory (lab/: the reference task, compare, the benchmarks) into .venv"
+    pip_install -q --no-deps -e lab
+    echo "$lab_want" > "$lab_stamp"
 fi
