@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import pytest
 
@@ -235,6 +236,29 @@ def test_time_to_loss_arithmetic():
     assert steps_to_target(h, 2.5) == 10 and steps_to_target(h, 1.0) is None
     assert bytes_to_target(h, 2.5, 99) == 20 and bytes_to_target(h, 1.0, 99) == 99
     assert comm_compute_ratio({"train_s": 10.0, "comm_s": 6.0, "codec_s": 1.0}) == pytest.approx(2.0)
+
+
+def test_time_to_loss_records_the_planners_steps_ratios(tmp_path):
+    """--record over the committed fair run (docs/bench/time_to_loss.csv, tuned by a sweep): demo's
+    ratio from the entry at its recipe (demo_recipe, 260 steps), not the sweep's demo (445), over
+    adamw's 240: the figure ds_lowcomm/measured.json holds; the other methods' untouched."""
+    from types import SimpleNamespace
+
+    from ds_lowcomm import plan
+    from lowcomm_bench.time_to_loss import record_steps_ratios
+
+    docs = Path(__file__).resolve().parents[1] / "docs" / "bench"
+    rows = [{**r, "hosts": int(r["hosts"]), "steps_to_target": float(r["steps_to_target"] or 0)}
+            for r in _rows(docs / "time_to_loss.csv")]
+    measured = tmp_path / "measured.json"
+    measured.write_bytes(plan.MEASURED_PATH.read_bytes())
+    args = SimpleNamespace(seeds="0,1,2", steps=300, from_sweep="docs/bench/sweep.csv")
+    record_steps_ratios(rows, 2, args, docs, measured)
+    before, after = plan.load_measured(), plan.load_measured(measured)
+    assert after["steps_ratio"]["demo"]["value"] == before["steps_ratio"]["demo"]["value"] == 260 / 240
+    assert "3 seed(s)" in after["steps_ratio"]["demo"]["source"]
+    assert {m: e for m, e in after["steps_ratio"].items() if m != "demo"} == \
+        {m: e for m, e in before["steps_ratio"].items() if m != "demo"}
 
 
 @needs_root

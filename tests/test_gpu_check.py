@@ -1,7 +1,7 @@
 """The GPU check (``bash launch/gpu_check.sh``), run dry on the CPU at tiny sizes as the GPU run
 would be, so the script cannot rot before a GPU is lent: every part ends well, every method and
-DeepSpeed case trains with replicas equal after a sync, and the planner's GPU default comes from
-the newest committed GPU run."""
+DeepSpeed case trains with replicas equal after a sync, and the planner's GPU default is what a GPU
+run records (ds_lowcomm/measured.json), never a dry run's."""
 
 import csv
 import json
@@ -26,9 +26,11 @@ def _rows(path: Path) -> list[dict]:
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
+    measured = plan.MEASURED_PATH.read_bytes()
     proc = subprocess.run(["bash", str(ROOT / "launch" / "gpu_check.sh"), "--dry-run", "--out", str(out)],
                           env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    assert plan.MEASURED_PATH.read_bytes() == measured  # a dry run records nothing for the planner
     files = {p.name.split("-", 4)[-1].rsplit(".", 1)[0]: p for p in out.iterdir()}
     return proc.stdout, files
 
@@ -73,13 +75,25 @@ def test_codec_newton_schulz_and_tests_parts(dry_run):
 
 
 def test_planner_gpu_default_is_the_newest_run(tmp_path):
+    """gpu_check's methods CSV recorded as the planner's GPU codec default (lowcomm_bench.measured):
+    demo's row, never a dry run's file, never over a newer figure; plan reads what was recorded."""
+    from lowcomm_bench.measured import gpu_codec_from_methods_csv, record
+
     for date, gbps in (("2026-11-01", "1.5"), ("2026-12-01", "2.5")):
         with open(tmp_path / f"{date}-h100-methods.csv", "w") as f:
-            f.write("entry,ok,device,codec_gbps\nadamw,True,NVIDIA H100,\n"
-                    f"demo,True,NVIDIA H100,{gbps}\n")
+            f.write("entry,ok,device,parameters,codec_gbps\nadamw,True,NVIDIA H100,125000000,\n"
+                    f"demo,True,NVIDIA H100,125000000,{gbps}\n")
     (tmp_path / "2026-12-24-cpu-methods.csv").write_text("entry,ok,codec_gbps\ndemo,True,99\n")  # a dry run: not a GPU
-    gbps, source = plan.gpu_codec_default(tmp_path)
-    assert gbps == 2.5 and "2026-12-01" in source and "NVIDIA H100" in source
-    empty = tmp_path / "none"
-    empty.mkdir()
-    assert plan.gpu_codec_default(empty) == plan.GPU_CODEC_FALLBACK
+    assert gpu_codec_from_methods_csv(tmp_path / "2026-12-24-cpu-methods.csv") is None
+    measured = tmp_path / "measured.json"
+    measured.write_bytes(plan.MEASURED_PATH.read_bytes())
+    assert record("codec_gbps", "gpu", gpu_codec_from_methods_csv(tmp_path / "2026-12-01-h100-methods.csv"), measured)
+    assert not record("codec_gbps", "gpu", gpu_codec_from_methods_csv(tmp_path / "2026-11-01-h100-methods.csv"), measured)
+    gpu = plan.load_measured(measured)["codec_gbps"]["gpu"]
+    assert gpu["value"] == 2.5 and gpu["date"] == "2026-12-01"
+    assert gpu["source"] == ("NVIDIA H100, demo's recipe in training at 125M parameters, 2026-12-01 "
+                             "(docs/bench/gpu/2026-12-01-h100-methods.csv)")
+    # the planner's defaults are the package's file, as committed
+    committed = plan.load_measured()
+    assert plan.CODEC_GBPS == {d: (e["value"], e["source"]) for d, e in committed["codec_gbps"].items()}
+    assert plan.STEPS_RATIO["demo"] == committed["steps_ratio"]["demo"]["steps"] / committed["steps_ratio"]["demo"]["adamw_steps"]

@@ -381,7 +381,7 @@ def recipe_entries(entries: list[str], from_sweep: bool) -> dict[str, str]:
     return found
 
 
-def record_steps_ratios(rows: list[dict], hosts: int, args, out: Path) -> None:
+def record_steps_ratios(rows: list[dict], hosts: int, args, out: Path, measured: Path | None = None) -> None:
     """The planner's steps ratios (ds_lowcomm/measured.json): each method's median steps to the
     target at its recipe over adamw's, on the unshaped link."""
     import datetime
@@ -398,7 +398,8 @@ def record_steps_ratios(rows: list[dict], hosts: int, args, out: Path) -> None:
     for method, entry in recipe_entries(list(steps), bool(args.from_sweep)).items():
         if method != "adamw" and steps.get(entry):
             record("steps_ratio", method, {"value": steps[entry] / steps["adamw"], "steps": steps[entry],
-                                           "adamw_steps": steps["adamw"], "date": date, "source": source})
+                                           "adamw_steps": steps["adamw"], "date": date, "source": source},
+                   *([measured] if measured else []))
 
 
 def earlier_results(out: Path, skip_hosts: list[int]) -> tuple[dict, list[dict]]:
