@@ -64,7 +64,7 @@ def test_shipped_megatron_section_is_valid(path, tmp_path):
 def test_mtdao_recipe_warm_start_follows_the_run_length():
     """compare's mtdao recipe is the authors': its switch and warm-up a third of --steps, their
     clipping and held peak; an override may drop the warm start (the recipe before issue 43)."""
-    from ds_lowcomm.optim.recipes import build_specs
+    from lowcomm_task.compare import build_specs
     from lowcomm_task.spec import TrainSpec
 
     spec, = build_specs(["mtdao"], TrainSpec(steps=300, warmup=20), {}, workers=2)
