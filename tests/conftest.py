@@ -127,7 +127,18 @@ class _SuiteWatchdog:
         self.exit_code = int(exitstatus) or 3
 
 
+def _require_the_laboratory() -> None:
+    """The tests train the reference task and run the benchmarks: the laboratory (lab/, its own
+    distribution) must be installed beside the library, as launch/env.sh does."""
+    import importlib.util
+
+    if importlib.util.find_spec("lowcomm_task") is None or importlib.util.find_spec("lowcomm_bench") is None:
+        raise pytest.UsageError("the tests need ds_lowcomm's laboratory (lab/: the reference task, the benchmarks): "
+                                "run `pip install --no-deps -e lab` after the library (bash launch/env.sh does both)")
+
+
 def pytest_sessionstart(session):
+    _require_the_laboratory()
     session.config._dslc_watchdog = _SuiteWatchdog(float(os.environ.get("DSLC_SUITE_LIMIT_S", 4500)))
     # in pytest only (spawned workers import this module too: a worker stopped while it held the
     # build lock was one more way to leave it behind)
