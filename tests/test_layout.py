@@ -25,13 +25,12 @@ LAYERS = {
     "ds_lowcomm.config": 3,  # the documented import path of optim's LowcommConfig
     "ds_lowcomm.deepspeed": 4,
     "megatron_patches": 4,
-    "lowcomm_task": 5,
-    "lowcomm_task.workers": 5,
-    "lowcomm_task.compare": 5,
-    "ds_lowcomm.cli": 5,
-    "ds_lowcomm.plan": 5,  # the planner: reads the codec, the methods' settings and the compare recipes
-    "lowcomm_bench": 5,
-    "launch": 6,
+    "ds_lowcomm.cli": 5,  # finds the laboratory's commands by entry point, never by import
+    "ds_lowcomm.plan": 5,  # the planner: reads the codec, the methods' settings and recipes, measured.json
+    # the laboratory (lab/, its own distribution): nothing of the library imports it
+    "lowcomm_task": 6,
+    "lowcomm_bench": 7,
+    "launch": 7,
 }
 INTEGRATIONS = ("ds_lowcomm.deepspeed", "megatron_patches")
 
