@@ -137,7 +137,7 @@ def whole_tensors(model, tensors: dict, layers: int = 2) -> dict:
 def release_checkpoint_writer() -> None:
     """Megatron's dist_checkpointing keeps one multiprocessing Manager (a server process) for its
     file writers' results, shut down by multiprocessing's exit handlers; a test worker leaves
-    through ``os._exit`` (ds_lowcomm.workers), which skips them: shut it down here, at the end of
+    through ``os._exit`` (lowcomm_task.workers), which skips them: shut it down here, at the end of
     a worker that saved a torch_dist checkpoint, or the server outlives the test."""
     from megatron.core.dist_checkpointing.strategies import filesystem_async
 

@@ -17,7 +17,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (the 'megatron' extra)")
 
-from ds_lowcomm.workers import run_local_workers  # noqa: E402
+from lowcomm_task.workers import run_local_workers  # noqa: E402
 from tests.megatron_train import release_checkpoint_writer, train, whole_tensors  # noqa: E402
 
 LAYERS = 2  # megatron_train's GPTModel
