@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -288,6 +289,34 @@ def test_a_build_lock_is_waited_for_while_held_and_removed_once_its_holder_is_go
             ds_backend.release_stale_build_lock(str(lock), wait_s=0.5)
     with pytest.warns(RuntimeWarning, match="removed the stale JIT build lock"):
         assert ds_backend.release_stale_build_lock(str(lock), wait_s=0.0, unseen_holder_stale_s=0.0)
+
+
+def test_a_lock_seen_between_its_holders_close_and_remove_is_left_to_its_holder(tmp_path):
+    """torch's FileBaton.release closes the lock, then removes it: a start that looks in between (a
+    busy machine preempting the holder there) sees it unheld. Removing it then made the holder's
+    own remove fail (its rank died, its peer aborted): the lock is stale only if it stays unheld."""
+    import threading
+
+    from ds_lowcomm.deepspeed import backend as ds_backend
+
+    lock = tmp_path / "lock"
+    lock.write_text("")
+    errors = []
+
+    def holder_finishes_its_release():
+        time.sleep(0.3)
+        try:
+            os.remove(lock)
+        except OSError as err:
+            errors.append(err)
+
+    releasing = threading.Thread(target=holder_finishes_its_release)
+    releasing.start()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert not ds_backend.release_stale_build_lock(str(lock), wait_s=0.0)
+    releasing.join()
+    assert errors == [] and not lock.exists()
 
 
 START = """

@@ -29,6 +29,9 @@ JIT_LOCK_WAIT_S = 1800.0
 # A lock no process here holds, on a file system other processes may share (NFS, Lustre...): its
 # holder may be on another machine, still building; past this age it is taken as a killed one's.
 UNSEEN_HOLDER_STALE_S = 600.0
+# How long a lock must stay unheld, the same file, to be a killed process's rather than one whose
+# holder has closed it and is about to remove it (torch's FileBaton.release: close, then remove).
+STALE_CONFIRM_S = 1.0
 # File systems only this machine writes: there, a lock no process here holds has no holder at all.
 LOCAL_FILE_SYSTEMS = frozenset({"ext2", "ext3", "ext4", "xfs", "btrfs", "tmpfs", "ramfs", "overlay", "zfs", "f2fs",
                                 "bcachefs", "jfs", "reiserfs"})
@@ -166,6 +169,7 @@ def release_stale_build_lock(lock: str, wait_s: float = JIT_LOCK_WAIT_S,
     older than ``unseen_holder_stale_s`` that no process here holds is taken as stale.
     Two starts may race to remove the same stale lock (both find it gone or remove it once)."""
     deadline = time.monotonic() + wait_s
+    unheld = None  # the lock file (inode, mtime) last seen with no holder
     while True:
         try:
             stat = os.stat(lock)
@@ -175,6 +179,13 @@ def release_stale_build_lock(lock: str, wait_s: float = JIT_LOCK_WAIT_S,
         age = time.time() - stat.st_mtime
         local = _file_system(lock) in LOCAL_FILE_SYSTEMS
         if not holders and (age > unseen_holder_stale_s or (holders == [] and local)):
+            # A holder releasing the lock closes it and then removes it: seen between the two (a
+            # busy machine may preempt it there), it looks unheld; removing it then would fail the
+            # holder's own remove. Stale only if the same file is still there, unheld, a while later.
+            if unheld != (stat.st_ino, stat.st_mtime_ns):
+                unheld = (stat.st_ino, stat.st_mtime_ns)
+                time.sleep(STALE_CONFIRM_S)
+                continue
             try:
                 os.remove(lock)
             except FileNotFoundError:  # released, or removed by another start meanwhile
@@ -184,6 +195,7 @@ def release_stale_build_lock(lock: str, wait_s: float = JIT_LOCK_WAIT_S,
                           f"process killed while torch loaded the op; torch would have waited for it forever)",
                           RuntimeWarning, stacklevel=2)
             return True
+        unheld = None
         if time.monotonic() >= deadline:
             who = f"process(es) {', '.join(map(str, holders))} on this machine" if holders else "a process not seen here"
             raise TimeoutError(f"torch's JIT build lock {lock} is still held by {who} after {wait_s:.0f} s (a build "
