@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from ..comm import ByteLedger, ReplicaTopology, TorchDistTransport, assert_same_across_ranks
-from ..optim import LowcommOptimizer, build_optimizer, model_param_groups
+from ..optim import LowcommOptimizer, build_optimizer, model_param_groups, takes_muon_decision
 from ..settings import ConfigError
 from .activations import install_activation_compression
 from .checkpoint import patch_checkpoint
@@ -212,10 +212,7 @@ def _method_groups(split: SplitConfig, model, params: list, own_groups: bool):
     is run, ``model_param_groups``). With optimizer.type Muon, ``use_muon`` tags (the user's, else
     ``takes_muon_step``'s) split every group into DeepSpeed's Muon and Adam halves (muon.py)."""
     if split.muon is None:
-        settings = split.lowcomm.effective()
-        # the decision as tags: your groups (the HF Trainer's decay / no-decay ones) keep it too
-        if settings.get("update") == "muon" or split.lowcomm.method == "dion" \
-                or settings.get("inner_optimizer") == "muon":
+        if takes_muon_decision(split.lowcomm):  # as tags: your groups (the HF Trainer's) keep it too
             muon.tag_params(model, params, require=False)
         groups = params if own_groups else model_param_groups(split.lowcomm, model, params)
         return groups, split.optimizer.torch_kwargs(), None

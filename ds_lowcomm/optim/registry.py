@@ -100,6 +100,17 @@ def _apex_fused_adamw(params, adam: AdamSettings):
     return FusedAdam(params, adam_w_mode=True, **adam.torch_kwargs())
 
 
+def _muon_and_adamw(cfg: LowcommConfig) -> bool:
+    """dion, or an outer loop with ``inner_optimizer`` "muon": Muon's step on some parameters, AdamW's on the rest."""
+    return cfg.method == "dion" or (cfg.method in OUTER_METHODS and cfg.settings.inner_optimizer == "muon")
+
+
+def takes_muon_decision(cfg: LowcommConfig) -> bool:
+    """Whether ``cfg``'s method orthogonalises some parameters' steps (demo's update "muon", dion,
+    an outer loop's inner Muon), and so needs the one decision of which (``takes_muon_step``)."""
+    return (cfg.method == "demo" and cfg.settings.update == "muon") or _muon_and_adamw(cfg)
+
+
 def model_param_groups(cfg: LowcommConfig, model: torch.nn.Module, params: Iterable) -> Iterable:
     """What :func:`build_optimizer` takes for ``model``'s ``params``: the params as they are, or for
     demo's update "muon" the model's parameters split as Muon is run (:func:`muon_param_groups`:
@@ -108,7 +119,7 @@ def model_param_groups(cfg: LowcommConfig, model: torch.nn.Module, params: Itera
     The one place that decides it, for the plain loop and DeepSpeed alike."""
     if cfg.method == "demo" and cfg.settings.update == "muon":
         return muon_param_groups(model)
-    if cfg.method == "dion" or (cfg.method in OUTER_METHODS and cfg.settings.inner_optimizer == "muon"):
+    if _muon_and_adamw(cfg):
         muon, other = split_muon_params(model, params)
         return [g for g in ({"params": muon, "use_muon": True}, {"params": other, "use_muon": False}) if g["params"]]
     return params
