@@ -390,3 +390,20 @@ def test_faults_benchmark_tiny(tmp_path):
     assert restart["final_val_loss"] == restart["no_fault_final_val_loss"]  # resumed exactly
     assert 0 < ft["survivor_steps_per_s"] and 0 < restart["survivor_steps_per_s"] < restart["no_fault_steps_per_s"]
     assert ft["time_to_target_s"] > 0  # --target 9: the first evaluation reaches it
+
+
+def test_absent_benchmark_leaves_a_replica_out_of_the_syncs_it_names(tmp_path):
+    """bench absent at tiny size, 2 replicas, one sync (diloco's H 20 at step 20): with replica 1
+    out of it the outer step is replica 0's pseudo-gradient alone, so the loss after it differs
+    from the run with both; a replica outside the run is refused before anything starts."""
+    from lowcomm_bench import absent
+
+    tiny = ["--replicas", "2", "--steps", "20", "--eval-every", "20", "--n-layer", "1", "--n-embd", "32",
+            "--seq-len", "32", "--out", str(tmp_path)]
+    with pytest.raises(SystemExit, match="replicas must be 0..1"):
+        absent.main([*tiny, "--absent", "2:20"])
+    rows = absent.main([*tiny, "--absent", "1:20"])
+    assert [r["absent"] for r in rows] == ["none", "1:20"]
+    assert rows[0]["final_val_loss"] != rows[1]["final_val_loss"]
+    assert _rows(tmp_path / "absent.csv")[1]["absent"] == "1:20"
+    assert absent.parse_absent("1:100,120; 2:200") == {1: {100, 120}, 2: {200}}
