@@ -50,7 +50,7 @@ import torch
 
 PARTS = ("codec", "newton_schulz", "methods", "deepspeed", "tests")
 # Each part's share of the budget (seconds, before the budget's end cuts it) on a GPU
-PART_LIMITS = {"codec": 60, "newton_schulz": 40, "methods": 200, "deepspeed": 90, "tests": 240}
+PART_LIMITS = {"codec": 60, "newton_schulz": 40, "methods": 250, "deepspeed": 90, "tests": 240}
 ROOT = Path(__file__).resolve().parents[2]  # the repository (tests/ and ds_lowcomm/ beside lab/)
 
 # The codec settings the methods send with (their compare recipes and demo_muon_c16's).
@@ -64,7 +64,7 @@ SIZES = {"gpu": ("gpt-125m", "gpt-350m", "llama-1b"), "dry": ("reference",)}
 # The methods part: entries -> (recipe, lowcomm settings over it); outer methods sync every
 # ``sync_every`` steps here so a few dozen steps hold several syncs.
 METHOD_ENTRIES = ("adamw", "demo", "demo_muon", "diloco", "dct_diloco", "sparseloco", "mtdao", "diloco_streaming",
-                  "muon")
+                  "muon", "dion", "muloco_dct")  # issue 41: dense Muon, the best compressed method, dion
 MODEL = {"gpu": {"n_layer": 18, "n_embd": 768, "n_head": 12, "seq_len": 256},
          "dry": {"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 32}}
 
@@ -182,7 +182,7 @@ def method_specs(args) -> list:
             recipe, over = VARIANTS.get(entry, (entry, {}))
             lowcomm = dict(over)
             if recipe in ("diloco", "dct_diloco", "sparseloco", "mtdao"):
-                lowcomm["sync_every"] = sync_every
+                lowcomm["sync_every"] = sync_every  # muloco_dct's too: the run ends on a sync
             if entry == "diloco_streaming":
                 lowcomm.update(fragments=2, sync_delay=1)
             spec = build_specs([recipe], base, {recipe: {"lowcomm": lowcomm}}, workers=2)[0]
