@@ -260,6 +260,10 @@ class LowcommOptimizer(torch.optim.Optimizer):
     replica_state: ClassVar[tuple[str, ...]] = ()
     # Whether every step() is a sync (demo, adamw, dion) or syncs come every so many steps.
     exchanges_every_step: ClassVar[bool] = False
+    # Whether an exchange reads the method's state afresh when it runs (the outer loops: their
+    # pseudo-gradients from the anchors), so that a heal just before it is safe: a driver may then
+    # check that the replicas agree at the start of the next exchange rather than at the quorum.
+    reads_state_at_exchange: ClassVar[bool] = False
 
     def _run_exchange(self, changes: list[torch.Tensor], run):
         """One sync: ``run()`` (started and landed; returns what landed), through the driver where

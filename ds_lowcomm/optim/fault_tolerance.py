@@ -64,7 +64,10 @@ skips to its next sync (``skip_to_next_exchange``):
   other) and that meet at equal steps are not healed by torchft: at every quorum of new members
   they compare what must be alike (the method's ``replica_tensors``: anchors or parameters,
   float64 checksums over the whole replica) and those that differ heal from the replicas holding
-  what most of them hold (ties: the quorum's first).
+  what most of them hold (ties: the quorum's first). The outer methods compare at the start of
+  the next sync (their anchors do not move until then; a replica healed there sits that sync
+  out): at the quorum a joiner would enter the comparison only once its heal had ended, and the
+  others would wait for it there instead of training.
 
 Streaming DiLoCo's fragments each take a quorum at their own sync. Not yet (:func:`check_method`
 refuses them by name before any work): demo with overlap, a sync_delay > 0 (an exchange in flight
@@ -278,6 +281,8 @@ class FaultTolerance:
         self._members: dict[str, int] | None = None  # the current members' data lags, by replica id
         self._fresh = True  # nothing committed or healed in this process yet (a restarted replica)
         self._sitting_out = False
+        self._members_due = False  # the members' check waits for the next exchange (start_interval)
+        self._at_exchange = False  # that check is running: a heal in it sits this exchange out
         self._tries = 0
         self._quorum_seen: int | None = None
         self._served: list[torch.Tensor] = []  # the last state served to a joining replica (CPU)
@@ -365,6 +370,11 @@ class FaultTolerance:
             self._mid_step = False
         if self.async_quorum:
             self._awaiting = "interval"
+        elif self.optimizer.reads_state_at_exchange and self.manager.current_step() > 0:
+            # An outer method: the members' check waits for the next sync, where every member is
+            # anyway (a replica healing in this quorum sits it out). Here a joiner would enter it
+            # only once its heal has ended, and the others would wait for that instead of training.
+            self._members_due = True
         else:
             self._check_members()
 
@@ -492,6 +502,12 @@ class FaultTolerance:
     def before_exchange(self) -> None:
         if self._awaiting is not None:
             self._quorum_point()
+        elif self._members_due:
+            self._members_due, self._at_exchange = False, True
+            try:
+                self._check_members()
+            finally:
+                self._at_exchange = False
         self.transport.reset()
         # asynchronous quorum: a replica healing in it takes its peer's state at the commit, and
         # sits this exchange out (torchft's: it is not participating)
@@ -593,13 +609,19 @@ class FaultTolerance:
         self._fresh = False
         self.data_lag += skipped
         self.reread += skipped
-        jumped = self._sit_out()
+        if self._at_exchange:  # healed by the members' check at the start of a sync: it sits this one out
+            self._sitting_out = True
+            self.sat_out += 1
+            jumped = 0
+        else:
+            jumped = self._sit_out()
         print(f"ds_lowcomm fault tolerance: replica {self.settings.replica_id} healed from a peer at step "
               f"{at}: {nbytes} bytes at {time.time():.3f}"
               + (f"; batches {lost} to {lost + skipped - 1} of its shard (read after its last committed sync, or "
                  f"due while it was away) were not trained: it reads them first" if skipped else "")
               + (f"; it sits out the sync at step {self.step + 1} and reads its shard on from step {self.data_step}"
-                 if jumped else f"; it reads its shard on from step {self.data_step}"), file=sys.stderr, flush=True)
+                 if jumped else "; it sits out this sync" if self._at_exchange
+                 else f"; it reads its shard on from step {self.data_step}"), file=sys.stderr, flush=True)
 
     def _sit_out(self) -> int:
         """After a heal, where the method syncs every so many steps: the replica's position jumps

@@ -222,6 +222,7 @@ class OuterLoop(LowcommOptimizer):
     and DeepSpeed see (and may swap, as ZeRO does per step) the inner optimizer's groups."""
 
     settings_class = OuterSettings
+    reads_state_at_exchange = True  # each sync's pseudo-gradients come from the anchors when it runs
 
     def __init__(self, inner: torch.optim.Optimizer, *, settings: OuterSettings | None = None,
                  transport: Transport | None = None, shard: ReplicaShard | None = None, ledger_steps: bool = True,
