@@ -609,12 +609,7 @@ class FaultTolerance:
         self._fresh = False
         self.data_lag += skipped
         self.reread += skipped
-        if self._at_exchange:  # healed by the members' check at the start of a sync: it sits this one out
-            self._sitting_out = True
-            self.sat_out += 1
-            jumped = 0
-        else:
-            jumped = self._sit_out()
+        jumped = self._sit_out()
         print(f"ds_lowcomm fault tolerance: replica {self.settings.replica_id} healed from a peer at step "
               f"{at}: {nbytes} bytes at {time.time():.3f}"
               + (f"; batches {lost} to {lost + skipped - 1} of its shard (read after its last committed sync, or "
@@ -628,9 +623,10 @@ class FaultTolerance:
         to just before its next sync (the method's ``skip_to_next_exchange``), which it sits out
         (it sends nothing of its own and takes the others' mean, as every replica does): it is at
         that exchange when the others are, however long its heal took, so they do not wait for it.
-        The batches of its shard it jumps over are read later (:attr:`data_step`). Returns the
-        steps jumped."""
-        jump = self.optimizer.skip_to_next_exchange()
+        The batches of its shard it jumps over are read later (:attr:`data_step`). Healed by the
+        members' check at the start of a sync (:meth:`before_exchange`), it is at that sync already:
+        it jumps nothing and sits that one out. Returns the steps jumped."""
+        jump = 0 if self._at_exchange else self.optimizer.skip_to_next_exchange()
         if jump is None:
             return 0
         for _ in range(jump):  # the schedule and the engine's position as the others' will be

@@ -70,17 +70,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
                          "configurations; a configuration with none always runs)")
     add_model_args(ap)
     args = ap.parse_args(argv)
-    configs = ["", *args.absent]
-    for text in configs:
-        bad = [r for r in parse_absent(text) if not 0 <= r < args.replicas]
+    configs = [(text, parse_absent(text)) for text in ["", *args.absent]]
+    for _, absent in configs:
+        bad = [r for r in absent if not 0 <= r < args.replicas]
         if bad:
             raise SystemExit(f"--absent: replicas must be 0..{args.replicas - 1}; got {bad}")
     spec = method_spec(args.method, args.steps, args.eval_every, **model_of(args))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     rows = []
-    for text in configs:
-        results = run_local_workers(train_worker, args.replicas, spec, ReferenceTask, AbsentStep(parse_absent(text)))
+    for text, absent in configs:
+        results = run_local_workers(train_worker, args.replicas, spec, ReferenceTask, AbsentStep(absent))
         history = results[0]["history"]  # the held-out loss is averaged over the ranks
         rows.append({"method": args.method, "replicas": args.replicas, "absent": text or "none",
                      "final_val_loss": history[-1]["val_loss"],
