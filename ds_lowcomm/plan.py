@@ -57,9 +57,11 @@ WIRE_OVERHEAD = 1514 / 1448
 # The measured defaults (ds_lowcomm/measured.json, package data; written by the benchmarks that
 # measure each figure: lab/lowcomm_bench/measured.py), each with where it comes from:
 # - the codec's throughput (GB/s of fp32 elements through encode + decode, one rank), per device.
-#   CPU: in training, demo's recipe on the 101M-parameter GPT, 2 workers on 2 cores (``python -m
-#   lowcomm_bench plan_scale --record``: 52 ns an element; 7x below the isolated codec benchmark's
-#   0.544 GB/s for one 1024x1024 tensor). GPU: in training too, demo's recipe at about 125M parameters
+#   CPU: in training, demo's recipe on the reference GPT at 0.44M, 6.5M and 101M parameters, 2
+#   workers on 2 cores (``python -m lowcomm_bench plan_scale --record``): the cost per element grows
+#   with the tensors (the 101M figure is several times below the isolated codec benchmark's 0.544
+#   GB/s for one 1024x1024 tensor), so the default follows the model's size between those (its
+#   ``by_elements``), the largest's beyond. GPU: in training too, demo's recipe at about 125M parameters
 #   on the newest lent GPU (``bash launch/gpu_check.sh``);
 # - steps to the target over adamw's own, measured on the reference task (2 hosts; ``python -m
 #   lowcomm_bench time_to_loss --record``): adamw and demo against the tuned adamw's loss
@@ -79,6 +81,26 @@ def load_measured(path: Path = MEASURED_PATH) -> dict:
 
 MEASURED = load_measured()
 CODEC_GBPS = {device: (e["value"], e["source"]) for device, e in MEASURED["codec_gbps"].items()}
+# Where a device's entry was measured at several model sizes (plan_scale at several widths): the
+# codec's cost per element grows with the tensors (caches), so the default follows the model's size
+CODEC_BY_ELEMENTS = {device: sorted((float(n), float(g)) for n, g in e.get("by_elements", ()))
+                     for device, e in MEASURED["codec_gbps"].items()}
+
+
+def default_codec_gbps(device: str, elements: float) -> float:
+    """The measured codec throughput for ``elements`` parameters per worker: the device's figure;
+    where it was measured at several sizes, linear in log(elements) between the two nearest, the
+    nearest's beyond them."""
+    points = CODEC_BY_ELEMENTS.get(device) or []
+    if not points:
+        return CODEC_GBPS[device][0]
+    if elements <= points[0][0]:
+        return points[0][1]
+    for (n0, g0), (n1, g1) in zip(points, points[1:]):
+        if elements <= n1:
+            t = math.log(elements / n0) / math.log(n1 / n0)
+            return g0 + t * (g1 - g0)
+    return points[-1][1]
 STEPS_RATIO = {m: e["value"] for m, e in MEASURED["steps_ratio"].items()}
 STEPS_RATIO_SOURCE = {m: e["source"] for m, e in MEASURED["steps_ratio"].items()}
 
@@ -490,7 +512,7 @@ def plan_method(method: str, inputs: PlanInputs, shapes=None) -> dict[str, Any]:
     rate, latency = inputs.link_gbit * 1e9, inputs.latency_ms / 1e3
     fragment_s = [sum(message_seconds(_share(m, g), n, rate, latency) for m in part) for part in fragments]
     comm_sync = sum(fragment_s)
-    gbps = inputs.codec_gbps or CODEC_GBPS[inputs.device][0]
+    gbps = inputs.codec_gbps or default_codec_gbps(inputs.device, elements / g)
     codec_sync = sum(m.codec_elements for m in messages) / g * 4 / (gbps * 1e9)
     if method == "adamw":
         exposed_sync = adamw_exposed_seconds(messages, inputs, shapes, rate, latency)
@@ -542,7 +564,7 @@ def plan(inputs: PlanInputs) -> dict[str, Any]:
         row["ledger_bytes_vs_adamw"] = base["bytes_per_step"] / ledger if ledger else None
     return {"inputs": dataclasses.asdict(inputs), "parameters": base["parameters"],
             "comm_compute_ratio": base["comm_s_per_step"] / inputs.compute_s,
-            "codec_gbps": inputs.codec_gbps or CODEC_GBPS[inputs.device][0],
+            "codec_gbps": inputs.codec_gbps or default_codec_gbps(inputs.device, base["parameters"] / inputs.gpus_per_replica),
             "codec_default": None if inputs.codec_gbps else CODEC_GBPS[inputs.device][1],
             "rows": [rows[m] for m in methods]}
 

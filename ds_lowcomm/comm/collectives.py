@@ -17,7 +17,7 @@ it was without the guard. ``transport.nonfinite`` decides what a flagged exchang
 ranks) or "raise" (:class:`NonFiniteError` on every rank).
 
 A rank whose transport says it sits this exchange out (``transport.sits_out``: a torchft replica
-that has just healed, optim/fault_tolerance.py) sends zeros with its own flag value: it is left out
+that has just healed, optim/fault_tolerance.py, or one its caller leaves out on purpose) sends zeros with its own flag value: it is left out
 of the mean as a flagged rank is, but it is neither counted nor logged as non-finite, and never
 makes "raise" raise. It receives the mean like every rank.
 """
@@ -72,7 +72,7 @@ HEALTHY, NONFINITE, SITS_OUT = 1, 0, 2  # a rank's flag byte
 
 def health_flag(healthy: bool, transport: Transport) -> int:
     """The flag byte this rank sends: it sits out (its transport says so), is healthy, or is not."""
-    return SITS_OUT if getattr(transport, "sits_out", False) else HEALTHY if healthy else NONFINITE
+    return SITS_OUT if transport.sits_out else HEALTHY if healthy else NONFINITE
 
 
 def settle_health(flags: torch.Tensor, transport: Transport, op: str) -> list[int]:

@@ -58,6 +58,10 @@ class Transport:
     failed: Exception | None = None
     device: torch.device  # where this transport's buffers must live
     nonfinite: str = "skip"  # a rank with NaN/inf to send: "skip" it in that exchange, or "raise" (collectives.py)
+    # While True this rank sits the exchanges out: it sends nothing of its own (zeros, flagged so)
+    # and takes the others' mean (collectives.py). Set by whoever drives the replica: fault
+    # tolerance for a replica that has just healed, a caller that leaves a replica out on purpose.
+    sits_out: bool = False
     # lowcomm.timeout_s: seconds a collective may wait for a peer; None: the backend's own limit
     timeout_s: float | None = None
 

@@ -39,8 +39,8 @@ def parse_absent(text: str) -> dict[int, set[int]]:
 
 class AbsentStep:
     """``make_step`` for train_worker (picklable, for spawned workers): the default step, whose
-    optimizer on this rank flags itself unhealthy before its steps in ``absent[rank]`` (their
-    sync then goes on without it)."""
+    transport on this rank sits out the syncs of its steps in ``absent[rank]`` (``sits_out``: the
+    sync goes on without its contribution; it takes the others' mean)."""
 
     def __init__(self, absent: dict[int, set[int]]):
         self.absent = absent
@@ -51,10 +51,13 @@ class AbsentStep:
 
         def before(opt, args, kwargs):
             count[0] += 1
-            if count[0] in sits_out:
-                opt._unhealthy = True  # the flag a non-finite pseudo-gradient raises: left out of this sync
+            opt.transport.sits_out = count[0] in sits_out
+
+        def after(opt, args, kwargs):
+            opt.transport.sits_out = False
 
         step.opt.register_step_pre_hook(before)
+        step.opt.register_step_post_hook(after)
         return step
 
 

@@ -3,16 +3,18 @@ the library's package data, which ``ds-lowcomm plan`` reads), and how the benchm
 
 Each figure is written by the benchmark that measures it, with where it comes from and its date:
 the GPU codec throughput by ``gpu_check`` (its ``methods`` part on a GPU, not a dry run), the CPU
-codec throughput by ``plan_scale --record``, the steps ratios by ``time_to_loss --record``. With no
-option this prints them; ``--gpu-csv PATH`` records the GPU codec throughput from a gpu_check
-``<date>-<gpu>-methods.csv`` (one fetched from a lent machine, whose own copy of the file stays
-there). A figure is not replaced by an older one (its ``date``) unless ``--force``.
+codec throughput by ``plan_scale --record`` (at each width it ran: the planner follows the model's
+size between them), the steps ratios by ``time_to_loss --record``. With no option this prints them;
+``--gpu-csv PATH`` records the GPU codec throughput from a gpu_check ``<date>-<gpu>-methods.csv``
+(one fetched from a lent machine, whose own copy of the file stays there), ``--plan-scale-csv
+PATH`` the CPU's from a plan_scale.csv. A figure is not replaced by an older one (its ``date``) unless ``--force``.
 """
 
 from __future__ import annotations
 
 import argparse
 import csv
+import datetime
 import json
 import os
 import tempfile
@@ -53,9 +55,26 @@ def gpu_codec_from_methods_csv(path: Path) -> dict | None:
     return None
 
 
+def cpu_codec_entry(rows: list[dict], source: str, date: str | None = None) -> dict | None:
+    """demo's in-training codec throughput at each model size of plan_scale's rows (dicts, or a
+    plan_scale.csv's rows), as a ``codec_gbps.cpu`` entry: ``by_elements`` [[parameters, GB/s],
+    ...] and, as its ``value``, the largest size's. None where no demo row has a codec time."""
+    demo = sorted(((int(float(r["parameters"])), 4 / float(r["codec_ns_per_element"])) for r in rows
+                   if r["method"] == "demo" and r.get("codec_ns_per_element") not in (None, "")), key=lambda p: p[0])
+    if not demo:
+        return None
+    date = date or datetime.date.today().isoformat()
+    sizes = ", ".join(f"{n / 1e6:.3g}M" for n, _ in demo)
+    return {"value": round(demo[-1][1], 4), "by_elements": [[n, round(g, 4)] for n, g in demo], "date": date,
+            "source": f"CPU, demo's recipe in training at {sizes} parameters (the default follows the model's "
+                      f"size between them), {date} ({source})"}
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m lowcomm_bench measured", description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu-csv", default=None, metavar="PATH", help="record the GPU codec throughput of this gpu_check methods CSV")
+    ap.add_argument("--plan-scale-csv", default=None, metavar="PATH",
+                    help="record the CPU codec throughput of this plan_scale.csv (what plan_scale --record writes)")
     ap.add_argument("--force", action="store_true", help="record even where the file's figure is newer")
     ap.add_argument("--file", default=str(MEASURED_PATH), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -64,6 +83,14 @@ def main(argv: list[str] | None = None) -> dict:
         if entry is None:
             raise SystemExit(f"{args.gpu_csv}: no GPU run of demo with a codec throughput in it")
         record("codec_gbps", "gpu", entry, Path(args.file), args.force)
+    if args.plan_scale_csv:
+        with open(args.plan_scale_csv) as f:
+            rows = list(csv.DictReader(f))
+        modified = datetime.date.fromtimestamp(os.path.getmtime(args.plan_scale_csv)).isoformat()
+        entry = cpu_codec_entry(rows, args.plan_scale_csv, modified)
+        if entry is None:
+            raise SystemExit(f"{args.plan_scale_csv}: no demo row with a codec time in it")
+        record("codec_gbps", "cpu", entry, Path(args.file), args.force)
     data = load_measured(Path(args.file))
     for section in ("codec_gbps", "steps_ratio"):
         for key, e in data[section].items():

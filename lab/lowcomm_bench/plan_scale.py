@@ -1,6 +1,6 @@
 """``python -m lowcomm_bench plan_scale``: do bytes, codec time and memory scale as the planner
-assumes? The reference GPT at two widths (2 layers: 128 wide, 0.4M parameters; 2048 wide, about
-100M), every method for a few steps on 2 local worker processes (gloo), outer methods syncing every
+assumes? The reference GPT at several widths (2 layers: 128 wide, 0.4M parameters; 512 wide,
+6.5M; 2048 wide, about 100M), every method for a few steps on 2 local worker processes (gloo), outer methods syncing every
 2 steps. Per method and width (``plan_scale.csv``): the ledger's bytes per sync against
 ``ds-lowcomm plan``'s, the codec's seconds per sync and per exchanged element (the planner takes
 a constant throughput), and each process's peak resident memory (``ru_maxrss``) against adamw's
@@ -47,12 +47,12 @@ def _worker(rank: int, world: int, spec: TrainSpec) -> dict:
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m lowcomm_bench plan_scale", description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/bench/plan_scale")
-    ap.add_argument("--widths", default="128,2048")
+    ap.add_argument("--widths", default="128,512,2048")
     ap.add_argument("--methods", default=",".join(METHODS))
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--sync-every", type=int, default=2)
     ap.add_argument("--record", action="store_true",
-                    help="record demo's codec throughput at the largest width as the planner's CPU default "
+                    help="record demo's codec throughput at each width as the planner's CPU default "
                          "(ds_lowcomm/measured.json)")
     args = ap.parse_args(argv)
     rows = []
@@ -92,18 +92,14 @@ def main(argv: list[str] | None = None) -> list[dict]:
 
 def record_cpu_codec(rows: list[dict], csv_path: Path) -> None:
     """The planner's CPU codec throughput (ds_lowcomm/measured.json): demo's fp32 bytes per second
-    of exchanged elements, in training, at the largest width run."""
-    import datetime
+    of exchanged elements, in training, at every width run (``by_elements``: the planner follows the
+    model's size between them) and, as the entry's figure, at the largest."""
+    from .measured import cpu_codec_entry, record
 
-    from .measured import record
-
-    demo = [r for r in rows if r["method"] == "demo" and r["codec_ns_per_element"]]
-    if not demo:
+    entry = cpu_codec_entry(rows, str(csv_path))
+    if entry is None:
         raise SystemExit("--record: no demo row with a codec time; nothing recorded")
-    r = max(demo, key=lambda r: r["parameters"])
-    date = datetime.date.today().isoformat()
-    record("codec_gbps", "cpu", {"value": round(4 / r["codec_ns_per_element"], 4), "date": date,
-                                 "source": f"CPU, in training at {r['parameters'] / 1e6:.0f}M parameters, {date} ({csv_path})"})
+    record("codec_gbps", "cpu", entry)
 
 
 if __name__ == "__main__":
