@@ -49,7 +49,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--out", default="runs/bench/plan_scale")
     ap.add_argument("--widths", default="128,512,2048")
     ap.add_argument("--methods", default=",".join(METHODS))
-    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--sync-every", type=int, default=2)
     ap.add_argument("--record", action="store_true",
                     help="record demo's codec throughput at each width as the planner's CPU default "
