@@ -348,6 +348,71 @@ def test_what_fault_tolerance_copies(monkeypatch):
         server.shutdown()
 
 
+def test_a_heal_without_the_inner_state_leaves_out_the_inner_moments_only(monkeypatch):
+    """heal_inner_state false (one replica here, a real lighthouse): the state served for a heal
+    holds diloco's anchors, outer momentum and counters but none of the inner AdamW's moments
+    (each replica's own), about half the bytes of the full heal; loaded, it sets the anchors and
+    parameters as served and leaves the inner AdamW as new (its first step is a new AdamW's step
+    from those parameters). The setting is refused where there is no inner optimizer."""
+    import torch
+
+    from ds_lowcomm.optim.fault_tolerance import FaultTolerance, FaultToleranceSettings, tensor_bytes
+    from ds_lowcomm.optim.registry import METHOD_CLASSES
+    from ds_lowcomm.settings import ConfigError
+
+    server, address = _lighthouse(min_replicas=1)
+    try:
+        sizes = {}
+        for lean in (False, True):
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+            settings = FaultToleranceSettings(lighthouse=address, replica_id="0", timeout_s=10,
+                                              heal_inner_state=not lean)
+            ft = FaultTolerance(settings, host="127.0.0.1")
+            opt = METHOD_CLASSES["diloco"](torch.optim.AdamW(model.parameters(), lr=1e-2), transport=ft.transport,
+                                           sync_every=2)
+            ft.attach(opt)
+            x = torch.randn(4, 8)
+            for _ in range(4):  # two syncs: the parameters are the anchors, the outer momentum non-zero
+                model(x).square().mean().backward()
+                opt.step()
+                opt.zero_grad()
+            state = ft._state()
+            sizes[lean] = tensor_bytes(state)
+            inner = state["optimizer"]["lowcomm"]["inner"]
+            assert (inner["state"] == {}) == lean and len(inner["param_groups"]) == 1
+            outer = state["optimizer"]["state"]
+            assert all("anchor" in s and s["outer_momentum"].abs().sum() > 0 for s in outer.values())
+            if lean:
+                served = [s["anchor"].clone() for s in outer.values()]
+                model(x).square().mean().backward()  # one step on, away from what was served (no sync:
+                opt.step()  # the served copy is freed at the next commit)
+                opt.zero_grad()
+                ft._load(state)
+                assert not opt.inner.state  # a new AdamW's
+                assert all(torch.equal(p.detach(), a) for p, a in zip(model.parameters(), served))
+                # the next inner step is a fresh AdamW's from the served parameters
+                twin = [torch.nn.Parameter(a.clone()) for a in served]
+                fresh = torch.optim.AdamW(twin, lr=opt.inner.param_groups[0]["lr"])
+                model(x).square().mean().backward()
+                for t, p in zip(twin, model.parameters()):
+                    t.grad = p.grad.clone()
+                fresh.step()
+                opt.inner.step()
+                assert all(torch.equal(t.detach(), p.detach()) for t, p in zip(twin, model.parameters()))
+            ft.shutdown()
+        assert 0.4 < sizes[True] / sizes[False] < 0.6, sizes
+        ft = FaultTolerance(FaultToleranceSettings(lighthouse=address, replica_id="0", timeout_s=10,
+                                                   heal_inner_state=False), host="127.0.0.1")
+        demo = METHOD_CLASSES["demo"](torch.nn.Linear(8, 1).parameters(), lr=1e-2, transport=ft.transport,
+                                      topk=4, chunk=8)
+        with pytest.raises(ConfigError, match="heal_inner_state false is for the outer methods"):
+            ft.attach(demo)
+        ft.shutdown()
+    finally:
+        server.shutdown()
+
+
 def test_a_heal_is_served_while_the_peer_trains_and_commits_on():
     """A replica (alone in its quorums, a real lighthouse here) serves its state to a joining
     replica's read that goes slowly (it takes the first bytes and waits): meanwhile the replica
@@ -613,6 +678,7 @@ def test_fault_tolerance_settings_are_checked_by_name(monkeypatch):
         "lowcomm.fault_tolerance.min_replicas must be an integer >= 1; got 0": {**good, "min_replicas": 0},
         "lowcomm.fault_tolerance.timeout_s must be a number > 0; got -1": {**good, "timeout_s": -1},
         "replica_id an integer below it; got replica_id '3', num_replica_groups 3": {**good, "replica_id": "3"},
+        "lowcomm.fault_tolerance.heal_inner_state must be": {**good, "heal_inner_state": "no"},
     }
     for message, section in cases.items():
         with pytest.raises(ConfigError, match=re.escape(message)):

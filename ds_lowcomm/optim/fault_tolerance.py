@@ -36,7 +36,9 @@ skips to its next sync (``skip_to_next_exchange``):
   anchors, outer momentum, the inner optimizer's state, step and sync counters (the optimizer's
   ``state_dict()``), not each replica's own error feedback (the method's ``replica_state``:
   residuals, DeMo's momenta; the peer's would be sent twice), which starts at zero as a new
-  replica's would. The peer copies it straight to CPU memory when the quorum forms and serves it
+  replica's would; with ``heal_inner_state`` false, not the inner optimizer's state either (each
+  replica's own in the outer methods: the joiner starts it afresh, and the heal is about half the
+  bytes). The peer copies it straight to CPU memory when the quorum forms and serves it
   from a background thread (:func:`~ds_lowcomm.comm.torchft.heal_transport`) while it trains,
   exchanges and commits on: its commits stop new reads of the copy but do not wait for one in
   flight (torchft's own transport holds the peer's commit, and so its next exchange, until the
@@ -92,7 +94,7 @@ import torch
 
 from ..comm.consistency import gather_json, param_checksums, same_checksums, settings_differences
 from ..comm.torchft import TorchftTransport, heal_transport, quorum_id
-from ..settings import ConfigError, Settings, check_int, check_positive
+from ..settings import ConfigError, Settings, check_bool, check_int, check_positive
 
 
 WHERE = "lowcomm.fault_tolerance"
@@ -116,6 +118,12 @@ class FaultToleranceSettings(Settings):
     timeout_s: float = 30.0  # a collective's or a heal's wait for a peer
     quorum_timeout_s: float = 600.0  # a quorum's wait (a restarted replica waits up to one interval)
     host: str = ""  # the address the other replicas reach this one at (default: this machine's hostname)
+    # Outer methods: whether a heal sends the inner optimizer's state (AdamW's moments, Muon's
+    # momentum: each replica's own, never averaged). False: the joiner starts it afresh, as a new
+    # optimizer does, and the heal is the anchors, outer momentum and counters only (about half
+    # the bytes with AdamW inside): where a heal outlasts a sync interval, the others wait for it
+    # at the sync the joiner sits out (bench faults, docs/reliability.md).
+    heal_inner_state: bool = True
 
     def check(self, where: str) -> None:
         if not self.lighthouse or not isinstance(self.lighthouse, str):
@@ -131,6 +139,7 @@ class FaultToleranceSettings(Settings):
             check_positive(where, name, getattr(self, name))
         if not isinstance(self.host, str):
             raise ConfigError(f"{where}.host must be a host name or address; got {self.host!r}")
+        check_bool(where, "heal_inner_state", self.heal_inner_state)
 
     @classmethod
     def from_section(cls, raw: Mapping[str, Any] | None = None, where: str = WHERE) -> "FaultToleranceSettings":
@@ -305,6 +314,9 @@ class FaultTolerance:
         self.optimizer, self.stateful, self.after_step = optimizer, stateful, tuple(after_step)
         self.agreed = json.loads(json.dumps(dict(settings) if settings is not None else
                                             {f"lowcomm.{k}": v for k, v in optimizer._record.items()}))
+        if not self.settings.heal_inner_state and _optimizer_states(getattr(optimizer, "inner", None)) == 0:
+            raise ConfigError(f"{WHERE}.heal_inner_state false is for the outer methods with a torch inner optimizer "
+                              f"(diloco, dct_diloco, sparseloco, streaming); {optimizer.method} has none to leave out")
         if self.async_quorum and not optimizer.exchanges_every_step:
             raise ConfigError("DSLC_FT_ASYNC_QUORUM: the asynchronous quorum is for the methods that sync every step "
                               f"(demo, adamw, dion); got {optimizer.method}")
@@ -571,6 +583,8 @@ class FaultTolerance:
         optimizer = opt.state_dict()
         optimizer["state"] = {i: {k: v for k, v in s.items() if k not in opt.replica_state}
                               for i, s in optimizer["state"].items()}
+        if not self.settings.heal_inner_state:  # the joiner starts its inner optimizer's state afresh
+            optimizer["lowcomm"] = {**optimizer["lowcomm"], "inner": _without_state(optimizer["lowcomm"]["inner"])}
         state = _to_cpu({"optimizer": optimizer, "params": params,
                          "steps": self._steps, "stateful": [obj.state_dict() for obj in self.stateful],
                          "mid_step": self._mid_step, "settings": self.agreed, "positions": dict(self.positions)})
@@ -655,6 +669,39 @@ def replica_store(host: str, transport) -> tuple[Any, tuple[str, int]]:
         store = torch.distributed.TCPStore(host, 0, is_master=True, wait_for_workers=False)
     host, port = gather_json(transport, [host, store.port] if store is not None else None)[0]  # rank 0's
     return store, (host, port)
+
+
+def _is_torch_optimizer_state(obj: Any) -> bool:
+    return isinstance(obj, dict) and isinstance(obj.get("state"), dict) and isinstance(obj.get("param_groups"), list)
+
+
+def _without_state(sd: Any) -> Any:
+    """An optimizer's state_dict with every torch optimizer's per-parameter state left out (its
+    param_groups kept): what a new optimizer holds. Nested ones too (MuonWithAdamW's)."""
+    if _is_torch_optimizer_state(sd):
+        return {**sd, "state": {}}
+    if isinstance(sd, dict):
+        return {k: _without_state(v) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [_without_state(v) for v in sd]
+    return sd
+
+
+def _optimizer_states(optimizer) -> int:
+    """How many torch optimizer state_dicts ``optimizer``'s holds (nested ones counted); 0 for None."""
+    if optimizer is None:
+        return 0
+
+    def count(sd):
+        if _is_torch_optimizer_state(sd):
+            return 1
+        if isinstance(sd, dict):
+            return sum(count(v) for v in sd.values())
+        if isinstance(sd, list):
+            return sum(count(v) for v in sd)
+        return 0
+
+    return count(optimizer.state_dict())
 
 
 def tensor_bytes(obj: Any) -> int:

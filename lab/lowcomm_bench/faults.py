@@ -8,7 +8,8 @@ faults:
 
 - a ds_lowcomm method over torchft (``lowcomm.fault_tolerance``; ``diloco``, ``demo``, ...): a
   torchft lighthouse on host 0; the others go on in a quorum without the dead replica, the
-  restarted one heals from a live peer at the next quorum;
+  restarted one heals from a live peer at the next quorum; ``diloco_lean``: diloco whose heal
+  leaves the inner optimizer's state out (``heal_inner_state`` false: the joiner's AdamW starts afresh);
 - ``torchft_diloco``: torchft's own DiLoCo (the network benchmark's peer, the diloco recipe's H,
   outer lr and momentum), a Manager per replica with the same lighthouse; it heals from a peer
   with torchft's own logic (its HTTP checkpoint transport, advertising the test host's address
@@ -53,7 +54,10 @@ from .runs import LINKS, add_model_args, effective_shape, method_spec, model_of,
 
 COLUMNS = ["entry", "kill_every_s", "kills", "survivor_steps_per_s", "no_fault_steps_per_s", "time_to_target_s",
            "final_val_loss", "no_fault_final_val_loss", "heal_bytes"]
-ENTRIES = ("diloco", "demo", "sparseloco", "torchft_diloco", "restart")
+ENTRIES = ("diloco", "diloco_lean", "demo", "sparseloco", "torchft_diloco", "restart")
+# entry -> (its method, what it adds to lowcomm.fault_tolerance): diloco_lean heals without the
+# inner optimizer's state (the joiner starts its AdamW afresh: half the heal's bytes)
+FT_ENTRIES = {"diloco_lean": ("diloco", {"heal_inner_state": False})}
 LIGHTHOUSE_PORT = 29510
 JOIN_TIMEOUT_MS = 10_000
 HEALED = re.compile(r"healed from a peer at step (\d+): (\d+) bytes at ([0-9.]+)")
@@ -140,7 +144,7 @@ def _kill_times(start: float, every: float | None, most: int = 0):
 
 
 def run_replicas(net: TestNetwork, spec: TrainSpec, peer: dict | None, kill_every: float | None, kills_at_most: int = 0,
-                 timeout: float = 3600) -> dict:
+                 timeout: float = 3600, ft_settings: dict | None = None) -> dict:
     """``net.hosts`` replicas over torchft (``peer`` None: ds_lowcomm's method, else torchft's
     DiLoCo), replica k > 0 killed and restarted under the schedule; replica 0's results."""
     n = net.hosts
@@ -168,7 +172,7 @@ def run_replicas(net: TestNetwork, spec: TrainSpec, peer: dict | None, kill_ever
 
         def start(i: int, first: bool) -> None:
             section = {"lighthouse": address, "replica_id": str(i), "num_replica_groups": n, "host": net.address(i),
-                       "timeout_s": 30.0}
+                       "timeout_s": 30.0, **(ft_settings or {})}
             if peer is None:
                 job = {"spec": dataclasses.replace(spec, lowcomm={**spec.lowcomm, "fault_tolerance": section}).to_dict(),
                        "peer": None}
@@ -275,7 +279,8 @@ def sync_every(spec: TrainSpec, peer: dict | None) -> int:
 def entry_run(entry: str, steps: int, eval_every: int, model: dict) -> tuple[TrainSpec, dict | None]:
     if entry == "torchft_diloco":
         return peer_spec(entry, steps, eval_every, **model), dict(PEERS[entry])
-    return method_spec("diloco" if entry == "restart" else entry, steps, eval_every, **model), None
+    method = "diloco" if entry == "restart" else FT_ENTRIES[entry][0] if entry in FT_ENTRIES else entry
+    return method_spec(method, steps, eval_every, **model), None
 
 
 def measure(entry: str, net: TestNetwork, spec: TrainSpec, peer, kill_every: float | None, kills_at_most: int = 0) -> dict:
@@ -285,7 +290,7 @@ def measure(entry: str, net: TestNetwork, spec: TrainSpec, peer, kill_every: flo
         return {"steps_per_s": spec.steps / rows[-1][0], "rows": rows, "kills": run["kills"],
                 "final_val_loss": run["r0"]["final_val_loss"], "heal_bytes": 0, "heals": [], "discarded": None,
                 "back_in_sync_s": []}
-    run = run_replicas(net, spec, peer, kill_every, kills_at_most)
+    run = run_replicas(net, spec, peer, kill_every, kills_at_most, ft_settings=FT_ENTRIES.get(entry, (None, None))[1])
     r0 = run["r0"]
     rows = [(h["time"] - run["began"], h["step"], h["val_loss"]) for h in r0["history"]]
     # a restarted replica is back in sync when it heals: the first heal after each restart
