@@ -51,6 +51,10 @@ COLUMNS = ["source", "setting", "method", "compute_s", "measured_step_s", "predi
 WIRE_COLUMNS = ["workers", "method", "syncs", "socket_bytes_per_sync", "predicted_socket_bytes_per_sync",
                 "predicted_wire_bytes_per_sync", "gloo_framing_bytes_per_sync", "ledger_bytes_per_sync"]
 STEP_WITHIN, BYTES_WITHIN = 0.15, 0.005
+# adamw and demo on 2 hosts re-measured with the codec of 2026-11-27 (network-2h.json's runs, of
+# 2026-11-23, predate the multi-tensor codec): python -m lowcomm_bench network --hosts 2 --repeats 3
+# --methods adamw,demo
+NETWORK_TODAY = "network-2h-2026-11-27.json"
 
 
 def _plan_row(method: str, settings: dict, *, hosts: int, rate: str | None, latency_ms: float, compute_s: float,
@@ -251,7 +255,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     args = ap.parse_args(argv)
     bench = Path(args.bench)
     rows = [*network_rows(bench / "network-2h.json"), *network_rows(bench / "network-4h.json"),
-            *time_to_loss_rows(bench / "time_to_loss.json"), *streaming_rows(bench / "streaming.csv")]
+            *network_rows(bench / NETWORK_TODAY), *time_to_loss_rows(bench / "time_to_loss.json"),
+            *streaming_rows(bench / "streaming.csv")]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "plan_check.csv", rows, COLUMNS)
