@@ -696,13 +696,15 @@ def test_fault_tolerance_settings_are_checked_by_name(monkeypatch):
     refused = {  # the DeepSpeed path: what a replica of its own job does not take yet, by name
         "zero_optimization.stage must be 0, 1 or 2 with lowcomm.fault_tolerance; got 3": {"zero_optimization": {"stage": 3}},
         "fp16.enabled must be false with lowcomm.fault_tolerance": {"fp16": {"enabled": True}},
+        "lowcomm.fault_tolerance.heal_inner_state must be true on the DeepSpeed path":
+            {"lowcomm": {"method": "diloco", "fault_tolerance": {**good, "heal_inner_state": False}}},
         "lowcomm.fault_tolerance: this job is one replica": {"lowcomm": {"method": "demo", "replica_size": 2}},
         "lowcomm.sync_delay must be 0 with lowcomm.fault_tolerance": {"lowcomm": {"method": "diloco", "sync_delay": 2}},
         "lowcomm.overlap must be false with lowcomm.fault_tolerance": {"lowcomm": {"method": "demo", "overlap": True}},
         "lowcomm.transport must be torch with lowcomm.fault_tolerance": {"lowcomm": {"method": "demo", "transport": "mpi"}},
     }
     for message, extra in refused.items():
-        lowcomm = {"method": "demo", **extra.get("lowcomm", {}), "fault_tolerance": good}
+        lowcomm = {"method": "demo", "fault_tolerance": good, **extra.get("lowcomm", {})}
         with pytest.raises(ConfigError, match=re.escape(message)):
             split_config({**base, **extra, "lowcomm": lowcomm})
     import argparse
