@@ -86,6 +86,9 @@ CODEC_GBPS = {device: (e["value"], e["source"]) for device, e in MEASURED["codec
 CODEC_BY_ELEMENTS = {device: sorted((float(n), float(g)) for n, g in e.get("by_elements", ()))
                      for device, e in MEASURED["codec_gbps"].items()}
 
+STEPS_RATIO = {m: e["value"] for m, e in MEASURED["steps_ratio"].items()}
+STEPS_RATIO_SOURCE = {m: e["source"] for m, e in MEASURED["steps_ratio"].items()}
+
 
 def default_codec_gbps(device: str, elements: float) -> float:
     """The measured codec throughput for ``elements`` parameters per worker: the device's figure;
@@ -101,8 +104,6 @@ def default_codec_gbps(device: str, elements: float) -> float:
             t = math.log(elements / n0) / math.log(n1 / n0)
             return g0 + t * (g1 - g0)
     return points[-1][1]
-STEPS_RATIO = {m: e["value"] for m, e in MEASURED["steps_ratio"].items()}
-STEPS_RATIO_SOURCE = {m: e["source"] for m, e in MEASURED["steps_ratio"].items()}
 
 
 # -- the model's shapes ---------------------------------------------------------------------------
@@ -541,7 +542,8 @@ def plan_method(method: str, inputs: PlanInputs, shapes=None) -> dict[str, Any]:
             "bytes_per_step": bytes_step, "wire_bytes_per_sync": wire_sync, "wire_bytes_per_step": wire_step,
             "warm_start": warm, "messages_per_sync": len(messages),
             "comm_s_per_step": comm_step, "exposed_comm_s_per_step": exposed_step, "codec_s_per_step": codec_step,
-            "step_s": step_s, "state_bytes_per_gpu": per_gpu, "parameters": elements, "settings": settings}
+            "step_s": step_s, "state_bytes_per_gpu": per_gpu, "parameters": elements, "codec_gbps": gbps,
+            "settings": settings}
 
 
 def plan(inputs: PlanInputs) -> dict[str, Any]:
@@ -564,7 +566,7 @@ def plan(inputs: PlanInputs) -> dict[str, Any]:
         row["ledger_bytes_vs_adamw"] = base["bytes_per_step"] / ledger if ledger else None
     return {"inputs": dataclasses.asdict(inputs), "parameters": base["parameters"],
             "comm_compute_ratio": base["comm_s_per_step"] / inputs.compute_s,
-            "codec_gbps": inputs.codec_gbps or default_codec_gbps(inputs.device, base["parameters"] / inputs.gpus_per_replica),
+            "codec_gbps": base["codec_gbps"],
             "codec_default": None if inputs.codec_gbps else CODEC_GBPS[inputs.device][1],
             "rows": [rows[m] for m in methods]}
 

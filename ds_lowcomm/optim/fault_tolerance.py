@@ -671,37 +671,30 @@ def replica_store(host: str, transport) -> tuple[Any, tuple[str, int]]:
     return store, (host, port)
 
 
-def _is_torch_optimizer_state(obj: Any) -> bool:
-    return isinstance(obj, dict) and isinstance(obj.get("state"), dict) and isinstance(obj.get("param_groups"), list)
+def _map_optimizer_states(sd: Any, fn) -> Any:
+    """``sd`` (a state_dict, nested dicts and lists) with ``fn`` applied to every torch optimizer
+    state_dict in it ({"state": {...}, "param_groups": [...]}; MuonWithAdamW nests two)."""
+    if isinstance(sd, dict) and isinstance(sd.get("state"), dict) and isinstance(sd.get("param_groups"), list):
+        return fn(sd)
+    if isinstance(sd, dict):
+        return {k: _map_optimizer_states(v, fn) for k, v in sd.items()}
+    if isinstance(sd, list):
+        return [_map_optimizer_states(v, fn) for v in sd]
+    return sd
 
 
 def _without_state(sd: Any) -> Any:
     """An optimizer's state_dict with every torch optimizer's per-parameter state left out (its
-    param_groups kept): what a new optimizer holds. Nested ones too (MuonWithAdamW's)."""
-    if _is_torch_optimizer_state(sd):
-        return {**sd, "state": {}}
-    if isinstance(sd, dict):
-        return {k: _without_state(v) for k, v in sd.items()}
-    if isinstance(sd, list):
-        return [_without_state(v) for v in sd]
-    return sd
+    param_groups kept): what a new optimizer holds."""
+    return _map_optimizer_states(sd, lambda o: {**o, "state": {}})
 
 
 def _optimizer_states(optimizer) -> int:
     """How many torch optimizer state_dicts ``optimizer``'s holds (nested ones counted); 0 for None."""
-    if optimizer is None:
-        return 0
-
-    def count(sd):
-        if _is_torch_optimizer_state(sd):
-            return 1
-        if isinstance(sd, dict):
-            return sum(count(v) for v in sd.values())
-        if isinstance(sd, list):
-            return sum(count(v) for v in sd)
-        return 0
-
-    return count(optimizer.state_dict())
+    found: list = []
+    if optimizer is not None:
+        _map_optimizer_states(optimizer.state_dict(), found.append)
+    return len(found)
 
 
 def tensor_bytes(obj: Any) -> int:
