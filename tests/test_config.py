@@ -34,6 +34,11 @@ from ds_lowcomm.config import ConfigError, LowcommConfig, check_lr
         ({"method": "dct_diloco", "sync_every": 4, "sync_delay": 4},
          r"lowcomm.sync_delay must be an integer in \[0, 3\] \(a fragment's sync must land before its next one"),
         ({"method": "sparseloco", "fragment_mix": 1.5}, r"lowcomm.fragment_mix must be a number in \[0, 1\]; got 1.5"),
+        ({"method": "dct_diloco", "carry_local_steps": True},
+         r"lowcomm.carry_local_steps needs lowcomm.sync_delay >= 1 \(with 0 a sync lands at its send"),
+        ({"method": "diloco", "sync_delay": 1, "carry_local_steps": True, "fragment_mix": 0.5},
+         r"lowcomm.carry_local_steps and lowcomm.fragment_mix are two ways to land a sync: set fragment_mix to 0"),
+        ({"method": "diloco", "sync_delay": 1, "carry_local_steps": 1}, r"lowcomm.carry_local_steps must be"),
         # MT-DAO
         ({"method": "mtdao", "momentum_betas": [0.9, 0.99], "momentum_weights": [0.5]},
          r"lowcomm.momentum_weights must be a list with one weight per momentum_betas entry \(2\)"),

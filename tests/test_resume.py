@@ -31,8 +31,11 @@ LOWCOMM = {
     "diloco_streaming": {"method": "diloco", "sync_every": 3, "fragments": 3, "sync_delay": 1},
     "dct_diloco_streaming": {"method": "dct_diloco", "sync_every": 3, "fragments": 3, "sync_delay": 2,
                              "fragment_mix": 0.5, "topk": 8, "chunk": 16},
+    # carry_local_steps: each replica's start of the in-flight steps is state too (saved at step 5)
+    "dct_diloco_carry": {"method": "dct_diloco", "sync_every": 3, "fragments": 3, "sync_delay": 2,
+                         "carry_local_steps": True, "topk": 8, "chunk": 16},
 }
-STREAMING = {"diloco_streaming", "dct_diloco_streaming"}
+STREAMING = {"diloco_streaming", "dct_diloco_streaming", "dct_diloco_carry"}
 
 
 def _runs_worker(rank, world, workdir, resume):

@@ -15,11 +15,11 @@ OUTER = dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True)
 FRAGMENTS = [[0], [1, 2, 3]]  # tiny_model(): 512-element weight | its bias, 128-element weight, bias
 
 
-def _worker(rank, world, delay, mix):
+def _worker(rank, world, delay, mix, carry=False):
     model = tiny_model()
     params = list(model.parameters())
     opt = DiLoCo(torch.optim.SGD(params, lr=LR), sync_every=H, fragments=2, sync_delay=delay, fragment_mix=mix,
-                 **OUTER)
+                 carry_local_steps=carry, **OUTER)
     position = {id(p): i for i, p in enumerate(params)}
     fragments = [[position[id(p)] for p in f] for f in opt.fragments_of(params)]
     in_flight, sent = [], []
@@ -33,7 +33,7 @@ def _worker(rank, world, delay, mix):
             "sent": sent}
 
 
-def _replay(world, delay, mix):
+def _replay(world, delay, mix, carry=False):
     models = [tiny_model() for _ in range(world)]
     anchor = [p.detach().double().numpy().copy() for p in models[0].parameters()]
     momentum = [np.zeros_like(a) for a in anchor]
@@ -46,21 +46,24 @@ def _replay(world, delay, mix):
             if t >= offset and (t - offset) % H == 0:  # send: the mean pseudo-gradient, as of now
                 local = [[list(m.parameters())[i].detach().double().numpy() for i in members] for m in models]
                 pending[f] = (t, [sum(anchor[i] - local[r][n] for r in range(world)) / world
-                                  for n, i in enumerate(members)])
+                                  for n, i in enumerate(members)], [[x.copy() for x in own] for own in local])
             if f in pending and pending[f][0] == t - delay:  # land
                 for n, i in enumerate(members):
                     g = pending[f][1][n]
                     momentum[i] = OUTER["outer_momentum"] * momentum[i] + g
                     anchor[i] = anchor[i] - OUTER["outer_lr"] * (g + OUTER["outer_momentum"] * momentum[i])
-                    for m in models:
+                    for r, m in enumerate(models):
                         with torch.no_grad():
                             p = list(m.parameters())[i]
-                            p.copy_(torch.as_tensor(mix * p.double().numpy() + (1 - mix) * anchor[i]))
+                            now = p.double().numpy()
+                            # carry: the replica's own steps since the send, on top of the new anchor
+                            new = anchor[i] + (now - pending[f][2][r][n]) if carry else mix * now + (1 - mix) * anchor[i]
+                            p.copy_(torch.as_tensor(new))
                 del pending[f]
     return [[p.detach().double().numpy() for p in m.parameters()] for m in models]
 
 
-CASES = [(0, 0.0), (1, 0.5), (3, 0.0)]
+CASES = [(0, 0.0), (1, 0.5), (3, 0.0), (2, 0.0, True)]
 
 
 def _cases_worker(rank, world):
@@ -74,10 +77,11 @@ def runs():
     return {case: [r[case] for r in results] for case in CASES}
 
 
-@pytest.mark.parametrize("delay,mix", CASES)
-def test_streaming_diloco_matches_replay(delay, mix, runs):
-    results = runs[(delay, mix)]
-    replay = _replay(2, delay, mix)
+@pytest.mark.parametrize("case", CASES)
+def test_streaming_diloco_matches_replay(case, runs):
+    results = runs[case]
+    replay = _replay(2, *case)
+    delay = case[0]
     assert results[0]["fragments"] == FRAGMENTS
     for r, res in enumerate(results):
         for got, want in zip(res["final"], replay[r]):

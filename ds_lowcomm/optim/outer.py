@@ -22,7 +22,10 @@ parameters are cut into P contiguous groups of about equal size; fragment f sync
 t with t = (f + 1) * H // P (mod H), so one fragment at a time is on the wire. A sync is started
 without blocking and lands ``sync_delay`` inner steps later (the inner steps run meanwhile); the
 landed global fragment replaces the local one, or with ``fragment_mix`` a > 0 becomes
-a * local + (1 - a) * global. P = 1 with no delay is plain DiLoCo.
+a * local + (1 - a) * global, or with ``carry_local_steps`` becomes the new global fragment plus
+this replica's own progress since the send (the inner steps that ran while the sync was in flight
+are kept, as overlapped Local SGD / CO2 keep them, instead of being overwritten). P = 1 with no
+delay is plain DiLoCo.
 """
 
 from __future__ import annotations
@@ -65,20 +68,31 @@ def contiguous_fragments(params: list, n: int) -> list[list]:
 class StreamingSettings(Settings):
     """Streaming DiLoCo: the parameters in ``fragments`` groups synced on a staggered schedule;
     each sync lands ``sync_delay`` inner steps after it is sent, and the landed global fragment
-    replaces (``fragment_mix`` 0) or is mixed with the local one. Bounds that depend on H are
+    replaces (``fragment_mix`` 0) or is mixed with the local one, or (``carry_local_steps``)
+    takes the replica's steps made while it was in flight on top. Bounds that depend on H are
     checked by the outer loop's settings."""
 
     fragments: int = 1
     sync_delay: int = 0
     fragment_mix: float = 0.0
+    # The landed fragment is the new anchor plus this replica's progress since the send: the
+    # sync_delay inner steps run while it was in flight count, where replacing drops them.
+    carry_local_steps: bool = False
 
     def check(self, where: str) -> None:
         check_unit(where, "fragment_mix", self.fragment_mix)
+        check_bool(where, "carry_local_steps", self.carry_local_steps)
+        if self.carry_local_steps and self.fragment_mix:
+            raise ConfigError(f"{where}.carry_local_steps and {where}.fragment_mix are two ways to land a sync: "
+                              f"set fragment_mix to 0 with carry_local_steps true (got {self.fragment_mix})")
 
     def check_against(self, where: str, sync_every: int) -> None:
         check_int(where, "fragments", self.fragments, 1, sync_every, hint="sync_every: one fragment sync per step at most")
         check_int(where, "sync_delay", self.sync_delay, 0, sync_every - 1,
                   hint="a fragment's sync must land before its next one starts")
+        if self.carry_local_steps and not self.sync_delay:
+            raise ConfigError(f"{where}.carry_local_steps needs {where}.sync_delay >= 1 (with 0 a sync lands at its "
+                              "send: there are no steps in flight to carry)")
 
 
 @dataclass(frozen=True)
@@ -341,6 +355,9 @@ class OuterLoop(LowcommOptimizer):
         for p in fragment:
             self.state[p]["sync_sent_at"] = step
         if owned:
+            if self.settings.streaming.carry_local_steps:  # where this replica's in-flight steps start
+                for p in owned:
+                    self.state[p]["sent_from"] = p.detach().to(self.state_dtype, copy=True)
             deltas = [self.state[p]["anchor"] - p.to(self.state_dtype) for p in owned]
             self._in_flight[tuple(id(p) for p in fragment)] = (owned, self._start_combine(owned, deltas))
 
@@ -349,7 +366,10 @@ class OuterLoop(LowcommOptimizer):
             in_flight = self._in_flight.pop(tuple(id(p) for p in fragment), None)
             # After state_dict() (a checkpoint) the landed result waits in the state instead.
             updates = in_flight[1].wait() if in_flight else [self.state[p].pop("landed_update") for p in owned]
-            self._apply_outer(owned, updates)
+            carried = None
+            if self.settings.streaming.carry_local_steps:
+                carried = [p.to(self.state_dtype) - self.state[p].pop("sent_from") for p in owned]
+            self._apply_outer(owned, updates, carried)
         self._share(fragment)
         for p in fragment:
             state = self.state[p]
@@ -384,9 +404,11 @@ class OuterLoop(LowcommOptimizer):
         change only once it is committed)."""
         return []
 
-    def _apply_outer(self, params: list[torch.Tensor], updates: list[torch.Tensor]) -> None:
+    def _apply_outer(self, params: list[torch.Tensor], updates: list[torch.Tensor],
+                     carried: list[torch.Tensor] | None = None) -> None:
         """The outer optimizer steps these parameters' anchors along ``updates`` (their ``.grad``;
-        the other anchors have none, so it leaves them be); the parameters take the new anchors."""
+        the other anchors have none, so it leaves them be); the parameters take the new anchors
+        (plus ``carried``, this replica's steps since the send, with ``carry_local_steps``)."""
         anchors = [self.state[p]["anchor"] for p in params]
         optimizer = self._anchor_optimizer_for(params)
         for anchor, update in zip(anchors, updates):
@@ -399,8 +421,10 @@ class OuterLoop(LowcommOptimizer):
             for anchor in anchors:
                 anchor.grad = None
         mix = self.settings.streaming.fragment_mix
-        for p, anchor in zip(params, anchors):
-            if mix:
+        for i, (p, anchor) in enumerate(zip(params, anchors)):
+            if carried is not None:
+                p.copy_(anchor + carried[i])
+            elif mix:
                 p.mul_(mix).add_(anchor.to(p.dtype), alpha=1.0 - mix)
             else:
                 p.copy_(anchor)

@@ -101,6 +101,13 @@ VARIANTS = {"diloco_streaming": ("diloco", {"fragments": 4, "sync_delay": 4}), "
             "muloco_dct": ("dct_diloco", {"inner_optimizer": "muon", "inner_muon_lr": 0.05, "sync_every": 5, "topk": 4,
                                           "chunk": 8, "value_dtype": "2bit", "decay": 0.99, "outer_lr": 1.0,
                                           "outer_momentum": 0.0, "average": "world"})}
+# The same two with their sync overlapped: sent without blocking, landing H - 1 inner steps later
+# (the longest the schedule allows, chosen for the link, not tuned on the loss), the steps run
+# meanwhile carried onto the new anchor (carry_local_steps). muloco_sparse_overlap is MuLoCo's
+# design with ds_lowcomm's overlap, to tell the codec's share of a lead from the overlap's.
+VARIANTS["muloco_dct_overlap"] = ("dct_diloco", {**VARIANTS["muloco_dct"][1], "sync_delay": 4, "carry_local_steps": True})
+VARIANTS["muloco_sparse_overlap"] = ("sparseloco", {"inner_optimizer": "muon", "sync_every": 10, "sync_delay": 9,
+                                                    "carry_local_steps": True})
 
 
 def method_spec(method: str, steps: int, eval_every: int, **model) -> TrainSpec:
