@@ -105,9 +105,9 @@ def _sgd_case(rank, world, settings):
     outer = opt.anchor_optimizer
     position = {id(p): i for i, p in enumerate(params)}
 
-    def earlier_format(sd):  # what a checkpoint saved before outer_optimizer was a setting holds
+    def earlier_format(sd):  # what a checkpoint saved before outer_optimizer (and carry_local_steps) was a setting holds
         settings = sd["lowcomm"]["settings"]
-        for key in ("outer_optimizer", "outer_betas", "outer_eps", "outer_weight_decay"):
+        for key in ("outer_optimizer", "outer_betas", "outer_eps", "outer_weight_decay", "carry_local_steps"):
             del settings[key]
         return sd
 

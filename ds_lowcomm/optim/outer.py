@@ -178,9 +178,10 @@ class SparseLoCoSettings(OuterSettings):
 
 
 # The settings a checkpoint saved before they existed lacks (the outer optimizer's, the inner
-# optimizer's choice); it was made with their defaults.
+# optimizer's choice, the overlapped landing); it was made with their defaults.
 _OUTER_OPTIMIZER_KEYS = ("outer_optimizer", "outer_betas", "outer_eps", "outer_weight_decay")
 _INNER_OPTIMIZER_KEYS = ("inner_optimizer", "inner_muon_lr", "inner_muon_momentum")
+_LANDING_KEYS = ("carry_local_steps",)
 
 
 def build_outer_optimizer(settings: OuterSettings, anchors: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -466,7 +467,7 @@ class OuterLoop(LowcommOptimizer):
 
     def load_state_dict(self, state_dict):
         lowcomm = state_dict.get("lowcomm") if isinstance(state_dict, dict) else None
-        missing = [k for k in (*_OUTER_OPTIMIZER_KEYS, *_INNER_OPTIMIZER_KEYS)
+        missing = [k for k in (*_OUTER_OPTIMIZER_KEYS, *_INNER_OPTIMIZER_KEYS, *_LANDING_KEYS)
                    if lowcomm is not None and k not in lowcomm["settings"]]
         if missing:
             # Saved before these were settings: with their defaults (the state's keys did not change).
