@@ -66,15 +66,36 @@ def _replay(world, delay, mix, carry=False):
 CASES = [(0, 0.0), (1, 0.5), (3, 0.0), (2, 0.0, True)]
 
 
+def _carry_bf16_state(rank, world):
+    """fp32 parameters, anchors in bf16 (state_dtype), carry_local_steps: at the landing step,
+    what the parameters become, beside the same sum worked out here in fp32 from the parameters
+    at the send and the inner step (SGD) just before the landing."""
+    model = tiny_model()
+    params = list(model.parameters())
+    opt = DiLoCo(torch.optim.SGD(params, lr=LR), sync_every=H, sync_delay=2, carry_local_steps=True,
+                 state_dtype="bf16", **OUTER)
+    for s in range(H + 1):  # sent after step H, in flight during H + 1
+        tiny_loss(model, rank, s).backward()
+        opt.step()
+        opt.zero_grad()
+    sent = [opt.state[p]["sent_from"].clone() for p in params]
+    tiny_loss(model, rank, H + 1).backward()
+    with torch.no_grad():
+        inner = [p - LR * p.grad for p in params]  # SGD's step, the last before the landing
+    opt.step()  # lands
+    return {"landed": [p.detach().clone() for p in params], "sent": sent, "inner": inner,
+            "anchors": [opt.state[p]["anchor"].float() for p in params]}
+
+
 def _cases_worker(rank, world):
     """Every case in one launch of 2 processes (a launch costs more than the runs)."""
-    return {case: _worker(rank, world, *case) for case in CASES}
+    return {**{case: _worker(rank, world, *case) for case in CASES}, "bf16": _carry_bf16_state(rank, world)}
 
 
 @pytest.fixture(scope="module")
 def runs():
     results = run_local_workers(_cases_worker, 2)
-    return {case: [r[case] for r in results] for case in CASES}
+    return {case: [r[case] for r in results] for case in [*CASES, "bf16"]}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -92,6 +113,18 @@ def test_streaming_diloco_matches_replay(case, runs):
     if delay:
         # each sync is still in flight while the next `delay` inner steps run (with delay 3, two at once)
         assert results[0]["in_flight"] == [sum(t0 <= t < t0 + delay for t0 in sends) for t in range(1, STEPS + 1)]
+
+
+def test_carried_steps_keep_fp32_precision_with_bf16_anchors(runs):
+    """The steps carried onto a bf16 anchor are the fp32 parameters' exact progress: the copy at
+    the send is the parameter's own dtype, not state_dtype's (a bf16 copy would round the progress
+    away at the size of the parameters, far more than the check's tolerance)."""
+    for res in runs["bf16"]:
+        for landed, sent, inner, anchor in zip(res["landed"], res["sent"], res["inner"], res["anchors"]):
+            assert sent.dtype == torch.float32
+            torch.testing.assert_close(landed, anchor + (inner - sent), rtol=0, atol=1e-6)
+            rounded = anchor + (inner.bfloat16().float() - sent.bfloat16().float())
+            assert (rounded - landed).abs().max() > 1e-4
 
 
 def test_fragments_are_contiguous_and_balanced():

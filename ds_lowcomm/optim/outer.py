@@ -358,7 +358,8 @@ class OuterLoop(LowcommOptimizer):
         if owned:
             if self.settings.streaming.carry_local_steps:  # where this replica's in-flight steps start
                 for p in owned:
-                    self.state[p]["sent_from"] = p.detach().to(self.state_dtype, copy=True)
+                    # in the parameter's own dtype: an exact copy, so the progress is exact whatever state_dtype
+                    self.state[p]["sent_from"] = p.detach().clone()
             deltas = [self.state[p]["anchor"] - p.to(self.state_dtype) for p in owned]
             self._in_flight[tuple(id(p) for p in fragment)] = (owned, self._start_combine(owned, deltas))
 
@@ -369,7 +370,7 @@ class OuterLoop(LowcommOptimizer):
             updates = in_flight[1].wait() if in_flight else [self.state[p].pop("landed_update") for p in owned]
             carried = None
             if self.settings.streaming.carry_local_steps:
-                carried = [p.to(self.state_dtype) - self.state[p].pop("sent_from") for p in owned]
+                carried = [p.float() - self.state[p].pop("sent_from").float() for p in owned]
             self._apply_outer(owned, updates, carried)
         self._share(fragment)
         for p in fragment:
@@ -424,7 +425,7 @@ class OuterLoop(LowcommOptimizer):
         mix = self.settings.streaming.fragment_mix
         for i, (p, anchor) in enumerate(zip(params, anchors)):
             if carried is not None:
-                p.copy_(anchor + carried[i])
+                p.copy_(anchor.float() + carried[i])  # one rounding to the parameter's dtype
             elif mix:
                 p.mul_(mix).add_(anchor.to(p.dtype), alpha=1.0 - mix)
             else:
