@@ -392,7 +392,10 @@ def state_bytes_per_element(method: str, settings: dict, param_bytes: int = 4, s
     inner = 2 * param_bytes  # AdamW's two moments; Muon keeps one momentum buffer on the matrices
     if settings.get("inner_optimizer") == "muon":
         inner = (param_bytes * on_matrices + 2 * param_bytes * (elements - on_matrices)) / elements
-    return inner + state + outer_state + residual  # inner optimizer, anchor, outer optimizer, residual
+    # carry_local_steps: while a sync is in flight, a copy of its parameters as they were at the send
+    # (their own dtype); counted whole, the peak with one fragment
+    carried = param_bytes if settings.get("carry_local_steps") else 0
+    return inner + state + outer_state + residual + carried  # inner optimizer, anchor, outer optimizer, residual
 
 
 def muon_memory(shapes, other: set[int], gpus: int, zero_stage: int, state_bytes: int = 4) -> dict[str, float]:
@@ -623,12 +626,32 @@ def add_arguments(p) -> None:
                    help="also: optimizer bytes per GPU of demo's Muon step against DeepSpeed's own Muon")
 
 
+def config_methods(raw: Any, where: str = "--config") -> tuple[dict[str, dict], bool]:
+    """``--config``'s JSON -> ({method: lowcomm settings}, whether they replace the recipes'). Either
+    a DeepSpeed config with a ``"lowcomm"`` section (the files users copy, ``configs/*.json``): its
+    method at exactly those settings; or ``{method: {settings}}`` over the compare recipes."""
+    if isinstance(raw, dict) and "lowcomm" in raw:
+        section = raw["lowcomm"]
+        if not isinstance(section, dict) or "method" not in section:
+            raise ConfigError(f"{where}: the config's lowcomm section must be an object with a method, one of "
+                              f"{', '.join(METHODS)}; got {section!r}")
+        settings = {k: v for k, v in section.items() if k != "method"}
+        return {section["method"]: settings}, True
+    if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
+        raise ConfigError(f"{where} must be a DeepSpeed config with a \"lowcomm\" section, or an object "
+                          "{method: {lowcomm settings}} over the recipes; got " + repr(raw)[:200])
+    return raw, False
+
+
 def run_plan(args) -> dict:
     methods = {m.strip(): dict(RECIPES[m.strip()]["lowcomm"]) if m.strip() in RECIPES else {}
                for m in args.methods.split(",") if m.strip()}
+    given = {}
     if args.config:
-        for m, over in json.loads(open(args.config).read()).items():
-            methods.setdefault(m, {}).update(over)
+        with open(args.config) as f:
+            given, replace = config_methods(json.load(f), f"--config {args.config}")
+        for m, over in given.items():
+            methods[m] = dict(over) if replace else {**methods.get(m, {}), **over}
     ratio = dict(STEPS_RATIO)
     if args.steps_ratio:
         ratio.update(json.loads(args.steps_ratio))
@@ -640,6 +663,10 @@ def run_plan(args) -> dict:
                         codec_gbps=args.codec_gbps, methods=methods, steps_ratio=ratio)
     result = plan(inputs)
     print(format_table(result))
+    for m in given:
+        if not args.steps_ratio or m not in json.loads(args.steps_ratio):
+            print(f"{m}: steps x is its compare recipe's measured ratio, not your settings' "
+                  "(--steps-ratio '{\"" + m + "\": R}' gives yours)")
     if getattr(args, "muon", False):
         shapes = model_shapes(args.model)
         # the embeddings (the GPT's token and position tables) and an untied output head

@@ -63,7 +63,7 @@ def one_rank_world(tmp_path_factory):
     ("mtdao", {"sync_codec": "topk", "topk": 8, "chunk": 8}), ("mtdao", {"outer_optimizer": "sgd", "switch_step": 1}),
     ("mtdao", {"momentum_betas": [0.9, 0.999], "momentum_weights": [0.5, 0.3], "switch_step": 2}),
     ("dion", {}), ("dion", {"value_dtype": "bf16"}), ("diloco", {"inner_optimizer": "muon"}),
-    ("sparseloco", {"inner_optimizer": "muon"})])
+    ("sparseloco", {"inner_optimizer": "muon"}), ("dct_diloco", {"sync_delay": 1, "carry_local_steps": True})])
 def test_the_memory_figure_is_the_optimizer_state(one_rank_world, method, extra):
     """The planner's state bytes per element x the model's elements = the tensors the method holds
     after a sync (its own state and, for the outer methods, the inner AdamW's and the outer
@@ -77,7 +77,8 @@ def test_the_memory_figure_is_the_optimizer_state(one_rank_world, method, extra)
     cfg = LowcommConfig.from_dict(raw)
     opt = build_optimizer(cfg, model_param_groups(cfg, model, model.parameters()), lr=1e-3)
     x = torch.randint(0, 256, (2, 33))
-    for _ in range(3):  # past a sync
+    steps = 4 if extra.get("carry_local_steps") else 3  # carried: the second sync in flight (its peak)
+    for _ in range(steps):  # past a sync
         loss = torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten())
         loss.backward()
         opt.step()
@@ -94,7 +95,7 @@ def test_the_memory_figure_is_the_optimizer_state(one_rank_world, method, extra)
     matrices = planner.hidden_matrices("reference", shapes)  # the GPT's: its embeddings lead
     assert planner.state_bytes_per_element(method, cfg.effective(), 4, shapes, matrices) * elements == pytest.approx(held)
     counted = {op: calls for op, (calls, _, _) in opt.ledger.by_op.items() if op != "setup"}
-    planned = planner.planned_ledger(method, cfg.effective(), shapes, steps=3, matrices=matrices)
+    planned = planner.planned_ledger(method, cfg.effective(), shapes, steps=steps, matrices=matrices)
     assert counted == {op: calls for op, (calls, _) in planned.items()}
 
 
@@ -135,6 +136,34 @@ def test_the_plan_command_writes_its_table_and_json(tmp_path, capsys):
     for r in overlapped["rows"]:
         assert r["wire_bytes_per_step"] > r["bytes_per_step"]  # 4 replicas: a ring sends more than the ledger counts
     assert main(["plan", "--replicas", "0"]) == 2
+
+
+def test_the_plan_takes_a_shipped_deepspeed_config(tmp_path, capsys):
+    """--config: a DeepSpeed config users copy plans its method at exactly its settings (the overlapped
+    muloco_dct: its sync, 3 x the compute after its send, waits for nothing at 3 Mbit/s; the same
+    without the delay waits for all of it); {method: settings} still goes over the recipes; anything
+    else is refused by name, not a traceback."""
+    from ds_lowcomm.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    link = ["plan", "--model", "reference", "--replicas", "2", "--link-gbit", "0.003", "--device", "cpu",
+            "--compute-s", "0.084", "--methods", "adamw,dct_diloco"]
+    blocking = json.loads((root / "configs/muloco_dct.json").read_text())
+    (tmp_path / "blocking.json").write_text(json.dumps(blocking))
+    for name, path in (("overlap", root / "configs/muloco_dct_overlap.json"), ("blocking", tmp_path / "blocking.json")):
+        assert main([*link, "--config", str(path), "--json", str(tmp_path / f"{name}.json")]) == 0
+    overlap, plain = (json.loads((tmp_path / f"{n}.json").read_text())["rows"][1] for n in ("overlap", "blocking"))
+    assert overlap["settings"]["sync_delay"] == 3 and overlap["settings"]["topk"] == 8  # the file's, not the recipe's
+    assert overlap["settings"]["carry_local_steps"] and overlap["sync_every"] == 5
+    assert 0 < overlap["comm_s_per_step"] * 5 < 3 * 0.084 and overlap["exposed_comm_s_per_step"] == 0
+    assert plain["exposed_comm_s_per_step"] == pytest.approx(plain["comm_s_per_step"])
+    assert "steps x is its compare recipe's measured ratio" in capsys.readouterr().out
+    for bad, match in (({"lowcomm": {"topk": 8}}, "lowcomm section must be an object with a method"),
+                       ({"dct_diloco": 5}, "must be a DeepSpeed config with a \"lowcomm\" section")):
+        (tmp_path / "bad.json").write_text(json.dumps(bad))
+        with pytest.raises(ConfigError, match=match):
+            planner.config_methods(bad)
+        assert main([*link, "--config", str(tmp_path / "bad.json")]) == 2
 
 
 def test_the_last_bucket_is_ddps():
