@@ -128,6 +128,40 @@ def time_to_loss_rows(path: Path) -> list[dict]:
     return out
 
 
+# issue 41's outer entries with Muon inside, blocking and overlapped (sync_delay, carry_local_steps)
+TUNED_OUTER_ENTRIES = ("muloco_dct", "muloco_dct_overlap", "muloco_sparse", "muloco_sparse_overlap")
+
+
+def tuned_outer_rows(path: Path, sweep_csv: Path) -> list[dict]:
+    """Every shaped timing run of a time-to-loss benchmark run with ``--from-sweep`` (issue 41's
+    overlap runs), for the ds_lowcomm outer entries: each planned at the settings it ran with (its
+    variant's, the sweep's best row over them), the blocking sync waited for, the overlapped one
+    hidden behind sync_delay steps."""
+    from .time_to_loss import entry_spec
+    from .tuning import best, with_settings
+
+    data = json.loads(path.read_text())
+    tuned = best(sweep_csv, budget=data["args"]["tune_budget"], rank_by=data["args"]["tune_by"])
+    model = {k: data["args"][k] for k in ("n_layer", "n_embd", "seq_len")}
+    shapes = planner.gpt_shapes(model["n_layer"], model["n_embd"], 256, model["seq_len"])
+    results, out = data["results"], []
+    for key, value in results.items():
+        hosts, link, entry = key.split("@")
+        timing = value.get("timing")
+        if link == "unshaped" or entry not in TUNED_OUTER_ENTRIES or not timing:
+            continue
+        spec, _ = with_settings(*entry_spec(entry, 300, 5, model), tuned[entry]["settings"])
+        settings = {k: v for k, v in spec.lowcomm.items() if k != "method"}
+        unshaped = results[f"{hosts}@unshaped@{entry}"]["timing"]
+        compute = _per_step(unshaped, "train_s") - _per_step(unshaped, "codec_s")
+        row = _plan_row(spec.lowcomm["method"], settings, hosts=int(hosts), rate=LINKS[link].rate,
+                        latency_ms=LINKS[link].delay_ms if timing["delay_applied"] else 0.0, compute_s=compute,
+                        shapes=shapes)
+        out.append(_row(f"issue41/{path.parent.name}", f"{hosts}h-{link}", entry, compute,
+                        _per_step(timing, "train_s"), _per_step(timing, "codec_s"), row))
+    return out
+
+
 def streaming_rows(path: Path) -> list[dict]:
     """The streaming benchmark (2 hosts; the GPT of its JSON's args): the step where a sync lands
     (DiLoCo's whole sync; a streaming fragment's, sync_delay steps after it was sent), predicted
@@ -247,16 +281,21 @@ def measure_wire(workers: int, methods: list[str], steps: int = 4, n_layer: int 
     return wire_rows(results, workers, methods, steps, planner.gpt_shapes(n_layer, n_embd, 256, seq_len))
 
 
+def step_rows(bench: Path) -> list[dict]:
+    """Every measured step of the committed benchmarks under ``bench`` beside the planner's."""
+    return [*network_rows(bench / "network-2h.json"), *network_rows(bench / "network-4h.json"),
+            *network_rows(bench / NETWORK_TODAY), *time_to_loss_rows(bench / "time_to_loss.json"),
+            *streaming_rows(bench / "streaming.csv"),
+            *tuned_outer_rows(bench / "issue41/overlap/time_to_loss.json", bench / "issue41/tuning_rows.csv")]
+
+
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m lowcomm_bench plan_check", description=__doc__.split("\n\n")[0])
     ap.add_argument("--bench", default="docs/bench", help="where the measured benchmark files are")
     ap.add_argument("--out", default="runs/bench/plan_check")
     ap.add_argument("--workers", default="2,4", help="worker counts of the bytes-at-the-socket runs ('' : none)")
     args = ap.parse_args(argv)
-    bench = Path(args.bench)
-    rows = [*network_rows(bench / "network-2h.json"), *network_rows(bench / "network-4h.json"),
-            *network_rows(bench / NETWORK_TODAY), *time_to_loss_rows(bench / "time_to_loss.json"),
-            *streaming_rows(bench / "streaming.csv")]
+    rows = step_rows(Path(args.bench))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     write_csv(out / "plan_check.csv", rows, COLUMNS)
