@@ -31,7 +31,12 @@ LOWCOMM = {
                    "average": "world"},
     "sparseloco": {"method": "sparseloco", "sync_every": 3, "topk": 16, "chunk": 16},
     "mtdao": {"method": "mtdao", "sync_every": 3},
+    # the sync of step 3 lands at 5 with the steps between carried: the save at step 4 holds it in
+    # flight (its result and each replica's copy at the send, through ZeRO's partitions too)
+    "dct_diloco_carry": {"method": "dct_diloco", "sync_every": 3, "sync_delay": 2, "carry_local_steps": True,
+                         "topk": 32, "chunk": 16, "value_dtype": "bf16", "average": "world"},
 }
+CARRIED = {"dct_diloco_carry"}  # replicas keep their own steps since the send: never equal at the end
 # Streaming syncs cut the model into parameter fragments: ZeRO 0 only (ZeRO 1/2 hand one flat partition).
 ZERO0_ONLY = {"diloco_streaming": {"method": "diloco", "sync_every": 3, "fragments": 3, "sync_delay": 1},
               "demo_muon": {"method": "demo", "topk": 4, "chunk": 8, "update": "muon"},  # embeddings by sign both ways
@@ -111,8 +116,9 @@ def test_every_method_at_every_zero_stage(stage, two_ranks):
         hist = m["history"]
         assert hist[-1]["train_loss"] < hist[0]["train_loss"], f"{method}: loss did not fall"
         assert hist[-1]["val_loss"] < math.log(256), method
-        # 6 steps = 2 outer intervals: every method promises identical replicas here
-        assert len(set(m["params_digests"])) == 1, method
+        # 6 steps = 2 outer intervals: every method promises identical replicas here (but one whose
+        # last sync is in flight, the replicas' own steps carried)
+        assert len(set(m["params_digests"])) == (2 if method in CARRIED else 1), method
         assert m["ledgers"][0]["method"]["steps"] == 6, method  # one ledger step per engine step
         # The engine's own gradient reduction moved no byte between the two replicas.
         engine = m["engine_ops_during_training"]
