@@ -603,11 +603,14 @@ def add_arguments(p) -> None:
     p.add_argument("--model", default=d.model, help=f"one of {', '.join(MODELS)}")
     p.add_argument("--replicas", type=int, default=d.replicas)
     p.add_argument("--gpus-per-replica", type=int, default=d.gpus_per_replica)
-    p.add_argument("--zero-stage", type=int, default=d.zero_stage)
+    p.add_argument("--zero-stage", type=int, default=None,
+                   help=f"default: --config's zero_optimization.stage, else {d.zero_stage}")
     p.add_argument("--link-gbit", type=float, default=d.link_gbit, help="Gbit/s between replicas, per worker")
     p.add_argument("--latency-ms", type=float, default=d.latency_ms, help="one-way, between replicas")
     p.add_argument("--compute-s", type=float, default=d.compute_s, help="one step's compute, no communication")
-    p.add_argument("--grad-bytes", type=int, default=d.grad_bytes, help="4 (fp32) or 2 (bf16) per dense element")
+    p.add_argument("--grad-bytes", type=int, default=None,
+                   help=f"4 (fp32) or 2 (bf16) per dense element; default: 2 where --config enables bf16 or fp16, "
+                        f"else {d.grad_bytes}")
     p.add_argument("--param-bytes", type=int, default=d.param_bytes)
     p.add_argument("--device", default=d.device, help="whose measured codec throughput is the default: gpu, cpu")
     p.add_argument("--codec-gbps", type=float, default=None, help="your `bench codec` figure (GB/s)")
@@ -635,6 +638,9 @@ def config_methods(raw: Any, where: str = "--config") -> tuple[dict[str, dict], 
         if not isinstance(section, dict) or "method" not in section:
             raise ConfigError(f"{where}: the config's lowcomm section must be an object with a method, one of "
                               f"{', '.join(METHODS)}; got {section!r}")
+        if "replicas" in section:
+            raise ConfigError(f"{where}: lowcomm.replicas (replicas of different shapes) is not planned: the planner's "
+                              "replicas are alike (--replicas, --gpus-per-replica); drop it from a copy to plan one shape")
         settings = {k: v for k, v in section.items() if k != "method"}
         return {section["method"]: settings}, True
     if not isinstance(raw, dict) or not all(isinstance(v, dict) for v in raw.values()):
@@ -643,28 +649,49 @@ def config_methods(raw: Any, where: str = "--config") -> tuple[dict[str, dict], 
     return raw, False
 
 
+def config_framework(raw: Any) -> dict[str, int]:
+    """What a DeepSpeed config says of the planner's inputs: its ZeRO stage, and 2-byte gradients
+    where bf16 or fp16 is enabled (DeepSpeed reduces them in that dtype)."""
+    if not isinstance(raw, dict) or "lowcomm" not in raw:
+        return {}
+    out = {}
+    zero = raw.get("zero_optimization")
+    if isinstance(zero, dict) and "stage" in zero:
+        out["zero_stage"] = zero["stage"]
+    if any(isinstance(raw.get(k), dict) and raw[k].get("enabled") for k in ("bf16", "fp16")):
+        out["grad_bytes"] = 2
+    return out
+
+
 def run_plan(args) -> dict:
     methods = {m.strip(): dict(RECIPES[m.strip()]["lowcomm"]) if m.strip() in RECIPES else {}
                for m in args.methods.split(",") if m.strip()}
-    given = {}
+    given, framework = {}, {}
     if args.config:
         with open(args.config) as f:
-            given, replace = config_methods(json.load(f), f"--config {args.config}")
+            raw = json.load(f)
+        given, replace = config_methods(raw, f"--config {args.config}")
+        framework = config_framework(raw)
         for m, over in given.items():
             methods[m] = dict(over) if replace else {**methods.get(m, {}), **over}
+    defaults = PlanInputs()
+    zero_stage = args.zero_stage if args.zero_stage is not None else framework.get("zero_stage", defaults.zero_stage)
+    grad_bytes = args.grad_bytes if args.grad_bytes is not None else framework.get("grad_bytes", defaults.grad_bytes)
     ratio = dict(STEPS_RATIO)
     if args.steps_ratio:
         ratio.update(json.loads(args.steps_ratio))
     inputs = PlanInputs(model=args.model, replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
-                        zero_stage=args.zero_stage, link_gbit=args.link_gbit, latency_ms=args.latency_ms,
-                        compute_s=args.compute_s, grad_bytes=args.grad_bytes, param_bytes=args.param_bytes,
+                        zero_stage=zero_stage, link_gbit=args.link_gbit, latency_ms=args.latency_ms,
+                        compute_s=args.compute_s, grad_bytes=grad_bytes, param_bytes=args.param_bytes,
                         device=args.device, overlap_backward=args.overlap_backward,
                         backward_fraction=args.backward_fraction, bucket_cap_mb=args.bucket_cap_mb,
                         codec_gbps=args.codec_gbps, methods=methods, steps_ratio=ratio)
     result = plan(inputs)
     print(format_table(result))
+    if framework:
+        print(f"from --config: {', '.join(f'{k} {v}' for k, v in framework.items())} (a flag overrides it)")
     for m in given:
-        if not args.steps_ratio or m not in json.loads(args.steps_ratio):
+        if m != "adamw" and (not args.steps_ratio or m not in json.loads(args.steps_ratio)):
             print(f"{m}: steps x is its compare recipe's measured ratio, not your settings' "
                   "(--steps-ratio '{\"" + m + "\": R}' gives yours)")
     if getattr(args, "muon", False):
@@ -672,8 +699,8 @@ def run_plan(args) -> dict:
         # the embeddings (the GPT's token and position tables) and an untied output head
         other = {0, *([1] if args.model.startswith("gpt") or args.model == "reference" else []),
                  *([len(shapes) - 1] if args.model.startswith("llama") and len(shapes[-1]) == 2 else [])}
-        result["muon"] = m = muon_memory(shapes, other, args.gpus_per_replica, args.zero_stage)
-        print(f"Muon at ZeRO {args.zero_stage}, per GPU: DeepSpeed's Muon state "
+        result["muon"] = m = muon_memory(shapes, other, args.gpus_per_replica, zero_stage)
+        print(f"Muon at ZeRO {zero_stage}, per GPU: DeepSpeed's Muon state "
               f"{m['deepspeed_muon_state_bytes_per_gpu'] / 1e9:.3f} GB, demo (update muon) "
               f"{m['demo_muon_state_bytes_per_gpu'] / 1e9:.3f} GB: added {m['added_state_bytes_per_gpu'] / 1e9:+.3f} GB; "
               f"demo's step adds {m['demo_muon_transient_bytes_per_gpu'] / 1e9:.3f} GB while it runs")

@@ -158,7 +158,16 @@ def test_the_plan_takes_a_shipped_deepspeed_config(tmp_path, capsys):
     assert 0 < overlap["comm_s_per_step"] * 5 < 3 * 0.084 and overlap["exposed_comm_s_per_step"] == 0
     assert plain["exposed_comm_s_per_step"] == pytest.approx(plain["comm_s_per_step"])
     assert "steps x is its compare recipe's measured ratio" in capsys.readouterr().out
+    # the config's ZeRO stage and bf16 gradients, unless a flag says otherwise
+    bf16 = root / "configs/zero2_bf16_demo_muon.json"
+    assert main([*link, "--config", str(bf16), "--json", str(tmp_path / "bf16.json")]) == 0
+    assert main([*link, "--config", str(bf16), "--zero-stage", "0", "--json", str(tmp_path / "flag.json")]) == 0
+    from_config, flagged = (json.loads((tmp_path / f).read_text())["inputs"] for f in ("bf16.json", "flag.json"))
+    assert (from_config["zero_stage"], from_config["grad_bytes"], flagged["zero_stage"]) == (2, 2, 0)
+    assert "from --config: zero_stage 2, grad_bytes 2" in capsys.readouterr().out
+    hetero = json.loads((root / "configs/hetero_sparseloco.json").read_text())
     for bad, match in (({"lowcomm": {"topk": 8}}, "lowcomm section must be an object with a method"),
+                       (hetero, "lowcomm.replicas \\(replicas of different shapes\\) is not planned"),
                        ({"dct_diloco": 5}, "must be a DeepSpeed config with a \"lowcomm\" section")):
         (tmp_path / "bad.json").write_text(json.dumps(bad))
         with pytest.raises(ConfigError, match=match):
