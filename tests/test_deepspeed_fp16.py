@@ -11,13 +11,14 @@ import torch
 from lowcomm_task.workers import run_local_workers
 
 from .conftest import params_digest, tiny_batch, tiny_model
-from .test_deepspeed import LOWCOMM
+from .test_deepspeed import CARRIED, LOWCOMM
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 STEPS, OVERFLOW_AT = 7, 3  # one skipped step: 6 method steps, the outer methods' (H 3) second sync last
 # (method, ZeRO stage, precision): DeepSpeed's ZeRO 0 and ZeRO 1 fp16 wrappers, ZeRO 0's bf16 one
-CASES = ([(method, 0, "fp16") for method in LOWCOMM] + [("demo", 1, "fp16"), ("diloco", 1, "fp16")]
+# (carry_local_steps' replicas keep their own steps: never equal after the last sync, and the same skip)
+CASES = ([(method, 0, "fp16") for method in LOWCOMM if method not in CARRIED] + [("demo", 1, "fp16"), ("diloco", 1, "fp16")]
          + [("demo", 0, "bf16"), ("diloco", 0, "bf16")])
 PIPELINE_CASES = [("demo", 0, "bf16"), ("diloco", 0, "bf16")]  # pipeline engines: DeepSpeed's BF16_Optimizer
 FP16 = {"enabled": True, "initial_scale_power": 8, "loss_scale_window": 2, "hysteresis": 1}

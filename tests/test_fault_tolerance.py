@@ -413,6 +413,79 @@ def test_a_heal_without_the_inner_state_leaves_out_the_inner_moments_only(monkey
         server.shutdown()
 
 
+def _deepspeed_lean_heal_worker(rank, world, address):
+    """One replica, a DeepSpeed engine at ZeRO 2 (diloco, H 2) on one rank of its own world, at a
+    real lighthouse: the heal it serves with heal_inner_state true and false, and the lean one
+    loaded back after a step on."""
+    os.environ.update(DS_ACCELERATOR="cpu", REPLICA_GROUP_ID="0", TORCHFT_LIGHTHOUSE=address)
+    import torch
+
+    import ds_lowcomm.deepspeed as dl
+    from ds_lowcomm.optim.fault_tolerance import tensor_bytes
+
+    sys.path.insert(0, str(ROOT / "examples"))
+    from deepspeed_user import Regression
+
+    out = {}
+    for lean in (False, True):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 4))
+        config = {"train_micro_batch_size_per_gpu": 8, "steps_per_print": 10 ** 6,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 3e-3}}, "zero_optimization": {"stage": 2},
+                  "lowcomm": {"method": "diloco", "sync_every": 2, "fault_tolerance": {
+                      "num_replica_groups": 1, "min_replicas": 1, "timeout_s": 10, "host": "127.0.0.1",
+                      "heal_inner_state": not lean}}}
+        engine, _, loader, _ = dl.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                             training_data=Regression(512))
+        batches = iter(loader)
+
+        def step():
+            _, x, y = next(batches)
+            engine.backward(torch.nn.functional.mse_loss(engine(x), y))
+            engine.step()
+
+        for _ in range(4):  # two syncs
+            step()
+        ft, opt = engine.lowcomm.fault_tolerance, engine.lowcomm.optimizer
+        state = ft._state()
+        inner = state["optimizer"]["lowcomm"]["inner"]
+        result = {"bytes": tensor_bytes(state), "inner_states": len(inner["state"]),
+                  "inner_groups": len(inner["param_groups"])}
+        if lean:
+            anchors = [s["anchor"].clone() for s in state["optimizer"]["state"].values()]
+            weights = [t.clone() for t in state["stateful"][1]["tensors"]]
+            step()  # on, away from what was served
+            ft._load(state)
+            result["inner_after_load"] = len(opt.inner.state)
+            result["partitions_are_anchors"] = all(torch.equal(p.detach(), a)
+                                                   for p, a in zip(opt._current_params(), anchors))
+            result["weights_are_served"] = all(torch.equal(p.detach(), w) for p, w in zip(model.parameters(), weights))
+            step()
+            result["inner_steps_after"] = sorted({int(s["step"]) for s in opt.inner.state.values()})
+        engine.lowcomm.done()
+        out[lean] = result
+    return out
+
+
+def test_a_lean_heal_on_the_deepspeed_path():
+    """heal_inner_state false through a DeepSpeed engine at ZeRO 2 (one replica, a real lighthouse):
+    the heal leaves out the inner AdamW's moments of ZeRO's partitions (about half the bytes), and
+    loaded it sets the partitions to the served anchors, the model's weights to the served ones, and
+    leaves the inner AdamW new: the next step is its first."""
+    from lowcomm_task.workers import run_local_workers
+
+    server, address = _lighthouse(min_replicas=1)
+    try:
+        served = run_local_workers(_deepspeed_lean_heal_worker, 1, address, threads=1)[0]
+        full, lean = served[False], served[True]
+    finally:
+        server.shutdown()
+    assert full["inner_states"] > 0 and lean["inner_states"] == 0 and lean["inner_groups"] == full["inner_groups"] > 0
+    assert 0.4 < lean["bytes"] / full["bytes"] < 0.7, (lean, full)
+    assert lean["inner_after_load"] == 0 and lean["partitions_are_anchors"] and lean["weights_are_served"]
+    assert lean["inner_steps_after"] == [1]
+
+
 def test_a_heal_is_served_while_the_peer_trains_and_commits_on():
     """A replica (alone in its quorums, a real lighthouse here) serves its state to a joining
     replica's read that goes slowly (it takes the first bytes and waits): meanwhile the replica
@@ -696,8 +769,6 @@ def test_fault_tolerance_settings_are_checked_by_name(monkeypatch):
     refused = {  # the DeepSpeed path: what a replica of its own job does not take yet, by name
         "zero_optimization.stage must be 0, 1 or 2 with lowcomm.fault_tolerance; got 3": {"zero_optimization": {"stage": 3}},
         "fp16.enabled must be false with lowcomm.fault_tolerance": {"fp16": {"enabled": True}},
-        "lowcomm.fault_tolerance.heal_inner_state must be true on the DeepSpeed path":
-            {"lowcomm": {"method": "diloco", "fault_tolerance": {**good, "heal_inner_state": False}}},
         "lowcomm.fault_tolerance: this job is one replica": {"lowcomm": {"method": "demo", "replica_size": 2}},
         "lowcomm.sync_delay must be 0 with lowcomm.fault_tolerance": {"lowcomm": {"method": "diloco", "sync_delay": 2}},
         "lowcomm.overlap must be false with lowcomm.fault_tolerance": {"lowcomm": {"method": "demo", "overlap": True}},

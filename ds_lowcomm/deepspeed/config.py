@@ -177,6 +177,3 @@ def _check_fault_tolerance(settings, lowcomm, ds: dict, stage: int, replicas, re
     if (ds.get("fp16") or {}).get("enabled"):
         raise ConfigError(f"fp16.enabled must be false with {where} (replicas of separate jobs do not agree on "
                           "a loss-scale overflow yet): use bf16 or fp32")
-    if not settings.heal_inner_state:
-        raise ConfigError(f"{where}.heal_inner_state must be true on the DeepSpeed path (a heal without the inner "
-                          "optimizer's state is built for a torch optimizer's step so far)")
