@@ -810,7 +810,7 @@ def _ds_replica(tmp_path, address, replica, out, config, extra=(), pipeline=Fals
                             start_new_session=True)  # its own process group: killed whole, launcher and ranks
 
 
-def _ds_config(tmp_path, method: str, stage: int) -> Path:
+def _ds_config(tmp_path, method: str, stage: int, lean: bool = False) -> Path:
     extra = {"sync_every": DS_SYNC_EVERY} if method in ("diloco", "dct_diloco", "sparseloco") else {}
     if method in ("demo", "dct_diloco", "sparseloco"):
         extra.update(topk=8, chunk=16)
@@ -820,16 +820,18 @@ def _ds_config(tmp_path, method: str, stage: int) -> Path:
                                                                 "warmup_num_steps": 4, "total_num_steps": DS_STEPS}},
               "zero_optimization": {"stage": stage},
               "lowcomm": {"method": method, **extra, "fault_tolerance": {
-                  "num_replica_groups": 2, "min_replicas": 1, "timeout_s": 10, "host": "127.0.0.1"}}}
+                  "num_replica_groups": 2, "min_replicas": 1, "timeout_s": 10, "host": "127.0.0.1",
+                  **({"heal_inner_state": False} if lean else {})}}}
     path = tmp_path / f"{method}_{stage}.json"
     path.write_text(json.dumps(config))
     return path
 
 
-@pytest.mark.parametrize("method,stage,pipeline", [("diloco", 2, False), ("demo", 0, True)])
-def test_deepspeed_replicas_as_separate_launches_heal_and_agree(tmp_path, method, stage, pipeline):
-    """Two replicas, each its own `deepspeed` launch of 2 ranks (diloco: data-parallel at ZeRO 2;
-    demo: a pipeline of 2 stages), seeded apart. They start from one replica's weights; replica 1
+@pytest.mark.parametrize("method,stage,pipeline,lean", [("diloco", 2, False, False), ("demo", 0, True, False),
+                                                       ("diloco", 2, False, True)])
+def test_deepspeed_replicas_as_separate_launches_heal_and_agree(tmp_path, method, stage, pipeline, lean):
+    """Two replicas, each its own `deepspeed` launch of 2 ranks (diloco: data-parallel at ZeRO 2,
+    with the full heal and with heal_inner_state false; demo: a pipeline of 2 stages), seeded apart. They start from one replica's weights; replica 1
     is SIGKILLed whole (launcher and ranks) at step 6 and launched again: replica 0 never exits;
     every rank of replica 1 heals from its counterpart (the method's partition or stage and its
     state, the engine's position and schedule, the model's weights) and reads on in its own data
@@ -840,7 +842,7 @@ def test_deepspeed_replicas_as_separate_launches_heal_and_agree(tmp_path, method
     # even be up when the other asks: a join timeout cannot wait for it), and after the kill the
     # survivor waits at its quorum for the restarted replica (going on alone: the plain path's test)
     server, address = _lighthouse(min_replicas=2)
-    config = _ds_config(tmp_path, method, stage)
+    config = _ds_config(tmp_path, method, stage, lean)
     hold_file, go = tmp_path / "restarted_is_up", tmp_path / "go"
     outs = [tmp_path / "r0", tmp_path / "r1"]
     start = ("--start-file", str(go))
