@@ -649,11 +649,9 @@ def config_methods(raw: Any, where: str = "--config") -> tuple[dict[str, dict], 
     return raw, False
 
 
-def config_framework(raw: Any) -> dict[str, int]:
+def config_framework(raw: dict) -> dict[str, int]:
     """What a DeepSpeed config says of the planner's inputs: its ZeRO stage, and 2-byte gradients
     where bf16 or fp16 is enabled (DeepSpeed reduces them in that dtype)."""
-    if not isinstance(raw, dict) or "lowcomm" not in raw:
-        return {}
     out = {}
     zero = raw.get("zero_optimization")
     if isinstance(zero, dict) and "stage" in zero:
@@ -671,15 +669,14 @@ def run_plan(args) -> dict:
         with open(args.config) as f:
             raw = json.load(f)
         given, replace = config_methods(raw, f"--config {args.config}")
-        framework = config_framework(raw)
+        framework = config_framework(raw) if replace else {}  # a DeepSpeed config's, not a {method: settings}
         for m, over in given.items():
             methods[m] = dict(over) if replace else {**methods.get(m, {}), **over}
     defaults = PlanInputs()
     zero_stage = args.zero_stage if args.zero_stage is not None else framework.get("zero_stage", defaults.zero_stage)
     grad_bytes = args.grad_bytes if args.grad_bytes is not None else framework.get("grad_bytes", defaults.grad_bytes)
-    ratio = dict(STEPS_RATIO)
-    if args.steps_ratio:
-        ratio.update(json.loads(args.steps_ratio))
+    given_ratio = json.loads(args.steps_ratio) if args.steps_ratio else {}
+    ratio = {**STEPS_RATIO, **given_ratio}
     inputs = PlanInputs(model=args.model, replicas=args.replicas, gpus_per_replica=args.gpus_per_replica,
                         zero_stage=zero_stage, link_gbit=args.link_gbit, latency_ms=args.latency_ms,
                         compute_s=args.compute_s, grad_bytes=grad_bytes, param_bytes=args.param_bytes,
@@ -691,7 +688,7 @@ def run_plan(args) -> dict:
     if framework:
         print(f"from --config: {', '.join(f'{k} {v}' for k, v in framework.items())} (a flag overrides it)")
     for m in given:
-        if m != "adamw" and (not args.steps_ratio or m not in json.loads(args.steps_ratio)):
+        if m != "adamw" and m not in given_ratio:
             print(f"{m}: steps x is its compare recipe's measured ratio, not your settings' "
                   "(--steps-ratio '{\"" + m + "\": R}' gives yours)")
     if getattr(args, "muon", False):

@@ -122,7 +122,7 @@ class FaultToleranceSettings(Settings):
     # momentum: each replica's own, never averaged). False: the joiner starts it afresh, as a new
     # optimizer does, and the heal is the anchors, outer momentum and counters only (about half
     # the bytes with AdamW inside): where a heal outlasts a sync interval, the others wait for it
-    # at the sync the joiner sits out (bench faults, docs/reliability.md). Not yet on the DeepSpeed path.
+    # at the sync the joiner sits out (bench faults, docs/reliability.md). The plain and DeepSpeed paths.
     heal_inner_state: bool = True
 
     def check(self, where: str) -> None:

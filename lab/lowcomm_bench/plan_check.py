@@ -108,22 +108,26 @@ TTL_ENTRIES = {"adamw": ("adamw", {}, False, 4),  # ds_lowcomm's adamw: its all-
                "demo_recipe": ("demo", RECIPES["demo"]["lowcomm"], False, 4)}
 
 
-def time_to_loss_rows(path: Path) -> list[dict]:
+def time_to_loss_rows(path: Path, entries: dict | None = None, source: str | None = None) -> list[dict]:
     """Every shaped timing run of the time-to-loss benchmark (each entry's step times come from
-    one timing run per link, its JSON's ``timing``)."""
-    results = json.loads(path.read_text())["results"]
-    out = []
+    one timing run per link, its JSON's ``timing``) for ``entries`` (entry -> (method, settings,
+    adamw overlapped, gradient bytes); default :data:`TTL_ENTRIES`), on the run's own model."""
+    data = json.loads(path.read_text())
+    entries = TTL_ENTRIES if entries is None else entries
+    shapes = planner.gpt_shapes(data["args"]["n_layer"], data["args"]["n_embd"], 256, data["args"]["seq_len"])
+    results, out = data["results"], []
     for key, value in results.items():
         hosts, link, entry = key.split("@")
         timing = value.get("timing")
-        if link == "unshaped" or entry not in TTL_ENTRIES or not timing:
+        if link == "unshaped" or entry not in entries or not timing:
             continue
-        method, settings, overlap, grad_bytes = TTL_ENTRIES[entry]
+        method, settings, overlap, grad_bytes = entries[entry]
         unshaped = results[f"{hosts}@unshaped@{entry}"]["timing"]
         compute = _per_step(unshaped, "train_s") - _per_step(unshaped, "codec_s")
-        row = _plan_row(method, settings, hosts=int(hosts), rate=LINKS[link].rate, latency_ms=0.0, compute_s=compute,
-                        overlap=overlap, grad_bytes=grad_bytes)
-        out.append(_row(path.name, f"{hosts}h-{link}", entry, compute, _per_step(timing, "train_s"),
+        row = _plan_row(method, settings, hosts=int(hosts), rate=LINKS[link].rate,
+                        latency_ms=LINKS[link].delay_ms if timing["delay_applied"] else 0.0, compute_s=compute,
+                        shapes=shapes, overlap=overlap, grad_bytes=grad_bytes)
+        out.append(_row(source or path.name, f"{hosts}h-{link}", entry, compute, _per_step(timing, "train_s"),
                         _per_step(timing, "codec_s"), row))
     return out
 
@@ -133,33 +137,22 @@ TUNED_OUTER_ENTRIES = ("muloco_dct", "muloco_dct_overlap", "muloco_sparse", "mul
 
 
 def tuned_outer_rows(path: Path, sweep_csv: Path) -> list[dict]:
-    """Every shaped timing run of a time-to-loss benchmark run with ``--from-sweep`` (issue 41's
-    overlap runs), for the ds_lowcomm outer entries: each planned at the settings it ran with (its
-    variant's, the sweep's best row over them), the blocking sync waited for, the overlapped one
-    hidden behind sync_delay steps."""
+    """:func:`time_to_loss_rows` of a time-to-loss run with ``--from-sweep`` (issue 41's overlap
+    runs) for the ds_lowcomm outer entries, each planned at the settings it ran with (its variant's,
+    the sweep's best row over them): the blocking sync waited for, the overlapped one hidden behind
+    sync_delay steps."""
     from .time_to_loss import entry_spec
     from .tuning import best, with_settings
 
-    data = json.loads(path.read_text())
-    tuned = best(sweep_csv, budget=data["args"]["tune_budget"], rank_by=data["args"]["tune_by"])
-    model = {k: data["args"][k] for k in ("n_layer", "n_embd", "seq_len")}
-    shapes = planner.gpt_shapes(model["n_layer"], model["n_embd"], 256, model["seq_len"])
-    results, out = data["results"], []
-    for key, value in results.items():
-        hosts, link, entry = key.split("@")
-        timing = value.get("timing")
-        if link == "unshaped" or entry not in TUNED_OUTER_ENTRIES or not timing:
-            continue
-        spec, _ = with_settings(*entry_spec(entry, 300, 5, model), tuned[entry]["settings"])
-        settings = {k: v for k, v in spec.lowcomm.items() if k != "method"}
-        unshaped = results[f"{hosts}@unshaped@{entry}"]["timing"]
-        compute = _per_step(unshaped, "train_s") - _per_step(unshaped, "codec_s")
-        row = _plan_row(spec.lowcomm["method"], settings, hosts=int(hosts), rate=LINKS[link].rate,
-                        latency_ms=LINKS[link].delay_ms if timing["delay_applied"] else 0.0, compute_s=compute,
-                        shapes=shapes)
-        out.append(_row(f"issue41/{path.parent.name}", f"{hosts}h-{link}", entry, compute,
-                        _per_step(timing, "train_s"), _per_step(timing, "codec_s"), row))
-    return out
+    args = json.loads(path.read_text())["args"]
+    tuned = best(sweep_csv, budget=args["tune_budget"], rank_by=args["tune_by"])
+    model = {k: args[k] for k in ("n_layer", "n_embd", "seq_len")}
+    entries = {}
+    for entry in TUNED_OUTER_ENTRIES:
+        spec, _ = with_settings(*entry_spec(entry, args["steps"], args["eval_every"], model), tuned[entry]["settings"])
+        lowcomm = dict(spec.lowcomm)
+        entries[entry] = (lowcomm.pop("method"), lowcomm, False, 4)
+    return time_to_loss_rows(path, entries, source=f"issue41/{path.parent.name}")
 
 
 def streaming_rows(path: Path) -> list[dict]:
