@@ -126,6 +126,32 @@ def test_index_bits_and_payload_size():
     assert SparseSpec.build((4096 * 3,), chunk=64, topk=1, value_dtype="2bit").nbytes == 5 + 16 + 1
 
 
+def test_every_position_sends_no_indices():
+    """k the whole block: no index travels, only the quantised values of every element in order.
+    One sign bit each and a scale (the mean |x|) without a transform: the payload is 4 + n/8
+    bytes, every receiver decodes sign(x) * scale, and two ranks' mean is the mean of theirs."""
+    torch.manual_seed(5)
+    xs = [torch.randn(16, 24) for _ in range(2)]  # 8x8 blocks
+    spec = SparseSpec.build(xs[0].shape, chunk=8, topk=64, value_dtype="sign", transform="none")
+    assert spec.every_position and spec.index_bytes == 0
+    assert spec.nbytes == 4 + 16 * 24 // 8
+    payloads, expected = [], []
+    for x in xs:
+        payload, sent = spec.compress(x)
+        scale = x.double().abs().mean().item()
+        reference = np.where(x.numpy() < 0, -scale, scale)
+        np.testing.assert_allclose(sent.numpy(), reference, rtol=1e-6)
+        payloads.append(payload)
+        expected.append(reference)
+    got = spec.decompress_mean(torch.stack(payloads), "world")
+    np.testing.assert_allclose(got.numpy(), (expected[0] + expected[1]) / 2, rtol=1e-6)
+    # A 1-D tensor's smaller blocks keep every position too (topk_count scales k to the block).
+    small = SparseSpec.build((37,), chunk=8, topk=64, value_dtype="2bit")
+    assert small.every_position and small.nbytes == 16 + (37 + 3) // 4
+    # One coefficient short of the block, the indices travel.
+    assert not SparseSpec.build((16, 24), chunk=8, topk=63, value_dtype="sign").every_position
+
+
 def test_topk_is_proportional_for_small_blocks():
     assert topk_count(ChunkPlan.for_shape((64, 64), 64), 32, 64) == 32
     assert topk_count(ChunkPlan.for_shape((128,), 64), 32, 64) == 1  # 1-D: density topk/chunk**2
@@ -269,7 +295,7 @@ def _model_list():
 
 
 @pytest.mark.parametrize("value_dtype", ["fp32", "bf16", "int8", "2bit", "sign"])
-@pytest.mark.parametrize("chunk,topk,transform", [(64, 32, "dct"), (16, 2, "dct"), (8, 3, "none")])
+@pytest.mark.parametrize("chunk,topk,transform", [(64, 32, "dct"), (16, 2, "dct"), (8, 3, "none"), (8, 64, "none")])
 def test_batched_codec_gives_the_bits_of_each_tensor_alone(value_dtype, chunk, topk, transform):
     """SparseBatch (one top-k, pack, scatter per block shape) == every tensor through its own
     SparseSpec: the same payload bytes, the same error-feedback tensors, the same means, whichever
@@ -312,7 +338,8 @@ def test_compiled_codec_gives_the_same_bits():
     shapes = [(96, 128), (128,), (5000,), (7, 9)]  # a matrix, vectors (one as 2-D pieces), an odd count
     gen = torch.Generator().manual_seed(0)
     xs = [[torch.randn(s, generator=gen) for s in shapes] for _ in range(3)]
-    for value_dtype, chunk, topk in (("fp32", 64, 32), ("int8", 16, 2), ("sign", 16, 2)):
+    # ("sign", 8, 64): every position, no indices
+    for value_dtype, chunk, topk in (("fp32", 64, 32), ("int8", 16, 2), ("sign", 16, 2), ("sign", 8, 64)):
         specs = [SparseSpec.build(s, chunk=chunk, topk=topk, value_dtype=value_dtype) for s in shapes]
         eager, compiled = SparseBatch(specs), SparseBatch(specs, compile=True)
         payloads = []

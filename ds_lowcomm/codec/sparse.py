@@ -2,7 +2,8 @@
 
 One tensor's payload is ``[indices | values]``: indices are positions inside their block, in
 the smallest of 8, 12, 16 or 32 bits that holds the block size (12 bits for 64x64 blocks: two
-indices in three bytes), values in fp32/bf16/fp16, int8 codes with a per-tensor (min, step) fp32
+indices in three bytes), and none where k is the whole block (every position is sent, in
+order: what is left is a quantiser's, e.g. one sign bit per element), values in fp32/bf16/fp16, int8 codes with a per-tensor (min, step) fp32
 header, or 2-bit codes with a per-tensor lookup table of 4 fp32 bin means. The layout of a payload
 follows from the tensor shape and the settings alone, so every rank knows every other rank's
 layout without a header on the wire.
@@ -225,8 +226,13 @@ class SparseSpec:
         return self.plan.num_blocks * self.k
 
     @property
+    def every_position(self) -> bool:
+        """k is the whole block: every position is sent in order and no index travels."""
+        return self.k == self.plan.block_size
+
+    @property
     def index_bytes(self) -> int:
-        return packed_nbytes(self.count, index_bits(self.plan.block_size))
+        return 0 if self.every_position else packed_nbytes(self.count, index_bits(self.plan.block_size))
 
     @property
     def nbytes(self) -> int:
@@ -342,6 +348,7 @@ class _Group:
         first = specs[0]
         self.k, self.block_size, self.values = first.k, first.plan.block_size, first.values
         self.bits = index_bits(self.block_size)
+        self.every_position = first.every_position  # no indices on the wire: positions 0..k-1 in order
         self.rows = [0]  # each member's first block row in the group's buffer
         for spec in specs:
             self.rows.append(self.rows[-1] + spec.plan.num_blocks)
@@ -358,9 +365,13 @@ class _Group:
         coeffs = [encode(x) for encode, x in zip(self.encode, xs)]
         dtype = coeffs[0].dtype if len({c.dtype for c in coeffs}) == 1 else torch.float64  # exact for either
         coeffs = coeffs[0] if len(coeffs) == 1 else torch.cat([c.to(dtype) for c in coeffs])
-        idx = torch.topk(coeffs.abs(), self.k, dim=-1, sorted=False).indices
-        vals = torch.gather(coeffs, -1, idx)
-        index_bytes = pack_indices(idx, self.bits)
+        if self.every_position:
+            idx = self._positions(coeffs.shape[0], coeffs.device)
+            vals, index_bytes = coeffs, None
+        else:
+            idx = torch.topk(coeffs.abs(), self.k, dim=-1, sorted=False).indices
+            vals = torch.gather(coeffs, -1, idx)
+            index_bytes = pack_indices(idx, self.bits)
         if self.float_values:
             value_bytes, sent_vals = self.pack(vals)
         else:
@@ -370,8 +381,11 @@ class _Group:
         value_at = 0
         for j, (spec, i, x) in enumerate(zip(self.specs, self.members, xs)):
             lo, hi = self.rows[j], self.rows[j + 1]
-            ib = packed_nbytes(lo * self.k, self.bits)
-            parts[2 * i] = index_bytes[ib : ib + spec.index_bytes]
+            if index_bytes is None:
+                parts[2 * i] = vals.new_empty(0, dtype=torch.uint8)
+            else:
+                ib = packed_nbytes(lo * self.k, self.bits)
+                parts[2 * i] = index_bytes[ib : ib + spec.index_bytes]
             if self.float_values:
                 nbytes = self.values.nbytes(spec.count)
                 parts[2 * i + 1] = value_bytes[value_at : value_at + nbytes]
@@ -389,7 +403,10 @@ class _Group:
             start = offsets[i]
             index_rows.append(rows[:, start : start + spec.index_bytes])
             value_rows.append(rows[:, start + spec.index_bytes : offsets[i + 1]])
-        idx = unpack_indices(_cat_last(index_rows), self.bits, count).reshape(n, self.rows[-1], self.k)
+        if self.every_position:
+            idx = self._positions(self.rows[-1], rows.device).expand(n, -1, -1)
+        else:
+            idx = unpack_indices(_cat_last(index_rows), self.bits, count).reshape(n, self.rows[-1], self.k)
         if self.float_values:
             vals = self.unpack(_cat_last(value_rows), count)
         else:
@@ -411,6 +428,10 @@ class _Group:
                 total /= senders.clamp_(min=1.0)
         for j, i in enumerate(self.members):
             out[i] = self.decode[j](total[self.rows[j] : self.rows[j + 1]])
+
+
+    def _positions(self, blocks: int, device) -> torch.Tensor:
+        return torch.arange(self.k, device=device).expand(blocks, -1)
 
 
 def _eager(fn):

@@ -101,6 +101,11 @@ VARIANTS = {"diloco_streaming": ("diloco", {"fragments": 4, "sync_delay": 4}), "
             "muloco_dct": ("dct_diloco", {"inner_optimizer": "muon", "inner_muon_lr": 0.05, "sync_every": 5, "topk": 4,
                                           "chunk": 8, "value_dtype": "2bit", "decay": 0.99, "outer_lr": 1.0,
                                           "outer_momentum": 0.0, "average": "world"})}
+# muloco_sign: the same outer loop with every element of the pseudo-gradient sent as one sign bit
+# (a per-tensor scale, the mean magnitude; error feedback keeps the rest): no top-k, so no index
+# travels, 1 bit a parameter a sync where muloco_dct's top-8 of 64 in 2 bits costs 1.25
+VARIANTS["muloco_sign"] = ("dct_diloco", {**VARIANTS["muloco_dct"][1], "topk": 64, "transform": "none",
+                                          "value_dtype": "sign", "inner_muon_lr": 0.05})
 # The same two with their sync overlapped: sent without blocking and landing sync_delay inner steps
 # later, the steps run meanwhile carried onto the new anchor (carry_local_steps). The delay is set
 # from the link, not tuned on the loss: the fewest unshaped steps (0.084 s each on the bench's
