@@ -30,7 +30,8 @@ def _jobs(world):
     if world == 2:
         jobs += [("muloco", _muloco_worker, ()), ("sync_diloco", _sync_schedule_worker, ("diloco",)),
                  ("sync_dct_diloco", _sync_schedule_worker, ("dct_diloco",)),
-                 ("dct_lossless", _dct_lossless_worker, ()), ("bf16_state", _bf16_state_worker, ()),
+                 ("dct_lossless", _dct_lossless_worker, ()), ("dct_sign", _dct_sign_worker, ()),
+                 ("bf16_state", _bf16_state_worker, ()),
                  ("demo_sign", _demo_sign_worker, ()), ("demo_overlap", _demo_worker, (5, True)),
                  ("demo_adam", _demo_worker, (5, False, "adam")), ("demo_normalized", _demo_worker, (5, False, "normalized")),
                  ("demo_muon", _demo_worker, (5, False, "muon")),
@@ -400,6 +401,57 @@ def _dct_lossless_worker(rank, world):
 
 def test_dct_diloco_with_everything_sent_equals_diloco(launches):
     assert all(d < 1e-5 for d in launches(2, "dct_lossless"))
+
+
+def _dct_sign_worker(rank, world):
+    """dct_diloco sending every element of its error-feedback buffer as one sign bit (topk = chunk**2,
+    no transform, value_dtype sign: muloco_sign's codec), against a replay of both ranks written from
+    the definition in float64: e = decay * e + (anchor - p); each tensor sends sign(e) * mean|e| and
+    keeps the rest in e; the anchor steps along the ranks' mean. Also the bytes a sync sends: one
+    scale and one bit per element per tensor, no index, and the health byte."""
+    model = tiny_model()
+    opt = DCTDiLoCo(torch.optim.SGD(model.parameters(), lr=0.1), sync_every=2, topk=64, chunk=8, decay=0.9,
+                    transform="none", value_dtype="sign", average="world", outer_lr=1.0, outer_momentum=0.0)
+    replicas = [tiny_model().double() for _ in range(world)]
+    anchors = [p.detach().clone() for p in replicas[0].parameters()]
+    residuals = [[torch.zeros_like(a) for a in anchors] for _ in range(world)]
+    worst, sent_bytes = 0.0, []
+    for s in range(6):
+        tiny_loss(model, rank, s).backward()
+        opt.step()
+        opt.zero_grad()
+        sent_bytes.append(opt.ledger.step_bytes()[0])
+        for r, m in enumerate(replicas):
+            x, y = tiny_batch(r, s)
+            torch.nn.functional.mse_loss(m(x.double()), y.double()).backward()
+            with torch.no_grad():
+                for p in m.parameters():
+                    p -= 0.1 * p.grad
+                    p.grad = None
+        if s % 2 == 1:
+            with torch.no_grad():
+                for i, anchor in enumerate(anchors):
+                    mean = torch.zeros_like(anchor)
+                    for r, m in enumerate(replicas):
+                        e = residuals[r][i]
+                        e.mul_(0.9).add_(anchor - list(m.parameters())[i])
+                        scale = e.abs().mean()
+                        sent = torch.where(e < 0, -scale, scale)
+                        e -= sent
+                        mean += sent / world
+                    anchor -= mean
+                    for m in replicas:
+                        list(m.parameters())[i].copy_(anchor)
+        worst = max(worst, max((a.double() - b).abs().max().item()
+                               for a, b in zip(model.parameters(), replicas[rank].parameters())))
+    expected = sum(4 + (p.numel() + 7) // 8 for p in model.parameters()) + 1
+    return worst, sent_bytes, expected
+
+
+def test_dct_diloco_sending_every_sign_against_its_definition(launches):
+    for worst, sent, expected in launches(2, "dct_sign"):
+        assert worst < 1e-5
+        assert sent == [0, expected, 0, expected, 0, expected]
 
 
 def _muloco_worker(rank, world):

@@ -64,7 +64,7 @@ SIZES = {"gpu": ("gpt-125m", "gpt-350m", "llama-1b"), "dry": ("reference",)}
 # The methods part: entries -> (recipe, lowcomm settings over it); outer methods sync every
 # ``sync_every`` steps here so a few dozen steps hold several syncs.
 METHOD_ENTRIES = ("adamw", "demo", "demo_muon", "diloco", "dct_diloco", "sparseloco", "mtdao", "diloco_streaming",
-                  "muon", "dion", "muloco_dct")  # issue 41: dense Muon, the best compressed method, dion
+                  "muon", "dion", "muloco_dct", "muloco_sign")  # issue 41: dense Muon, the compressed outer loops, dion
 MODEL = {"gpu": {"n_layer": 18, "n_embd": 768, "n_head": 12, "seq_len": 256},
          "dry": {"n_layer": 1, "n_embd": 32, "n_head": 2, "seq_len": 32}}
 
