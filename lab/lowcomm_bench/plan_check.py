@@ -132,11 +132,13 @@ def time_to_loss_rows(path: Path, entries: dict | None = None, source: str | Non
     return out
 
 
-# issue 41's outer entries with Muon inside, blocking and overlapped (sync_delay, carry_local_steps)
-TUNED_OUTER_ENTRIES = ("muloco_dct", "muloco_dct_overlap", "muloco_sparse", "muloco_sparse_overlap")
+# issue 41's outer entries with Muon inside, blocking and overlapped (sync_delay, carry_local_steps),
+# by the time-to-loss run (under docs/bench/issue41/) that timed them
+TUNED_OUTER_ENTRIES = {"overlap": ("muloco_dct", "muloco_dct_overlap", "muloco_sparse", "muloco_sparse_overlap"),
+                       "sign": ("muloco_sign", "muloco_sign_h10", "muloco_sign_overlap")}
 
 
-def tuned_outer_rows(path: Path, sweep_csv: Path) -> list[dict]:
+def tuned_outer_rows(path: Path, sweep_csv: Path, entry_names: tuple[str, ...]) -> list[dict]:
     """:func:`time_to_loss_rows` of a time-to-loss run with ``--from-sweep`` (issue 41's overlap
     runs) for the ds_lowcomm outer entries, each planned at the settings it ran with (its variant's,
     the sweep's best row over them): the blocking sync waited for, the overlapped one hidden behind
@@ -148,7 +150,7 @@ def tuned_outer_rows(path: Path, sweep_csv: Path) -> list[dict]:
     tuned = best(sweep_csv, budget=args["tune_budget"], rank_by=args["tune_by"])
     model = {k: args[k] for k in ("n_layer", "n_embd", "seq_len")}
     entries = {}
-    for entry in TUNED_OUTER_ENTRIES:
+    for entry in entry_names:
         spec, _ = with_settings(*entry_spec(entry, args["steps"], args["eval_every"], model), tuned[entry]["settings"])
         lowcomm = dict(spec.lowcomm)
         entries[entry] = (lowcomm.pop("method"), lowcomm, False, 4)
@@ -279,7 +281,9 @@ def step_rows(bench: Path) -> list[dict]:
     return [*network_rows(bench / "network-2h.json"), *network_rows(bench / "network-4h.json"),
             *network_rows(bench / NETWORK_TODAY), *time_to_loss_rows(bench / "time_to_loss.json"),
             *streaming_rows(bench / "streaming.csv"),
-            *tuned_outer_rows(bench / "issue41/overlap/time_to_loss.json", bench / "issue41/tuning_rows.csv")]
+            *(row for run, names in TUNED_OUTER_ENTRIES.items()
+              for row in tuned_outer_rows(bench / f"issue41/{run}/time_to_loss.json", bench / "issue41/tuning_rows.csv",
+                                          names))]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
