@@ -63,6 +63,23 @@ def test_methods_train_and_replicas_agree(dry_run):
         assert float(r["last_loss"]) < float(r["first_loss"]), case
 
 
+def test_a_longer_methods_part_for_a_few_entries():
+    """``--entries`` picks the methods part's entries (names checked before anything runs), and the
+    part's time limit grows with the work asked of it, never below the default."""
+    import argparse
+
+    def args(steps, entries):
+        return argparse.Namespace(steps=steps, entries=",".join(entries))
+
+    every = gpu_check.METHOD_ENTRIES
+    assert gpu_check.part_scale(args(24, every), "methods") == 1.0
+    assert gpu_check.part_scale(args(24, every[:3]), "methods") == 1.0  # never below the default
+    assert gpu_check.part_scale(args(240, every[:3]), "methods") == pytest.approx(10 * 3 / len(every))
+    assert gpu_check.part_scale(args(240, every), "codec") == 1.0
+    with pytest.raises(SystemExit, match="--entries must name"):
+        gpu_check.main(["--dry-run", "--entries", "muon,nonesuch"])
+
+
 def test_codec_newton_schulz_and_tests_parts(dry_run):
     _, files = dry_run
     codec = _rows(files["codec"])

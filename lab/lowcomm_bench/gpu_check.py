@@ -175,7 +175,7 @@ def method_specs(args) -> list:
                      model=GPTConfig(**MODEL["dry" if args.dry_run else "gpu"]), max_train_bytes=2_000_000,
                      max_val_bytes=100_000, device="cpu" if args.dry_run else "cuda")
     specs = []
-    for entry in METHOD_ENTRIES:
+    for entry in args.entries.split(","):
         if entry == "muon":  # dense DDP + torch's Muon: adamw's spec, the peer's step
             spec = build_specs(["adamw"], base, {}, workers=2)[0]
         else:
@@ -455,6 +455,14 @@ def run_limited(cmd: list[str], env: dict, limit: float) -> tuple[str, int | Non
         return log.read(), code
 
 
+def part_scale(args, part: str) -> float:
+    """The methods part's limit grows with its work: steps over the default 24, times the share of
+    the entries run (at least the default limit)."""
+    if part != "methods":
+        return 1.0
+    return max(1.0, args.steps / 24 * len(args.entries.split(",")) / len(METHOD_ENTRIES))
+
+
 def orchestrate(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -465,7 +473,8 @@ def orchestrate(args) -> dict:
     deadline = time.monotonic() + args.budget_s
     base = [sys.executable, "-m", "lowcomm_bench", "gpu_check", "--out", str(out), "--date", info["date"],
             "--steps", str(args.steps), "--batch", str(args.batch), "--repeats", str(args.repeats),
-            "--test-workers", str(args.test_workers), *(["--dry-run"] if args.dry_run else [])]
+            "--test-workers", str(args.test_workers), "--entries", args.entries,
+            *(["--dry-run"] if args.dry_run else [])]
     status, log = {}, []
     # The interpreter's own tools first on PATH, as the test suite does (tests/conftest.py: DeepSpeed
     # JIT-builds its CPU comm op with the first ninja found, and a switch between two rebuilds it)
@@ -474,7 +483,7 @@ def orchestrate(args) -> dict:
            "PATH": os.pathsep.join([os.path.dirname(sys.executable), os.environ.get("PATH", "")])}
     for part in args.parts.split(","):
         left = deadline - time.monotonic()
-        limit = min(PART_LIMITS[part] * (1 if not args.dry_run else 2), left)
+        limit = min(PART_LIMITS[part] * (1 if not args.dry_run else 2) * part_scale(args, part), left)
         if limit < 5:
             status[part] = {"status": "skipped (budget spent)", "seconds": 0}
             continue
@@ -506,6 +515,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--budget-s", type=float, default=420.0, help="wall-clock seconds for all parts together")
     ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
     ap.add_argument("--steps", type=int, default=None, help="training steps per method (default 24; dry run 6)")
+    ap.add_argument("--entries", default=",".join(METHOD_ENTRIES),
+                    help=f"the methods part's entries, a comma list of {', '.join(METHOD_ENTRIES)} (default: all)")
     ap.add_argument("--batch", type=int, default=None, help="sequences per rank per step (default 8; dry run 2)")
     ap.add_argument("--repeats", type=int, default=None, help="timed calls per codec / Newton-Schulz case")
     ap.add_argument("--test-workers", type=int, default=8, help="pytest-xdist workers for the GPU tests")
@@ -515,6 +526,9 @@ def main(argv: list[str] | None = None) -> dict | None:
     bad = [p for p in args.parts.split(",") if p not in PARTS]
     if bad:
         raise SystemExit(f"--parts must name {', '.join(PARTS)}; got {', '.join(bad)}")
+    bad = [e for e in args.entries.split(",") if e not in METHOD_ENTRIES]
+    if bad:
+        raise SystemExit(f"--entries must name {', '.join(METHOD_ENTRIES)}; got {', '.join(bad)}")
     args.steps = args.steps or (6 if args.dry_run else 24)
     args.batch = args.batch or (2 if args.dry_run else 8)
     args.repeats = args.repeats or (1 if args.dry_run else 10)
