@@ -429,8 +429,8 @@ class _Group:
         for j, i in enumerate(self.members):
             out[i] = self.decode[j](total[self.rows[j] : self.rows[j + 1]])
 
-
     def _positions(self, blocks: int, device) -> torch.Tensor:
+        """Every block's positions 0..k-1, the indices an every-position group does not send."""
         return torch.arange(self.k, device=device).expand(blocks, -1)
 
 
