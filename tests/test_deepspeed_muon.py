@@ -5,7 +5,9 @@ Newton-Schulz. Checked against ZeRO 0 in fp32 (whole matrices, nothing assembled
 DeepSpeed's own ZeRO Muon stepping the same data. One launch of 4 real processes (2 replicas of
 2 ranks), real DeepSpeed engines, gloo."""
 
+import json
 import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -15,6 +17,7 @@ from lowcomm_task.workers import run_local_workers
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 
 STEPS = 4
+CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # demo's codec lossless here (every component of every block, no transform), so that ZeRO's cut
 # pieces and ZeRO 0's whole tensors exchange the same momenta: the stages differ only in where
 # Newton-Schulz runs (on a matrix assembled from pieces, or whole)
@@ -109,6 +112,17 @@ def _worker(rank, world):
         out[("demo", stage, bf16)] = _run(dl.initialize, {**DEMO, "replica_size": 2}, ADAMW, stage, rank, bf16)
         out[("diloco_muon", stage, bf16)] = _run(dl.initialize, {**DILOCO, "replica_size": 2}, MUON, stage, rank, bf16)
         dist.barrier()
+    # the one-bit recipe's shipped configs as a user's script takes them (their optimizer, ZeRO and
+    # precision sections, the recipe's outer keys; H 2 so that the 4 steps end on a sync), and the
+    # Muon one at ZeRO 1 and 3 too
+    for name, stage in (("muloco_sign_zero2_bf16", None), ("muloco_sign_zero2_bf16", 1),
+                        ("muloco_sign_zero2_bf16", 3), ("adamw_sign", None)):
+        cfg = json.loads((CONFIGS / f"{name}.json").read_text())
+        stage = cfg["zero_optimization"]["stage"] if stage is None else stage
+        bf16 = bool(cfg.get("bf16", {}).get("enabled"))
+        lowcomm = {**cfg["lowcomm"], "sync_every": 2, "replica_size": 2}
+        out[(name, stage)] = _run(dl.initialize, lowcomm, cfg["optimizer"], stage, rank, bf16)
+        dist.barrier()
     return out
 
 
@@ -138,6 +152,24 @@ def test_zero_stages_equal_zero0_fp32(runs, kind):
         assert moved > 1e-3, (key, moved)
         assembled = runs[0][key]["assembly_bytes"]
         assert (assembled > 0) == (stage >= 1), (key, assembled)  # ZeRO 0 holds whole matrices
+
+
+@pytest.mark.parametrize("key", [("muloco_sign_zero2_bf16", 2), ("muloco_sign_zero2_bf16", 1),
+                                 ("muloco_sign_zero2_bf16", 3), ("adamw_sign", 1)])
+def test_sign_recipe_configs_train_through_the_engine(runs, key):
+    """configs/muloco_sign_zero2_bf16.json (DeepSpeed's Muon section as the inner optimizer, at the
+    user's dense settings; also at ZeRO 1 and 3) and configs/adamw_sign.json (the user's AdamW)
+    train through the real engine: replicas bit-identical after the sync, parameters moved, finite;
+    the lowcomm sections are the recipe's outer keys alone (ds_lowcomm.optim.recipes.SIGN_OUTER)."""
+    from ds_lowcomm.optim.recipes import SIGN_OUTER
+
+    assert json.loads((CONFIGS / f"{key[0]}.json").read_text())["lowcomm"] == SIGN_OUTER
+    params = [runs[rank][key]["params"] for rank in range(4)]
+    for n in params[0]:
+        assert all(torch.equal(p[n], params[0][n]) for p in params[1:]), (key, n)
+        assert torch.isfinite(params[0][n]).all(), (key, n)
+    assert _max_diff(params[0], _initial()) > 1e-3
+    assert runs[0][key]["ops"], key  # it exchanged
 
 
 def test_inner_muon_is_deepspeeds_muon(runs):
@@ -185,6 +217,11 @@ def test_deepspeed_muon_section_refused_by_name(lowcomm, optimizer, message):
 @pytest.mark.parametrize("lowcomm, message", [
     ({"method": "dion"}, "optimizer.type Muon: not with lowcomm.method dion (dion is its own orthonormal"),
     ({**DILOCO, "inner_optimizer": "muon"}, "lowcomm.inner_optimizer muon with optimizer.type Muon"),
+    # ds_lowcomm's own inner optimizer's keys: the section's settings are the inner's (issue 54/55)
+    ({**DILOCO, "inner_muon_lr": 0.05}, "lowcomm.inner_muon_lr: not with optimizer.type Muon (DeepSpeed's Muon is "
+                                        "the inner optimizer, at optimizer.params.muon_lr (or lr))"),
+    ({"method": "dct_diloco", "inner_muon_momentum": 0.9}, "lowcomm.inner_muon_momentum: not with optimizer.type Muon"),
+    ({"method": "sparseloco", "inner_impl": "apex"}, "lowcomm.inner_impl: not with optimizer.type Muon"),
 ])
 def test_deepspeed_muon_section_with_another_muon_refused(lowcomm, message):
     """At ZeRO 0 fp32, where dion and inner_optimizer muon run: not beside DeepSpeed's Muon section."""

@@ -24,6 +24,13 @@ ADAM_SWITCHES = {
 }
 
 
+# lowcomm keys of ds_lowcomm's own inner optimizer that a DeepSpeed Muon section replaces, and where
+# the section holds the same setting
+MUON_SECTION_OWNS = {"inner_muon_lr": "optimizer.params.muon_lr (or lr)",
+                     "inner_muon_momentum": "optimizer.params.momentum",
+                     "inner_impl": "optimizer.params.torch_adam (its auxiliary Adam is torch's either way)"}
+
+
 @dataclass
 class SplitConfig:
     lowcomm: LowcommConfig
@@ -119,6 +126,12 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
         if lowcomm.effective().get("inner_optimizer") == "muon":
             raise ConfigError("lowcomm.inner_optimizer muon with optimizer.type Muon: DeepSpeed's Muon is the inner "
                               "optimizer already; leave inner_optimizer out (adamw) or use optimizer.type AdamW")
+        # the inner optimizer is the section's, at its settings: a key of ds_lowcomm's own inner
+        # optimizer would be accepted and ignored
+        for key, instead in MUON_SECTION_OWNS.items():
+            if key in (section or {}) and not (key == "inner_impl" and section[key] == "torch"):
+                raise ConfigError(f"lowcomm.{key}: not with optimizer.type Muon (DeepSpeed's Muon is the inner "
+                                  f"optimizer, at {instead}); leave it out")
     if muon is not None or lowcomm.effective().get("update") == "muon":
         if replicas:
             raise ConfigError("lowcomm.replicas (replicas of different shapes): not with Muon's step (lowcomm.update "
