@@ -27,7 +27,8 @@ def _rows(path: Path) -> list[dict]:
 def dry_run(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     measured = plan.MEASURED_PATH.read_bytes()
-    proc = subprocess.run(["bash", str(ROOT / "launch" / "gpu_check.sh"), "--dry-run", "--out", str(out)],
+    proc = subprocess.run(["bash", str(ROOT / "launch" / "gpu_check.sh"), "--dry-run", "--out", str(out),
+                           "--parts", ",".join(gpu_check.PARTS)],
                           env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert plan.MEASURED_PATH.read_bytes() == measured  # a dry run records nothing for the planner
@@ -114,3 +115,20 @@ def test_planner_gpu_default_is_the_newest_run(tmp_path):
     committed = plan.load_measured()
     assert plan.CODEC_GBPS == {d: (e["value"], e["source"]) for d, e in committed["codec_gbps"].items()}
     assert plan.STEPS_RATIO["demo"] == committed["steps_ratio"]["demo"]["steps"] / committed["steps_ratio"]["demo"]["adamw_steps"]
+
+
+def test_scale_part_runs_the_recipe_at_the_dense_settings(dry_run):
+    """The scale part (issue 55: run first when a GPU is lent, ``--parts scale``): dense Muon at its
+    settings on seed 0 sets the target (its loss at 2/3 of the budget, so it reaches it there), and
+    the one-bit recipe runs at each H with its inner optimizer at exactly those settings."""
+    rows = _rows(dry_run[1]["scale"])
+    dense = [r for r in rows if r["entry"] == "muon"]
+    recipe = {int(r["H"]): r for r in rows if r["entry"] == "muloco_sign"}
+    assert set(recipe) == {2, 4} and {r["role"] for r in dense} == {"tune", "seed"}
+    assert all(int(r["steps_to_target"]) == 8 for r in dense)  # 2/3 of the dry run's 12 steps
+    assert json.loads(dense[0]["settings"]) == {"lr": 0.008, "peer.muon_lr": 0.03}
+    for h, r in recipe.items():
+        settings = json.loads(r["settings"])
+        assert settings["lr"] == 0.008 and settings["lowcomm.inner_muon_lr"] == 0.03
+        assert settings["lowcomm.sync_every"] == h and settings["lowcomm.value_dtype"] == "sign"
+        assert float(r["bytes_sent_per_worker"]) * 10 < float(dense[0]["bytes_sent_per_worker"])

@@ -19,7 +19,11 @@ in its own process with its own time limit (a part that hangs or fails costs onl
   stages buffers through host memory, as across datacenters);
 - ``deepspeed``: DeepSpeed engines on the GPU with the same 2 ranks (gloo): ds_lowcomm's demo at
   ZeRO 0 and diloco at ZeRO 2 in bf16, and DeepSpeed's own Muon (``"type": "Muon"``) at ZeRO 2 bf16;
-- ``tests``: ``pytest tests/test_gpu.py`` (the 33 GPU tests, skipped in CI), in parallel workers.
+- ``tests``: ``pytest tests/test_gpu.py`` (the 33 GPU tests, skipped in CI), in parallel workers;
+- ``scale`` (issue 55; not in the default parts: a call of its own, first whenever a GPU is lent,
+  ``--parts scale --budget-s 480``): dense Muon against the one-bit recipe at the same 128M model,
+  the recipe's inner optimizer at dense Muon's settings, H 5, 10 and 20, one seed, 300 steps,
+  evaluations every 10 (:mod:`lowcomm_bench.scale`); its rows go into docs/bench/scale.csv.
 
 Each part writes ``<date>-<gpu>-<part>.csv`` under ``--out``; the run ends with ``<date>-<gpu>-
 summary.json`` (the machine, each part's status, seconds and error) and a short table.
@@ -48,9 +52,17 @@ from pathlib import Path
 
 import torch
 
-PARTS = ("codec", "newton_schulz", "methods", "deepspeed", "tests")
+PARTS = ("codec", "newton_schulz", "methods", "deepspeed", "tests", "scale")
+# What runs without --parts: the first check of a machine. ``scale`` (issue 55) is a call of its
+# own, run first whenever a GPU is lent: ``--parts scale --budget-s 480``.
+DEFAULT_PARTS = ("codec", "newton_schulz", "methods", "deepspeed", "tests")
 # Each part's share of the budget (seconds, before the budget's end cuts it) on a GPU
-PART_LIMITS = {"codec": 60, "newton_schulz": 40, "methods": 250, "deepspeed": 90, "tests": 240}
+PART_LIMITS = {"codec": 60, "newton_schulz": 40, "methods": 250, "deepspeed": 90, "tests": 240, "scale": 480}
+# The scale part: dense Muon (muon_lr 0.03, lr 0.008: its 128M settings) against the one-bit recipe at
+# its settings (derived) at each H, one seed, 300 steps, evaluations every 10 (lowcomm_bench.scale)
+SCALE = {"gpu": {"budget": 300, "warmup": 40, "eval_every": 10, "sync_every": "5,10,20", "batch": 8},
+         "dry": {"budget": 12, "warmup": 2, "eval_every": 4, "sync_every": "2,4", "batch": 2}}
+SCALE_DENSE = '{"peer.muon_lr": [0.03], "lr": [0.008]}'
 ROOT = Path(__file__).resolve().parents[2]  # the repository (tests/ and ds_lowcomm/ beside lab/)
 
 # The codec settings the methods send with (their compare recipes and demo_muon_c16's).
@@ -385,8 +397,26 @@ def part_tests(args) -> list[dict]:
     return rows
 
 
+def part_scale_check(args) -> list[dict]:
+    """Dense Muon against the one-bit recipe at 128M parameters (issue 55): ``bench scale`` on the
+    one GPU, one seed (0: the dense run is its own tuning run, at the settings it had at 128M), the
+    recipe's inner optimizer at the dense settings, H 5, 10 and 20; its per-run rows."""
+    from .scale import main as scale_main
+
+    kind = "dry" if args.dry_run else "gpu"
+    model, cfg = MODEL[kind], SCALE[kind]
+    out = Path(args.out) / f"scale-{args.date}"
+    result = scale_main(["--n-layer", str(model["n_layer"]), "--n-embd", str(model["n_embd"]),
+                         "--n-head", str(model["n_head"]), "--seq-len", str(model["seq_len"]),
+                         "--batch", str(cfg["batch"]), "--budget", str(cfg["budget"]), "--warmup", str(cfg["warmup"]),
+                         "--eval-every", str(cfg["eval_every"]), "--forms", "muon", "--muon-grid", SCALE_DENSE,
+                         "--seeds", "0", "--sync-every", cfg["sync_every"], "--out", str(out),
+                         "--device", "cpu" if args.dry_run else "cuda"])
+    return result["rows"]
+
+
 PART_FUNCTIONS = {"codec": part_codec, "newton_schulz": part_newton_schulz, "methods": part_methods,
-                  "deepspeed": part_deepspeed, "tests": part_tests}
+                  "deepspeed": part_deepspeed, "tests": part_tests, "scale": part_scale_check}
 
 
 # -- the run ----------------------------------------------------------------------------------------
@@ -513,7 +543,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--out", default="docs/bench/gpu", help="where the dated CSVs go (on the lent machine: $OUT)")
     ap.add_argument("--dry-run", action="store_true", help="the same parts on the CPU at tiny sizes")
     ap.add_argument("--budget-s", type=float, default=420.0, help="wall-clock seconds for all parts together")
-    ap.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
+    ap.add_argument("--parts", default=",".join(DEFAULT_PARTS),
+                    help=f"comma list of {', '.join(PARTS)} (default: {', '.join(DEFAULT_PARTS)})")
     ap.add_argument("--steps", type=int, default=None, help="training steps per method (default 24; dry run 6)")
     ap.add_argument("--entries", default=",".join(METHOD_ENTRIES),
                     help=f"the methods part's entries, a comma list of {', '.join(METHOD_ENTRIES)} (default: all)")

@@ -135,8 +135,13 @@ def run_form(form: str, args, runner: Runner, model: dict, common: dict, log) ->
     recipe_base = dataclasses.replace(recipe_base, label=RECIPE_NAME[form], warmup=args.warmup, batch=args.batch,
                                       device=args.device, backend=args.backend)
     for seed in parse_seeds(args.seeds):  # 3. every entry on the measuring seeds, to the target
-        spec, peer = with_settings(dataclasses.replace(base, seed=seed, stop_at_val_loss=target), base_peer, best_combo)
-        rows.append(row_of(dense_entry, form, runner(spec, peer), target, "seed", seed, 1, best_combo, common))
+        if seed == 0:  # the tuning seed (a one-seed check, as on a lent GPU): the best tuning run itself
+            dense_run = best_run
+        else:
+            spec, peer = with_settings(dataclasses.replace(base, seed=seed, stop_at_val_loss=target), base_peer,
+                                       best_combo)
+            dense_run = runner(spec, peer)
+        rows.append(row_of(dense_entry, form, dense_run, target, "seed", seed, 1, best_combo, common))
         log(f"{form} seed {seed} {dense_entry}: steps {rows[-1]['steps_to_target']}")
         for h in args.sync_every:
             settings = derived_recipe(form, best_combo, h)
@@ -148,11 +153,12 @@ def run_form(form: str, args, runner: Runner, model: dict, common: dict, log) ->
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per form, entry and H: the measuring seeds' median steps to the target and its ratio to the
-    dense entry's (None where a seed missed the target), and the bytes' ratio."""
+    """Per model size, device, form, entry and H: the measuring seeds' median steps to the target
+    and its ratio to the dense entry's (None where a seed missed the target), and the bytes' ratio."""
     out = []
-    for form in dict.fromkeys(r["form"] for r in rows):
-        seeds = [r for r in rows if r["form"] == form and r["role"] == "seed"]
+    for size, device, form in dict.fromkeys((r["parameters"], r["device"], r["form"]) for r in rows):
+        seeds = [r for r in rows if (r["parameters"], r["device"], r["form"]) == (size, device, form)
+                 and r["role"] == "seed"]
         groups = {}
         for r in seeds:
             groups.setdefault((r["entry"], r["H"]), []).append(r)
@@ -172,11 +178,44 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-def largest_h_within(summary: list[dict], form: str, ratio: float) -> int | None:
-    """The largest H of ``form``'s recipe whose median steps are within ``ratio`` x the dense's."""
-    ok = [r["H"] for r in summary if r["form"] == form and r["entry"] == RECIPE_NAME[form]
-          and r["ratio_to_dense"] is not None and r["ratio_to_dense"] <= ratio]
+def largest_h_within(summary: list[dict], form: str, ratio: float, parameters=None) -> int | None:
+    """The largest H of ``form``'s recipe whose median steps are within ``ratio`` x the dense's (at
+    the model size ``parameters``, where a summary holds several)."""
+    ok = [int(r["H"]) for r in summary if r["form"] == form and r["entry"] == RECIPE_NAME[form]
+          and (parameters is None or int(r["parameters"]) == int(parameters))
+          and r["ratio_to_dense"] not in (None, "") and float(r["ratio_to_dense"]) <= ratio]
     return max(ok) if ok else None
+
+
+def read_csv(path: str | Path) -> list[dict]:
+    """A scale.csv's rows, typed as the benchmark writes them."""
+    ints, floats = ("parameters", "seed", "H", "steps_to_target", "last_step", "budget"), \
+        ("steps_interpolated", "target_loss", "bytes_sent_per_worker", "final_val_loss")
+    out = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            for k in ints:
+                r[k] = int(r[k]) if r.get(k) not in (None, "") else None
+            for k in floats:
+                r[k] = float(r[k]) if r.get(k) not in (None, "") else None
+            out.append(r)
+    return out
+
+
+def collect(out: str | Path, sources: list[str]) -> list[dict]:
+    """Every run's rows of ``sources`` (scale.csv files: CPU sizes, a GPU check's -scale.csv) into
+    ``out`` (docs/bench/scale.csv), and their summary beside it (``scale_summary.csv``); a row that
+    ``out`` already holds (same entry, size, device, role, seed, H, settings) is replaced."""
+    key = ("entry", "parameters", "device", "role", "seed", "H", "settings")
+    rows = {}
+    for path in ([out] if Path(out).exists() else []) + list(sources):
+        for r in read_csv(path):
+            rows[tuple(r[k] for k in key)] = r
+    rows = sorted(rows.values(), key=lambda r: (r["parameters"], r["device"], r["form"], r["role"] != "tune",
+                                                r["seed"], r["entry"] != DENSE_ENTRY[r["form"]], r["H"]))
+    write_csv(Path(out), COLUMNS, rows)
+    write_csv(Path(out).with_name("scale_summary.csv"), SUMMARY_COLUMNS, summarize(rows))
+    return rows
 
 
 def _median(values):
@@ -192,6 +231,14 @@ def write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
 
 
 def main(argv: list[str] | None = None) -> dict:
+    import sys
+
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--collect"]:  # --collect OUT SOURCE...
+        if len(argv) < 3:
+            raise SystemExit("--collect OUT SOURCE [SOURCE...]: the scale.csv to write, then the runs' CSVs")
+        rows = collect(argv[1], argv[2:])
+        return {"rows": rows, "summary": summarize(rows)}
     ap = argparse.ArgumentParser(prog="python -m lowcomm_bench scale", description=__doc__.split("\n\n")[0])
     ap.add_argument("--n-layer", type=int, default=2)
     ap.add_argument("--n-embd", type=int, default=128)
@@ -226,7 +273,12 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--target-frac must be in (0, 1]; got {args.target_frac}")
     model = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "seq_len": args.seq_len}
     out = Path(args.out)
-    common = {"parameters": parameters_of(model), "device": args.device, "budget": args.budget}
+    device = args.device
+    if device.startswith("cuda"):
+        import torch
+
+        device = torch.cuda.get_device_name(0)
+    common = {"parameters": parameters_of(model), "device": device, "budget": args.budget}
     runner = Runner(out, args.workers)
 
     def log(msg):
