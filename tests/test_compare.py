@@ -19,7 +19,7 @@ def compare_run(tmp_path_factory):
     out = tmp_path / "run"
     _write_overrides(tmp_path / "over.json")
     proc = subprocess.run(
-        [sys.executable, "-m", "ds_lowcomm.cli", "compare", "--methods", "adamw,demo,diloco,dct_diloco,sparseloco,mtdao",
+        [sys.executable, "-m", "ds_lowcomm.cli", "compare", "--methods", "adamw,demo,diloco,dct_diloco,sparseloco,mtdao,muon,muloco_sign",
          "--workers", "2", "--steps", "6", "--batch", "4", "--seq-len", "32", "--n-layer", "1", "--n-embd", "32",
          "--eval-every", "3", "--warmup", "2", "--out", str(out),
          "--config", str(tmp_path / "over.json")],
@@ -33,7 +33,8 @@ def test_compare_writes_results_and_plot(compare_run):
     out, proc = compare_run
     assert "[demo] step     6/6" in proc.stdout  # progress is shown
     rows = list(csv.DictReader(open(out / "results.csv")))
-    assert [r["method"] for r in rows] == ["adamw", "demo", "diloco", "dct_diloco", "sparseloco", "mtdao"]
+    assert [r["method"] for r in rows] == ["adamw", "demo", "diloco", "dct_diloco", "sparseloco", "mtdao", "muon",
+                                           "muloco_sign"]
     assert set(REQUIRED) <= set(rows[0])
     by = {r["method"]: r for r in rows}
     for r in rows:
@@ -49,7 +50,24 @@ def test_compare_writes_results_and_plot(compare_run):
     png = (out / "loss_vs_bytes.png").read_bytes()
     assert png.startswith(b"\x89PNG") and len(png) > 10_000
     history = list(csv.DictReader(open(out / "history.csv")))
-    assert len(history) == 6 * 2  # two evaluations per method
+    assert len(history) == 8 * 2  # two evaluations per method
+
+
+def test_compare_runs_dense_muon_and_the_recipe_at_its_settings(compare_run):
+    """The first command's recommended recipe (muloco_sign) and its baseline (muon: DDP + torch's
+    Muon): the recipe's inner optimizer is dense Muon's, at dense Muon's settings, and it sends far
+    fewer bytes, counted where they are sent (DDP's all-reduces, the recipe's sign payloads)."""
+    from lowcomm_task.compare import DENSE_MUON
+
+    out, proc = compare_run
+    rows = {r["method"]: r for r in json.loads((out / "results.json").read_text())}
+    sign, muon = rows["muloco_sign"], rows["muon"]
+    assert sign["lr"] == muon["lr"] == DENSE_MUON["lr"]
+    assert sign["settings"]["inner_optimizer"] == "muon" and sign["settings"]["value_dtype"] == "sign"
+    assert sign["settings"]["inner_muon_lr"] == DENSE_MUON["muon_lr"]
+    assert set(muon["ledger"]["by_op"]) - {"setup"} == {"ddp_all_reduce"}
+    assert sign["bytes_sent_per_worker"] * 30 < muon["bytes_sent_per_worker"]
+    assert sign["replicas_identical"] and sign["synced"] and muon["replicas_identical"]
 
 
 def test_the_planner_bytes_are_the_ledgers(compare_run):
@@ -59,6 +77,8 @@ def test_the_planner_bytes_are_the_ledgers(compare_run):
     out, _ = compare_run
     shapes = planner.gpt_shapes(n_layer=1, n_embd=32, vocab=256, seq_len=32)
     for row in json.loads((out / "results.json").read_text()):
+        if row["method"] in ("muon", "muloco_sign"):  # not methods: DDP's ledger, and dct_diloco's below
+            continue
         assert row["num_params"] == sum(math.prod(s) for s in shapes)
         ledger = {op: (v["calls"], v["sent"]) for op, v in row["ledger"]["by_op"].items() if op != "setup"}
         assert ledger == planner.planned_ledger(row["method"], row["settings"], shapes, steps=6), row["method"]
@@ -68,7 +88,7 @@ def _write_overrides(path):
     # diloco family: sync every 3 steps so that 6 steps hold two outer syncs; mtdao's compressed
     # sync (fp16 values) for the planner's check
     path.write_text('{"diloco": {"lowcomm": {"sync_every": 3}}, "dct_diloco": {"lowcomm": {"sync_every": 3}}, '
-                    '"sparseloco": {"lowcomm": {"sync_every": 3}}, "mtdao": {"lowcomm": {"sync_every": 3, '
+                    '"sparseloco": {"lowcomm": {"sync_every": 3}}, "muloco_sign": {"lowcomm": {"sync_every": 3}}, "mtdao": {"lowcomm": {"sync_every": 3, '
                     '"sync_codec": "topk", "value_dtype": "fp16", "topk": 4, "chunk": 8}}}')
     return True
 

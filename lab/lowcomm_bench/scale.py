@@ -33,7 +33,7 @@ import json
 import statistics
 from pathlib import Path
 
-from ds_lowcomm.optim.recipes import DENSE_FORMS, SIGN_OUTER, sign_recipe
+from ds_lowcomm.optim.recipes import DENSE_FORMS, sign_recipe
 from lowcomm_task.workers import run_local_workers
 
 from .runs import at_target

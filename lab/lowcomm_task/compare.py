@@ -19,17 +19,34 @@ import csv
 import dataclasses
 import json
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
 
 from ds_lowcomm.comm.ledger import SETUP_OP
 from ds_lowcomm.config import METHODS, ConfigError
-from ds_lowcomm.optim.recipes import RECIPE_FIELDS, RECIPES
+from ds_lowcomm.optim.recipes import RECIPE_FIELDS, RECIPES, sign_recipe
 
+from .dense import dense_step
+from .reference import ReferenceTask
 from .spec import DEFAULTS, TrainSpec
 from .train import train_worker
 from .workers import run_local_workers
+
+# Entries beside the methods: dense Muon, the baseline of the recommended recipe (PyTorch DDP, then
+# torch's Muon on the hidden matrices and AdamW on the rest, at its settings tuned on this task over
+# 15 configurations: docs/bench/issue41/muon_sweep.csv), and that recipe (the one-bit outer loop,
+# ds_lowcomm.optim.recipes.sign_recipe) with its inner optimizer at exactly dense Muon's settings.
+DENSE_MUON = {"lr": 0.008, "muon_lr": 0.05, "muon_momentum": 0.95}
+ENTRIES = {
+    "muon": {"lr": DENSE_MUON["lr"], "lowcomm": {"method": "adamw"},
+             "dense": {"kind": "ddp", "compress": "none", "optimizer": "muon", "muon_lr": DENSE_MUON["muon_lr"],
+                       "muon_momentum": DENSE_MUON["muon_momentum"]}},
+    "muloco_sign": {"lr": DENSE_MUON["lr"], "lowcomm": sign_recipe("muon", muon_lr=DENSE_MUON["muon_lr"],
+                                                                    muon_momentum=DENSE_MUON["muon_momentum"])},
+}
+NAMES = (*METHODS, *ENTRIES)
 
 RESULT_COLUMNS = [
     "method", "workers", "steps", "final_train_loss", "final_val_loss", "bytes_sent_per_worker",
@@ -43,7 +60,9 @@ HELP = "train the reference task with several methods and compare loss vs bytes"
 
 def add_arguments(c) -> None:
     """``ds-lowcomm compare``'s options on the argparse (sub)parser ``c``."""
-    c.add_argument("--methods", default=",".join(METHODS), help=f"comma-separated method names (default: all, {', '.join(METHODS)})")
+    c.add_argument("--methods", default=",".join(METHODS),
+                   help=f"comma-separated names: methods ({', '.join(METHODS)}; the default: all), dense Muon (muon) "
+                        "and the recommended recipe around it (muloco_sign)")
     c.add_argument("--workers", type=int, default=2, help="worker processes per method (gloo on this machine)")
     c.add_argument("--steps", type=int, default=DEFAULTS.steps)
     c.add_argument("--out", default="runs/compare", help="output directory")
@@ -89,9 +108,9 @@ def build_specs(methods: list[str], base: TrainSpec, overrides: dict, workers: i
     """Validate everything before any worker starts; return ``base`` with each method's recipe
     (learning rate, lowcomm settings, :data:`RECIPE_FIELDS`, a warm start's switch and warm-up;
     ``overrides`` merged over them)."""
-    unknown = [m for m in methods if m not in METHODS]
+    unknown = [m for m in methods if m not in NAMES]
     if unknown:
-        raise ConfigError(f"--methods: unknown method(s) {', '.join(unknown)}; allowed: {', '.join(METHODS)}")
+        raise ConfigError(f"--methods: unknown method(s) {', '.join(unknown)}; allowed: {', '.join(NAMES)}")
     if workers < 1:
         raise ConfigError(f"--workers must be >= 1; got {workers}")
     stages = base.pipeline_stages
@@ -102,7 +121,7 @@ def build_specs(methods: list[str], base: TrainSpec, overrides: dict, workers: i
                           f"{torch.cuda.device_count()} GPUs); use --backend gloo")
     specs = []
     for method in methods:
-        recipe, over = RECIPES[method], overrides.get(method, {})
+        recipe, over = ENTRIES.get(method) or RECIPES[method], overrides.get(method, {})
         lowcomm = copy.deepcopy(recipe["lowcomm"])
         fields = {k: over.get(k, recipe.get(k, getattr(base, k))) for k in RECIPE_FIELDS}
         warm = over.get("warm_start", recipe.get("warm_start"))  # a fraction of this run's steps (0: none)
@@ -110,7 +129,8 @@ def build_specs(methods: list[str], base: TrainSpec, overrides: dict, workers: i
             switch = max(1, round(base.steps * warm))
             lowcomm["switch_step"], fields["warmup"] = switch, switch
         spec = dataclasses.replace(
-            base, lowcomm={**lowcomm, **over.get("lowcomm", {}), "method": method},
+            base, lowcomm={**lowcomm, **over.get("lowcomm", {}), "method": lowcomm.get("method", method)},
+            label=method if method in ENTRIES else base.label,
             lr=over.get("lr", recipe["lr"]), **fields,
             names={"lowcomm": f"{method}.lowcomm", "lr": f"{method}.lr", **{k: f"{method}.{k}" for k in RECIPE_FIELDS}},
         )
@@ -130,11 +150,13 @@ def run_compare(args) -> list[dict]:
     rows = []
     for spec in specs:
         start = time.perf_counter()
-        per_rank = run_local_workers(train_worker, args.workers, spec, backend=spec.backend)
+        dense = ENTRIES.get(spec.label, {}).get("dense")
+        make_step = partial(dense_step, peer=dense) if dense else None
+        per_rank = run_local_workers(train_worker, args.workers, spec, ReferenceTask, make_step, backend=spec.backend)
         wall = time.perf_counter() - start
         r0 = per_rank[0]
         rows.append({
-            "method": r0["method"],
+            "method": spec.label if spec.label in ENTRIES else r0["method"],
             "workers": args.workers,
             "steps": args.steps,
             "final_train_loss": r0["final_train_loss"],
