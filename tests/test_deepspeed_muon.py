@@ -263,3 +263,17 @@ def test_demo_groups_from_deepspeeds_halves():
     assert muon[0]["lr"] == 0.02 and muon[0]["muon_scale"] == "deepspeed" and sign[0]["lr"] == 1e-3
     assert {id(p) for p in sign[0]["params"]} == {id(p) for p in params} - {id(model.fc1.weight), id(model.fc2.weight)}
     assert all(g["weight_decay"] == 0.1 for g in groups)
+
+
+def test_the_first_log_line_names_the_inner_optimizer_and_every_setting():
+    """What runs is in the run's first lines (DeepSpeed's log_dist on rank 0): which inner optimizer
+    at which settings (a Muon section's, ds_lowcomm's own Muon's, or the AdamW section's), then every
+    setting the ranks agreed on."""
+    from ds_lowcomm.deepspeed.engine import describe_settings
+
+    line = describe_settings(_split(DILOCO), {"lowcomm.sync_every": 2, "optimizer.params.lr": 0.02})
+    assert line.startswith("ds_lowcomm: diloco, inner optimizer: DeepSpeed's Muon at optimizer.params")
+    assert line.endswith("settings: lowcomm.sync_every=2, optimizer.params.lr=0.02")
+    own = describe_settings(_split({**DILOCO, "inner_optimizer": "muon", "inner_muon_lr": 0.05}, ADAMW, stage=0), {})
+    assert "torch's Muon at lowcomm.inner_muon_lr 0.05, momentum 0.95; AdamW at optimizer.params.lr 0.003" in own
+    assert "optimizer: AdamW at optimizer.params.lr 0.003" in describe_settings(_split(DEMO, ADAMW), {})

@@ -159,6 +159,8 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         **{f"{k}.enabled": bool(split.deepspeed.get(k, {}).get("enabled", False)) for k in ("fp16", "bf16")},
         **{f"optimizer.params.{k}": v for k, v in (split.optimizer or split.muon).flat().items()}}
     assert_same_across_ranks(TorchDistTransport(ledger=engine_ledger, timeout_s=timeout_s), layout.agreed_settings)
+    # every setting that runs, in the run's first lines, as DeepSpeed logs its own config
+    deepspeed.utils.log_dist(describe_settings(split, layout.agreed_settings), ranks=[0])
     global_batch = replica_batch_config(split.deepspeed, topology)  # train_batch_size counts every replica
     params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     layout.broadcast_initial_state(params)  # before the optimizer's own check of equal starts
@@ -203,6 +205,22 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     engine.lowcomm = run
     _patch_engine(engine, run)
     return engine, ds_opt, loader, sched
+
+
+def describe_settings(split: SplitConfig, agreed: dict) -> str:
+    """One line: which inner (or per-step) optimizer runs with which settings, then every agreed
+    setting (the lowcomm section's effective values, the optimizer section's, ZeRO and precision)."""
+    effective = split.lowcomm.effective()
+    if split.muon is not None:
+        inner = "DeepSpeed's Muon at optimizer.params (muon_lr or lr, momentum; adam_lr for the rest)"
+    elif effective.get("inner_optimizer") == "muon":
+        inner = (f"torch's Muon at lowcomm.inner_muon_lr {effective['inner_muon_lr']}, momentum "
+                 f"{effective['inner_muon_momentum']}; AdamW at optimizer.params.lr {split.optimizer.lr} for the rest")
+    else:
+        inner = f"AdamW at optimizer.params.lr {split.optimizer.lr}"
+    role = "inner optimizer" if "sync_every" in effective else "optimizer"
+    return (f"ds_lowcomm: {split.lowcomm.method}, {role}: {inner}; settings: "
+            + ", ".join(f"{k}={v}" for k, v in agreed.items()))
 
 
 def _method_groups(split: SplitConfig, model, params: list, own_groups: bool):
