@@ -43,8 +43,10 @@ def test_scale_csv_has_what_the_issue_asks():
     sizes = {int(r["parameters"]) for r in rows}
     reference = figures.reference_parameters()
     assert reference in sizes and any(10 * reference <= s <= 30 * reference for s in sizes)
-    for size in sizes:  # dense Muon and the recipe at 2+ values of H, 3 measuring seeds, at every CPU size
+    for size in sizes:  # dense Muon and the recipe at 2+ values of H on 3 measuring seeds, at every CPU size
         at = [r for r in rows if int(r["parameters"]) == size and r["device"] == "cpu" and r["role"] == "seed"
               and r["form"] == "muon"]
-        assert len({r["seed"] for r in at}) >= 3 or size != reference
-        assert len({r["H"] for r in at if r["entry"] == "muloco_sign"}) >= 2
+        assert {r["seed"] for r in at if r["entry"] == "muon"} == {"1", "2", "3"}, size
+        for h in {r["H"] for r in at if r["entry"] == "muloco_sign"}:
+            assert {r["seed"] for r in at if r["entry"] == "muloco_sign" and r["H"] == h} == {"1", "2", "3"}, (size, h)
+        assert len({r["H"] for r in at if r["entry"] == "muloco_sign"}) >= 2, size
