@@ -88,7 +88,7 @@ def render_recipes() -> str:
             recipe = [r for r in rows if r["entry"] == entry]
             if base is None or not recipe:
                 continue
-            cells = ", ".join(f"H {r['H']}: {times(float(r['ratio_to_dense'])) if r['ratio_to_dense'] else 'missed'}"
+            cells = ", ".join(f"H {r['H']}: {times(float(r['ratio_to_dense'])) if r['ratio_to_dense'] else 'missed on a seed'}"
                               for r in sorted(recipe, key=lambda r: int(r["H"])))
             fewer = ", ".join(f"H {r['H']}: {times(float(r['bytes_ratio_to_dense']))}"
                               for r in sorted(recipe, key=lambda r: int(r["H"])))
