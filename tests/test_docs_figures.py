@@ -18,7 +18,7 @@ def test_every_results_block_is_its_csvs_rendering():
     found = figures.blocks(README)
     assert set(found) == set(figures.RENDER)
     for name, body in found.items():
-        assert body == figures.RENDER[name](), f"README block {name!r} drifted from its CSVs: python -m lowcomm_bench figures --write"
+        assert body == figures.RENDER[name](), f"README block {name!r} drifted: python -m lowcomm_bench figures --write"
 
 
 def test_results_quote_no_figure_outside_the_rendered_blocks():

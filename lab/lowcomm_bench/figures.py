@@ -88,8 +88,9 @@ def render_recipes() -> str:
             recipe = [r for r in rows if r["entry"] == entry]
             if base is None or not recipe:
                 continue
-            cells = ", ".join(f"H {r['H']}: {times(float(r['ratio_to_dense'])) if r['ratio_to_dense'] else 'missed on a seed'}"
-                              for r in sorted(recipe, key=lambda r: int(r["H"])))
+            ratio = {r["H"]: times(float(r["ratio_to_dense"])) if r["ratio_to_dense"] else "missed on a seed"
+                     for r in recipe}
+            cells = ", ".join(f"H {h}: {ratio[h]}" for h in sorted(ratio, key=int))
             fewer = ", ".join(f"H {r['H']}: {times(float(r['bytes_ratio_to_dense']))}"
                               for r in sorted(recipe, key=lambda r: int(r["H"])))
             n_seeds = len(base["seeds"].split(","))
