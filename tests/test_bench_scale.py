@@ -57,7 +57,7 @@ def test_summary_medians_ratios_and_largest_h_per_size(tmp_path):
     assert scale.largest_h_within(summary, "muon", 1.10, 446_000) == 5
     assert scale.largest_h_within(summary, "muon", 1.10, 4_800_000) == 10  # 220 / 200
     for name, part in (("a.csv", rows[:12]), ("b.csv", rows[12:])):
-        scale.write_csv(tmp_path / name, scale.COLUMNS, part)
+        scale.write_csv(tmp_path / name, part, scale.COLUMNS)
     collected = scale.collect(tmp_path / "scale.csv", [str(tmp_path / "a.csv"), str(tmp_path / "b.csv")])
     assert len(collected) == len(rows)
     again = scale.collect(tmp_path / "scale.csv", [str(tmp_path / "b.csv")])  # rows replaced, not doubled

@@ -36,6 +36,7 @@ from pathlib import Path
 from ds_lowcomm.optim.recipes import DENSE_FORMS, sign_recipe
 from lowcomm_task.workers import run_local_workers
 
+from .codec import write_csv
 from .runs import at_target
 from .sweep import parse_grid, train_one
 from .time_to_loss import bytes_to_target, entry_spec, steps_to_target
@@ -213,21 +214,14 @@ def collect(out: str | Path, sources: list[str]) -> list[dict]:
             rows[tuple(r[k] for k in key)] = r
     rows = sorted(rows.values(), key=lambda r: (r["parameters"], r["device"], r["form"], r["role"] != "tune",
                                                 r["seed"], r["entry"] != DENSE_ENTRY[r["form"]], r["H"]))
-    write_csv(Path(out), COLUMNS, rows)
-    write_csv(Path(out).with_name("scale_summary.csv"), SUMMARY_COLUMNS, summarize(rows))
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    write_csv(Path(out), rows, COLUMNS)
+    write_csv(Path(out).with_name("scale_summary.csv"), summarize(rows), SUMMARY_COLUMNS)
     return rows
 
 
 def _median(values):
     return statistics.median(values) if values and None not in values else None
-
-
-def write_csv(path: Path, columns: list[str], rows: list[dict]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with open(path, "w", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=columns)
-        w.writeheader()
-        w.writerows({c: r.get(c) for c in columns} for r in rows)
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -287,9 +281,10 @@ def main(argv: list[str] | None = None) -> dict:
     rows = []
     for form in forms:
         rows += run_form(form, args, runner, model, common, log)
-        write_csv(out / "scale.csv", COLUMNS, rows)
+        out.mkdir(parents=True, exist_ok=True)
+        write_csv(out / "scale.csv", rows, COLUMNS)
     summary = summarize(rows)
-    write_csv(out / "summary.csv", SUMMARY_COLUMNS, summary)
+    write_csv(out / "summary.csv", summary, SUMMARY_COLUMNS)
     for r in summary:
         log(f"{r['form']} {r['entry']} H {r['H']}: median steps {r['median_steps']} ({r['steps']}), "
             f"{r['ratio_to_dense']}x dense, {r['bytes_ratio_to_dense']}x fewer bytes")
