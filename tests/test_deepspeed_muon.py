@@ -5,6 +5,8 @@ Newton-Schulz. Checked against ZeRO 0 in fp32 (whole matrices, nothing assembled
 DeepSpeed's own ZeRO Muon stepping the same data. One launch of 4 real processes (2 replicas of
 2 ranks), real DeepSpeed engines, gloo."""
 
+import contextlib
+import io
 import json
 import os
 from pathlib import Path
@@ -23,6 +25,8 @@ CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 # Newton-Schulz runs (on a matrix assembled from pieces, or whole)
 DEMO = {"method": "demo", "update": "muon", "topk": 64, "chunk": 8, "transform": "none", "decay": 0.9}
 DILOCO = {"method": "diloco", "sync_every": 2}
+# ds_lowcomm's own inner Muon (torch's Muon on the hidden matrices, AdamW on the rest)
+OWN_MUON = {**DILOCO, "inner_optimizer": "muon", "inner_muon_lr": 0.02, "inner_muon_momentum": 0.9}
 MUON = {"type": "Muon", "params": {"lr": 0.02, "adam_lr": 3e-3, "momentum": 0.9, "weight_decay": 0.01,
                                    "torch_adam": True}}
 ADAMW = {"type": "AdamW", "params": {"lr": 3e-3, "weight_decay": 0.01}}
@@ -73,6 +77,53 @@ def _full_params(engine, stage):
     return {n: p.detach().float().clone() for n, p in named.items()}
 
 
+def _engine(initialize, lowcomm, optimizer, stage, bf16=False, accumulate=1):
+    torch.manual_seed(0)
+    model = Net()
+    config = _config(lowcomm, optimizer, stage, bf16)
+    config.update(train_micro_batch_size_per_gpu=4 // accumulate, gradient_accumulation_steps=accumulate)
+    engine, *_ = initialize(model=model, model_parameters=[p for p in model.parameters()], config=config)
+    return engine
+
+
+def _steps(engine, rank, steps, accumulate=1):
+    """Each step's batch of 4 (_batch) in ``accumulate`` micro-batches."""
+    for step in steps:
+        x, y = _batch(rank, step)
+        for xs, ys in zip(x.chunk(accumulate), y.chunk(accumulate)):
+            engine.backward(engine(xs, ys))
+            engine.step()
+
+
+def _resume_and_accumulate(lowcomm, optimizer, stage, bf16, rank, workdir, name):
+    """4 steps (H 2: syncs at steps 2 and 4) with a checkpoint after step 3 (mid-interval), resumed
+    from it by a new engine; and the same 4 steps in 2 micro-batches each (gradient accumulation 2)."""
+    import torch.distributed as dist
+
+    import ds_lowcomm.deepspeed as dl
+
+    ckpt = os.path.join(workdir, name)
+    full = _engine(dl.initialize, lowcomm, optimizer, stage, bf16)
+    _steps(full, rank, range(3))
+    full.save_checkpoint(ckpt)
+    _steps(full, rank, range(3, 4))
+    resumed = _engine(dl.initialize, lowcomm, optimizer, stage, bf16)
+    resumed.load_checkpoint(ckpt)
+    _steps(resumed, rank, range(3, 4))
+    accumulated = _engine(dl.initialize, lowcomm, optimizer, stage, bf16, accumulate=2)
+    _steps(accumulated, rank, range(4), accumulate=2)
+    dist.barrier()
+    return {"full": _masters(full), "resumed": _masters(resumed), "accumulated": _masters(accumulated),
+            "bytes": (full.lowcomm.ledger.sent, resumed.lowcomm.ledger.sent, accumulated.lowcomm.ledger.sent)}
+
+
+def _masters(engine):
+    """Every parameter's fp32 master, whole (DeepSpeed's public accessor: at every ZeRO stage, in bf16 too)."""
+    from deepspeed.utils import safe_get_full_fp32_param
+
+    return {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()}
+
+
 def _run(initialize, lowcomm, optimizer, stage, rank, bf16=False):
     torch.manual_seed(0)
     model = Net()
@@ -90,7 +141,16 @@ def _run(initialize, lowcomm, optimizer, stage, rank, bf16=False):
     return out
 
 
-def _worker(rank, world):
+# Resumed and accumulated, per road: ds_lowcomm's own Muon and DeepSpeed's Muon section, with
+# diloco and the one-bit recipe's format (configs/muloco_sign*.json's outer keys, H 2)
+SIGN = {**json.loads((CONFIGS / "muloco_sign_zero2_bf16.json").read_text())["lowcomm"], "sync_every": 2}
+RESUMED = {("own_muon_sign", 1, False): ({**SIGN, "inner_optimizer": "muon", "inner_muon_lr": 0.02}, ADAMW),
+           ("own_muon_sign", 2, True): ({**SIGN, "inner_optimizer": "muon", "inner_muon_lr": 0.02}, ADAMW),
+           ("own_muon_diloco", 3, False): (OWN_MUON, ADAMW),
+           ("deepspeed_muon_sign", 3, True): (SIGN, MUON)}
+
+
+def _worker(rank, world, workdir):
     import deepspeed
     import torch.distributed as dist
     import torch._dynamo
@@ -108,9 +168,16 @@ def _worker(rank, world):
     for stage in (0, 2):
         out[("one_replica", stage)] = _run(dl.initialize, {"method": "diloco", "sync_every": 100, "replica_size": 4},
                                            MUON, stage, rank)
+    printed = contextlib.redirect_stdout(io.StringIO())  # the first engines' printed lines
+    lines = printed.__enter__()
     for stage, bf16 in ((0, False), (1, False), (2, False), (3, False), (0, True), (2, True)):
+        if stage == 1:
+            printed.__exit__(None, None, None)
+            out["log_lines"] = lines.getvalue().splitlines()
         out[("demo", stage, bf16)] = _run(dl.initialize, {**DEMO, "replica_size": 2}, ADAMW, stage, rank, bf16)
         out[("diloco_muon", stage, bf16)] = _run(dl.initialize, {**DILOCO, "replica_size": 2}, MUON, stage, rank, bf16)
+        out[("diloco_own_muon", stage, bf16)] = _run(dl.initialize, {**OWN_MUON, "replica_size": 2}, ADAMW, stage,
+                                                     rank, bf16)
         dist.barrier()
     # the one-bit recipe's shipped configs as a user's script takes them (their optimizer, ZeRO and
     # precision sections, the recipe's outer keys; H 2 so that the 4 steps end on a sync), and the
@@ -123,19 +190,23 @@ def _worker(rank, world):
         lowcomm = {**cfg["lowcomm"], "sync_every": 2, "replica_size": 2}
         out[(name, stage)] = _run(dl.initialize, lowcomm, cfg["optimizer"], stage, rank, bf16)
         dist.barrier()
+    for key, (lowcomm, optimizer) in RESUMED.items():
+        _, stage, bf16 = key
+        out[("resumed",) + key] = _resume_and_accumulate({**lowcomm, "replica_size": 2}, optimizer, stage, bf16,
+                                                         rank, workdir, "-".join(map(str, key)))
     return out
 
 
 @pytest.fixture(scope="module")
-def runs():
-    return run_local_workers(_worker, 4)
+def runs(tmp_path_factory):
+    return run_local_workers(_worker, 4, str(tmp_path_factory.mktemp("muon")))
 
 
 def _max_diff(a, b):
     return max((a[n] - b[n]).abs().max().item() for n in a)
 
 
-@pytest.mark.parametrize("kind", ["demo", "diloco_muon"])
+@pytest.mark.parametrize("kind", ["demo", "diloco_muon", "diloco_own_muon"])
 def test_zero_stages_equal_zero0_fp32(runs, kind):
     """ZeRO 1/2/3 (matrices cut between a replica's ranks, assembled for Newton-Schulz) give ZeRO
     0's fp32 parameters within fp32 rounding; bf16 engines within bf16's; every rank the same."""
@@ -184,6 +255,31 @@ def test_inner_muon_is_deepspeeds_muon(runs):
         # (4 steps of Adam's half, whose small gradients' rounding its normalisation magnifies)
         assert _max_diff(runs[rank][("one_replica", 2)]["params"], stock) < 2e-4
     assert _max_diff(runs[0]["stock_muon_z0"]["params"], _initial()) > 1e-3
+
+
+@pytest.mark.parametrize("key", list(RESUMED))
+def test_muon_roads_resume_exactly_and_accumulate(runs, key):
+    """ds_lowcomm's own Muon and DeepSpeed's Muon section inside diloco and the one-bit format at
+    ZeRO 1, 2 (bf16) and 3: a checkpoint saved mid-interval and resumed by a new engine gives the
+    uninterrupted run bit for bit (the bytes sent too); gradient accumulation 2 (each step's batch
+    in two micro-batches) gives accumulation 1's fp32 masters within fp32 rounding (in bf16, the
+    median element within 1e-4 and at most 5% of elements, signs flipped by bf16's sums, apart):
+    Newton-Schulz runs once per step, on the summed gradient; replicas bit-identical after the
+    sync; parameters moved."""
+    _, stage, bf16 = key
+    results = [runs[rank][("resumed",) + key] for rank in range(4)]
+    for rank, r in enumerate(results):
+        for n in r["full"]:
+            assert torch.equal(r["full"][n], r["resumed"][n]), (key, rank, n)
+            assert torch.equal(r["full"][n], results[0]["full"][n]), (key, rank, n)  # replicas equal
+        assert r["bytes"][0] == r["bytes"][1] == r["bytes"][2] > 0, (key, r["bytes"])
+        diff = torch.cat([(r["accumulated"][n] - r["full"][n]).abs().flatten() for n in r["full"]])
+        if bf16:  # bf16's gradient sums differ; the sign format flips a few near-zero elements' signs
+            assert diff.median() < 1e-4 and (diff > 1e-3).float().mean() < 0.05, (key, diff.median(), diff.max())
+        else:
+            assert diff.max() < 1e-4, (key, diff.max())
+    moved = torch.cat([(results[0]["full"][n] - p).abs().flatten() for n, p in _initial().items()])
+    assert moved.median() > 5e-3, moved.median()  # a Newton-Schulz per micro-batch would differ by about this
 
 
 def _initial():
@@ -277,3 +373,17 @@ def test_the_first_log_line_names_the_inner_optimizer_and_every_setting():
     own = describe_settings(_split({**DILOCO, "inner_optimizer": "muon", "inner_muon_lr": 0.05}, ADAMW, stage=0), {})
     assert "torch's Muon at lowcomm.inner_muon_lr 0.05, momentum 0.95; AdamW at optimizer.params.lr 0.003" in own
     assert "optimizer: AdamW at optimizer.params.lr 0.003" in describe_settings(_split(DEMO, ADAMW), {})
+
+
+def test_the_engine_logs_that_line_first_on_rank_0(runs):
+    """initialize prints describe_settings' line on rank 0 alone (at DeepSpeed's default log level,
+    WARNING, which hides its INFO lines): one per engine (demo, the Muon section's, ds_lowcomm's own Muon)."""
+    ours = [[line.removeprefix("[Rank 0] ") for line in runs[rank]["log_lines"] if "] ds_lowcomm: " in line]
+            for rank in range(4)]
+    assert ours[1:] == [[], [], []]
+    assert len(ours[0]) == 3, ours[0]
+    assert ours[0][0].startswith("ds_lowcomm: demo, optimizer: AdamW at optimizer.params.lr 0.003; settings: ")
+    assert ours[0][1].startswith("ds_lowcomm: diloco, inner optimizer: DeepSpeed's Muon at optimizer.params")
+    assert ours[0][2].startswith("ds_lowcomm: diloco, inner optimizer: torch's Muon at lowcomm.inner_muon_lr 0.02, "
+                                 "momentum 0.9; AdamW at optimizer.params.lr 0.003 for the rest; settings: ")
+    assert "zero_optimization.stage=0" in ours[0][2] and "lowcomm.sync_every=2" in ours[0][2]

@@ -94,17 +94,11 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
         raise ConfigError("zero_optimization.elastic_checkpoint must be false with lowcomm: elastic checkpoints "
                           "keep only per-group optimizer state and would drop the method's state")
     low_precision = [k for k in ("fp16", "bf16") if (ds.get(k) or {}).get("enabled")]
-    orthogonalised = {"lowcomm.inner_optimizer muon": lowcomm.effective().get("inner_optimizer") == "muon",
-                      "lowcomm.method dion": lowcomm.method == "dion"}
-    for what in (w for w, chosen in orthogonalised.items() if chosen):
-        if stage >= 1 or low_precision:
-            # these orthogonalise each weight matrix; there the optimizer holds flat pieces of them
-            raise ConfigError(f"{what} needs zero_optimization.stage 0 in fp32 (ZeRO 1-3 and DeepSpeed's fp16/bf16 "
-                              f"optimizers hand the optimizer flat pieces, not weight matrices); got stage "
-                              f"{stage}{''.join(f', {k}.enabled true' for k in low_precision)}. "
-                              + {"lowcomm.inner_optimizer muon": "There use DeepSpeed's own Muon as the inner "
-                                                                 "optimizer (\"optimizer\": {\"type\": \"Muon\"})",
-                                 "lowcomm.method dion": "Use another method there"}[what])
+    if lowcomm.method == "dion" and (stage >= 1 or low_precision):
+        # dion factors each weight matrix; there the optimizer holds flat pieces of them
+        raise ConfigError(f"lowcomm.method dion needs zero_optimization.stage 0 in fp32 (ZeRO 1-3 and DeepSpeed's "
+                          f"fp16/bf16 optimizers hand the optimizer flat pieces, not weight matrices); got stage "
+                          f"{stage}{''.join(f', {k}.enabled true' for k in low_precision)}. Use another method there")
     fragments = lowcomm.effective().get("fragments", 1)
     if stage >= 1 and fragments > 1:
         raise ConfigError(f"lowcomm.fragments must be 1 with zero_optimization.stage {stage} (ZeRO 1-3 hand the "
@@ -136,6 +130,10 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
         if replicas:
             raise ConfigError("lowcomm.replicas (replicas of different shapes): not with Muon's step (lowcomm.update "
                               "muon or optimizer.type Muon) yet; use replica_size")
+    if lowcomm.effective().get("inner_optimizer") == "muon" and replicas and stage >= 1:
+        # each matrix is assembled over its replica's ZeRO partitions: replicas of one shape only
+        raise ConfigError(f"lowcomm.replicas (replicas of different shapes): not with lowcomm.inner_optimizer muon at "
+                          f"zero_optimization.stage {stage} yet; use replica_size, or stage 0")
     if muon is not None:
         optimizer = None
         params = {}

@@ -159,8 +159,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
         **{f"{k}.enabled": bool(split.deepspeed.get(k, {}).get("enabled", False)) for k in ("fp16", "bf16")},
         **{f"optimizer.params.{k}": v for k, v in (split.optimizer or split.muon).flat().items()}}
     assert_same_across_ranks(TorchDistTransport(ledger=engine_ledger, timeout_s=timeout_s), layout.agreed_settings)
-    # every setting that runs, in the run's first lines, as DeepSpeed logs its own config
-    deepspeed.utils.log_dist(describe_settings(split, layout.agreed_settings), ranks=[0])
+    # every setting that runs, in the run's first lines on rank 0: printed whatever the log level
+    # (DeepSpeed's logger is at WARNING unless told otherwise, which would hide an INFO line)
+    deepspeed.utils.logging.print_dist(describe_settings(split, layout.agreed_settings), ranks=[0])
     global_batch = replica_batch_config(split.deepspeed, topology)  # train_batch_size counts every replica
     params = list(model_parameters) if model_parameters is not None else [p for p in model.parameters() if p.requires_grad]
     layout.broadcast_initial_state(params)  # before the optimizer's own check of equal starts
@@ -257,10 +258,11 @@ def _checked_config(args, config, config_params, optimizer, mpu, model) -> Split
         raise ConfigError("mpu=: the data-parallel layout comes from lowcomm.replica_size; leave mpu out")
     from deepspeed.pipe import PipelineModule
 
+    effective = split.lowcomm.effective()
     if isinstance(model, PipelineModule) and split.zero_stage >= 1 and (
-            split.muon is not None or split.lowcomm.effective().get("update") == "muon"):
-        raise ConfigError("Muon's step (lowcomm.update muon or optimizer.type Muon) with a pipeline: only at "
-                          f"zero_optimization.stage 0; got {split.zero_stage}")
+            split.muon is not None or effective.get("update") == "muon" or effective.get("inner_optimizer") == "muon"):
+        raise ConfigError("Muon's step (lowcomm.update muon, lowcomm.inner_optimizer muon or optimizer.type Muon) "
+                          f"with a pipeline: only at zero_optimization.stage 0; got {split.zero_stage}")
     compressing = (split.activations.forward, split.activations.backward) != ("none", "none")
     if compressing and not isinstance(model, PipelineModule) and not split.replicas:  # replicas: the pipelined ones
         raise ConfigError("lowcomm.activations: codecs between pipeline stages need DeepSpeed's pipeline engine "

@@ -25,12 +25,12 @@ grouping reads them. Every DeepSpeed internal used here goes through ``internals
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from ..comm import MatrixAssembly
-from ..optim.muon import tag_muon_params
+from ..optim.muon import MuonWithAdamW, muon_update, tag_muon_params
 from ..settings import ConfigError, Settings, check_bool, check_choice, check_fraction, check_nonnegative, check_positive
 from . import internals
 
@@ -152,39 +152,65 @@ def orthogonalize(update: torch.Tensor, ns_method: str) -> torch.Tensor:
     return (out * internals.live(internals.ASPECT_RATIO_SCALE)(update.size(-2), update.size(-1))).to(update.dtype)
 
 
-class ZeroMuonUpdate:
-    """ZeRO 1-3: before the method steps the partitions, the gradient of each partition of a
-    ``use_muon`` group becomes its piece of Muon's update (DeepSpeed's ``muon_update``: momentum
-    lerp, Nesterov's blend, Newton-Schulz of the whole matrix, assembled over the replica), which
-    DeepSpeed's ``MuonWithAuxAdam`` applies to a flat partition. The momentum is the inner
-    optimizer's ``momentum_buffer`` of each partition (in the method's checkpoints)."""
+@dataclass(frozen=True)
+class MuonHalf:
+    """How an inner optimizer's Muon half steps a matrix at ZeRO 1-3: which param groups are its
+    (``takes``), the optimizer whose state holds each partition's ``momentum_buffer`` (``states``)
+    and the whole matrix's update from its momentum-blended gradient (``update(matrix, group)``)."""
 
-    def __init__(self, inner: torch.optim.Optimizer, flats: list[torch.Tensor], groups: list[int],
+    takes: Callable[[dict], bool]
+    states: torch.optim.Optimizer
+    update: Callable[[torch.Tensor, dict], torch.Tensor]
+
+
+def deepspeed_half(inner) -> MuonHalf:
+    """DeepSpeed's ``MuonWithAuxAdam``: its ``use_muon`` groups, DeepSpeed's Newton-Schulz."""
+    return MuonHalf(lambda group: bool(group["use_muon"]), inner,
+                    lambda x, group: orthogonalize(x, group.get("ns_method", "gram")))
+
+
+def torch_half(inner) -> MuonHalf:
+    """ds_lowcomm's ``MuonWithAdamW`` (``lowcomm.inner_optimizer`` muon): torch's Muon half, its
+    update torch's own (``optim.muon.muon_update``); the half then applies the partitions'
+    prepared updates as torch's Muon applies its update."""
+    inner.prepared_updates = True
+    return MuonHalf(inner.takes_muon_step, inner.muon, muon_update)
+
+
+class ZeroMuonUpdate:
+    """ZeRO 1-3: before the method steps the partitions, the gradient of each partition of a Muon
+    group becomes its piece of Muon's update (momentum lerp, Nesterov's blend unless the group
+    says ``nesterov`` false, the update of the whole matrix assembled over the replica: ``half``),
+    which the inner optimizer then applies to a flat partition (DeepSpeed's ``MuonWithAuxAdam``
+    as under DeepSpeed's own ZeRO Muon; ``MuonWithAdamW`` with ``prepared_updates``). The
+    momentum is the half's ``momentum_buffer`` of each partition (in the method's checkpoints)."""
+
+    def __init__(self, inner: torch.optim.Optimizer, half: MuonHalf, flats: list[torch.Tensor], groups: list[int],
                  assembly: MatrixAssembly):
-        self.inner, self.flats, self.groups, self.assembly = inner, flats, groups, assembly
+        self.inner, self.half, self.flats, self.groups, self.assembly = inner, half, flats, groups, assembly
 
     @torch.no_grad()
     def __call__(self) -> None:
         inputs, grads = [], []
         for flat, gid in zip(self.flats, self.groups):
             group = self.inner.param_groups[gid]
-            if not group["use_muon"]:
+            if not self.half.takes(group):
                 inputs.append(torch.zeros(0, device=flat.device))
                 grads.append(None)
                 continue
             grad = flat.grad if flat.grad is not None else torch.zeros_like(flat)
-            state = self.inner.state[flat]
+            state = self.half.states.state[flat]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(flat)
             momentum, beta = state["momentum_buffer"], group["momentum"]
             finite = torch.isfinite(grad).all()
             momentum.copy_(torch.where(finite, momentum.lerp(grad, 1 - beta), momentum))
-            inputs.append(grad.lerp(momentum, beta))  # Nesterov's blend, as muon_update's default
+            nesterov = group.get("nesterov", True)
+            inputs.append(grad.lerp(momentum, beta) if nesterov else momentum.clone())
             grads.append(grad)
         outputs = [x.clone() for x in inputs]
         groups = self.inner.param_groups
-        self.assembly.apply_(inputs, outputs,
-                             lambda m, x: orthogonalize(x, groups[m.group].get("ns_method", "gram")))
+        self.assembly.apply_(inputs, outputs, lambda m, x: self.half.update(x, groups[m.group]))
         for flat, grad, out in zip(self.flats, grads, outputs):
             if grad is not None:
                 flat.grad = torch.where(torch.isfinite(grad).all(), out.to(grad.dtype), grad)
@@ -218,7 +244,11 @@ def matrix_steps(optimizer, ledger, timeout_s):
         return MatrixSteps(is_matrix, attach, ledger, timeout_s)
     inner = getattr(optimizer, "inner", None)
     if isinstance(inner, internals.live(internals.MUON_WITH_AUX_ADAM)):
-        return MatrixSteps(lambda p, shape, gid: bool(inner.param_groups[gid]["use_muon"]),
-                           lambda flats, groups, assembly: ZeroMuonUpdate(inner, flats, groups, assembly),
-                           ledger, timeout_s)
-    return None
+        half = deepspeed_half(inner)
+    elif isinstance(inner, MuonWithAdamW) and inner.muon is not None:
+        half = torch_half(inner)
+    else:
+        return None
+    return MatrixSteps(lambda p, shape, gid: half.takes(inner.param_groups[gid]),
+                       lambda flats, groups, assembly: ZeroMuonUpdate(inner, half, flats, groups, assembly),
+                       ledger, timeout_s)

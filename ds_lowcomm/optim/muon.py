@@ -99,6 +99,9 @@ class MuonWithAdamW(torch.optim.Optimizer):
     two optimizers' keyword arguments."""
 
     def __init__(self, muon_params: Iterable, adamw_params: Iterable, muon: dict, adamw: dict):
+        # ZeRO 1-3 (ds_lowcomm.deepspeed.muon): the Muon half holds flat partitions whose gradients
+        # are already its orthogonalised updates, applied here as torch's Muon applies them
+        self.prepared_updates = False
         muon_params, adamw_params = list(muon_params), list(adamw_params)
         adamw_params += [p for p in muon_params if p.dim() != 2]
         muon_params = [p for p in muon_params if p.dim() == 2]
@@ -111,11 +114,23 @@ class MuonWithAdamW(torch.optim.Optimizer):
         super().__init__([{"params": g["params"]} for opt in self.optimizers for g in opt.param_groups], {})
         self.param_groups = [g for opt in self.optimizers for g in opt.param_groups]
 
+    @property
+    def muon(self) -> torch.optim.Muon | None:
+        """The Muon half (None: no matrix takes Muon's step)."""
+        return next((opt for opt in self.optimizers if isinstance(opt, torch.optim.Muon)), None)
+
+    def takes_muon_step(self, group: dict) -> bool:
+        """Whether ``group`` (one of ``param_groups``) is the Muon half's."""
+        return self.muon is not None and any(group is g for g in self.muon.param_groups)
+
     @torch.no_grad()
     def step(self, closure=None):
         loss = closure() if closure is not None else None
         for opt in self.optimizers:
-            opt.step()
+            if self.prepared_updates and opt is self.muon:
+                _apply_prepared_updates(opt)
+            else:
+                opt.step()
         return loss
 
     def state_dict(self):
@@ -128,3 +143,28 @@ class MuonWithAdamW(torch.optim.Optimizer):
         for opt, sd in zip(self.optimizers, saved):
             opt.load_state_dict(sd)
         self.param_groups = [g for opt in self.optimizers for g in opt.param_groups]
+
+
+def _apply_prepared_updates(muon: torch.optim.Muon) -> None:
+    """torch's Muon step past its update: decoupled weight decay, then the gradient (already
+    ``muon_update``'s result, its lr adjustment included) at the group's lr."""
+    for group in muon.param_groups:
+        for p in group["params"]:
+            if p.grad is not None:
+                p.mul_(1 - group["lr"] * group["weight_decay"])
+                p.add_(p.grad, alpha=-group["lr"])
+
+
+@torch.no_grad()
+def muon_update(matrix: torch.Tensor, group: dict) -> torch.Tensor:
+    """torch's Muon update of a whole matrix that momentum was already folded into: Newton-Schulz
+    with ``group``'s settings, times its lr adjustment for the matrix's shape (so that a step of
+    ``lr`` along it is torch's step of ``adjusted_lr``). Computed by torch's Muon itself (public
+    API: one step at lr 1, without momentum or weight decay, from zero), so that it is what
+    ``torch.optim.Muon`` runs, in every torch version."""
+    scratch = torch.zeros_like(matrix, dtype=torch.float32)
+    scratch.grad = matrix.float()
+    keys = ("ns_coefficients", "eps", "ns_steps", "adjust_lr_fn")
+    torch.optim.Muon([scratch], lr=1.0, momentum=0.0, nesterov=False, weight_decay=0.0,
+                     **{k: group[k] for k in keys if k in group}).step()
+    return scratch.neg_()
