@@ -147,6 +147,16 @@ class Settings:
         out.check(where)
         return out
 
+    def unused_keys(self) -> dict[str, str]:
+        """Flat keys whose value nothing reads at this object's other values, each with why (the
+        section that names one is refused: nothing accepted and ignored). Nested objects' included."""
+        out: dict[str, str] = {}
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, Settings):
+                out.update(value.unused_keys())
+        return out
+
     def flat(self) -> dict[str, Any]:
         """The flat mapping this object was (or could be) built from."""
         out: dict[str, Any] = {}

@@ -82,15 +82,15 @@ def test_negative_lr():
         check_lr(-0.001)
 
 
-def test_method_defaults_and_ignored_settings():
+def test_method_defaults_and_refused_settings():
     assert LowcommConfig.from_dict({"method": "dct_diloco"}).decay == 0.9
     assert LowcommConfig.from_dict({"method": "demo"}).decay == 0.999
-    with pytest.warns(UserWarning, match="sync_every do not apply to method 'demo'"):
-        LowcommConfig.from_dict({"method": "demo", "sync_every": 4})
+    with pytest.raises(ConfigError, match="sync_every do not apply to method 'demo': remove them"):
+        LowcommConfig.from_dict({"method": "demo", "sync_every": 4})  # nothing accepted and ignored
     sl = LowcommConfig.from_dict({"method": "sparseloco"})  # the published recipe
     assert (sl.decay, sl.topk, sl.chunk, sl.value_dtype, sl.transform, sl.outer_lr, sl.sync_every) == \
         (0.95, 64, 64, "2bit", "none", 1.0, 30)
-    with pytest.warns(UserWarning, match="outer_momentum do not apply to method 'sparseloco'"):
+    with pytest.raises(ConfigError, match="outer_momentum do not apply to method 'sparseloco'"):
         LowcommConfig.from_dict({"method": "sparseloco", "outer_momentum": 0.9})
     mt = LowcommConfig.from_dict({"method": "mtdao", "momentum_betas": [0.9, 0.999], "momentum_weights": [0.3, 0.5]})
     assert mt.momentum_betas == (0.9, 0.999) and mt.sync_every == 32 and mt.sync_codec == "dense"

@@ -10,6 +10,7 @@ from typing import Any
 
 from ..codec import ActivationSettings
 from ..optim import AdamSettings, LowcommConfig
+from ..optim.registry import DEFAULT_METHOD, OUTER_METHODS
 from ..settings import ConfigError
 
 INNER_OPTIMIZERS = ("adam", "adamw")
@@ -28,7 +29,8 @@ ADAM_SWITCHES = {
 # the section holds the same setting
 MUON_SECTION_OWNS = {"inner_muon_lr": "optimizer.params.muon_lr (or lr)",
                      "inner_muon_momentum": "optimizer.params.momentum",
-                     "inner_impl": "optimizer.params.torch_adam (its auxiliary Adam is torch's either way)"}
+                     "inner_impl": "optimizer.params.torch_adam (its auxiliary Adam is torch's either way)",
+                     "inner_optimizer": "optimizer.type Muon itself"}
 
 
 @dataclass
@@ -75,6 +77,7 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
 
         section = dict(section)
         fault_tolerance = FaultToleranceSettings.from_section(section.pop("fault_tolerance"))
+    _refuse_own_inner_keys_beside_muon(section, ds.get("optimizer"))  # before from_dict's own refusals of them
     lowcomm = LowcommConfig.from_dict(section, where="lowcomm")
     stage = int((ds.get("zero_optimization") or {}).get("stage", 0))
     if stage not in (0, 1, 2, 3):
@@ -117,15 +120,6 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
 
         muon = MuonSection.from_flat(dict(opt["params"]), where="optimizer.params", strict=True)
         muon.check_for(lowcomm.method)
-        if lowcomm.effective().get("inner_optimizer") == "muon":
-            raise ConfigError("lowcomm.inner_optimizer muon with optimizer.type Muon: DeepSpeed's Muon is the inner "
-                              "optimizer already; leave inner_optimizer out (adamw) or use optimizer.type AdamW")
-        # the inner optimizer is the section's, at its settings: a key of ds_lowcomm's own inner
-        # optimizer would be accepted and ignored
-        for key, instead in MUON_SECTION_OWNS.items():
-            if key in (section or {}) and not (key == "inner_impl" and section[key] == "torch"):
-                raise ConfigError(f"lowcomm.{key}: not with optimizer.type Muon (DeepSpeed's Muon is the inner "
-                                  f"optimizer, at {instead}); leave it out")
     if muon is not None or lowcomm.effective().get("update") == "muon":
         if replicas:
             raise ConfigError("lowcomm.replicas (replicas of different shapes): not with Muon's step (lowcomm.update "
@@ -153,6 +147,28 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
     if fault_tolerance is not None:
         _check_fault_tolerance(fault_tolerance, lowcomm, ds, stage, replicas, replica_size_given)
     return SplitConfig(lowcomm, ds, optimizer, stage, activations, replicas, fault_tolerance, muon)
+
+
+def _refuse_own_inner_keys_beside_muon(section, opt) -> None:
+    """A Muon section beside an outer method is the inner optimizer, at its settings: a key choosing
+    or tuning ds_lowcomm's own inner optimizer would be accepted and ignored (refused by name); beside
+    demo it chooses the update rule of each half, so demo's own ``update`` would be."""
+    section = section if isinstance(section, dict) else {}
+    if not (isinstance(opt, dict) and str(opt.get("type", "")).lower() == "muon"):
+        return
+    if section.get("method", DEFAULT_METHOD) == "demo" and section.get("update", "muon") != "muon":
+        # demo's groups take their rule from the section's halves (muon.demo_groups): update muon's
+        raise ConfigError(f"lowcomm.update must be muon (or left out) with optimizer.type Muon (demo's step is then "
+                          f"Muon's on the section's Muon half and sign's on the rest); got {section['update']!r}")
+    if section.get("method", DEFAULT_METHOD) not in OUTER_METHODS:
+        return
+    if section.get("inner_optimizer") == "muon":
+        raise ConfigError("lowcomm.inner_optimizer muon with optimizer.type Muon: DeepSpeed's Muon is the inner "
+                          "optimizer already; leave inner_optimizer out (adamw) or use optimizer.type AdamW")
+    for key, instead in MUON_SECTION_OWNS.items():
+        if key in section and not (key == "inner_impl" and section[key] == "torch"):
+            raise ConfigError(f"lowcomm.{key}: not with optimizer.type Muon (DeepSpeed's Muon is the inner "
+                              f"optimizer, at {instead}); leave it out")
 
 
 def _adam_settings(kind: str, params: dict, opt: dict) -> AdamSettings:

@@ -68,6 +68,13 @@ class DeMoSettings(StatefulSettings):
         check_fraction(where, "beta2", self.beta2)
         check_positive(where, "eps", self.eps)
 
+    def unused_keys(self) -> dict[str, str]:
+        out = super().unused_keys()
+        if self.update != "adam":
+            for key in ("beta2", "eps"):
+                out[key] = f"update adam's second moment; got update {self.update}"
+        return out
+
 
 class DeMo(LowcommOptimizer):
     method = "demo"

@@ -113,6 +113,20 @@ class MTDAOSettings(StatefulSettings):
             raise ConfigError(f"{where}.outer_optimizer {self.outer_optimizer} needs sync_codec dense (the compressed "
                               f"syncs keep their own last synced values); got sync_codec {self.sync_codec}")
 
+    def unused_keys(self) -> dict[str, str]:
+        out = super().unused_keys()
+        if self.sync_codec == "dense":
+            for key in CodecSettings.flat_keys():
+                out[key] = "the codec's, which sync_codec topk uses; got sync_codec dense"
+        if self.outer_optimizer == "none":
+            for key in ("outer_lr", "outer_momentum", "nesterov"):
+                out[key] = "the outer SGD's (outer_optimizer sgd); got outer_optimizer none"
+        elif not self.outer_momentum:
+            out["nesterov"] = "Nesterov's form of the outer momentum, which is 0 (outer_momentum)"
+        if not self.switch_step:
+            out["warm_betas"] = "the warm start's (steps 1..switch_step); got switch_step 0"
+        return out
+
     def periods(self) -> dict[str, int]:
         """Sync period of the parameters ("param"), each first moment ("u0", ...) and the second ("v")."""
         moments = self.momentum_sync_every or (self.sync_every,) * len(self.momentum_betas)

@@ -139,6 +139,17 @@ class OuterSettings(StatefulSettings):
         check_fraction(where, "inner_muon_momentum", self.inner_muon_momentum)
         self.streaming.check_against(where, self.sync_every)
 
+    def unused_keys(self) -> dict[str, str]:
+        out = super().unused_keys()
+        if self.inner_optimizer != "muon":
+            for key in ("inner_muon_lr", "inner_muon_momentum"):
+                out[key] = (f"ds_lowcomm's inner Muon's settings, which apply with inner_optimizer muon only; "
+                            f"got inner_optimizer {self.inner_optimizer}")
+        if self.outer_optimizer == "sgd":
+            for key in ("outer_betas", "outer_eps"):
+                out[key] = "the outer Adam's (outer_optimizer adam or adamw); got outer_optimizer sgd"
+        return out
+
 
 @dataclass(frozen=True)
 class DiLoCoSettings(OuterSettings):
@@ -149,6 +160,15 @@ class DiLoCoSettings(OuterSettings):
         super().check(where)
         check_fraction(where, "outer_momentum", self.outer_momentum)
         check_bool(where, "nesterov", self.nesterov)
+
+    def unused_keys(self) -> dict[str, str]:
+        out = super().unused_keys()
+        if self.outer_optimizer != "sgd":
+            for key in ("outer_momentum", "nesterov"):
+                out[key] = f"the outer SGD's (outer_optimizer sgd); got outer_optimizer {self.outer_optimizer}"
+        elif not self.outer_momentum:
+            out["nesterov"] = "Nesterov's form of the outer momentum, which is 0 (outer_momentum)"
+        return out
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,6 @@ Every error names the field and what it accepts, and is raised before any rank s
 
 from __future__ import annotations
 
-import warnings
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
@@ -63,10 +62,18 @@ class LowcommConfig:
         check_choice(where, "method", method, METHODS)
         settings_class = METHOD_CLASSES[method].settings_class
         applies = {"method", *CommSettings.flat_keys(), *settings_class.flat_keys()}
-        ignored = [k for k in raw if k not in applies]
-        if ignored:
-            warnings.warn(f"{where}: setting(s) {', '.join(ignored)} do not apply to method {method!r} and are ignored")
-        return cls(method, settings_class.from_flat(raw, where=where), CommSettings.from_flat(raw, where=where))
+        foreign = [k for k in raw if k not in applies]
+        if foreign:  # nothing accepted and ignored
+            raise ConfigError(f"{where}: setting(s) {', '.join(foreign)} do not apply to method {method!r}: remove "
+                              f"them; its settings: {', '.join([*settings_class.flat_keys(), *CommSettings.flat_keys()])}")
+        settings = settings_class.from_flat(raw, where=where)
+        # a key nothing reads at the other settings, given a value of its own (its default, as
+        # effective() writes it out, changes nothing either way)
+        chosen, defaults = settings.flat(), settings_class().flat()
+        for key, why in settings.unused_keys().items():
+            if key in raw and chosen[key] != defaults[key]:
+                raise ConfigError(f"{where}.{key}: {why}; leave it out")
+        return cls(method, settings, CommSettings.from_flat(raw, where=where))
 
     def validate(self, where: str = "lowcomm") -> None:
         check_choice(where, "method", self.method, METHODS)
@@ -157,6 +164,13 @@ def build_optimizer(
     without ``transport``, torch.distributed's default group. ``cfg.comm.timeout_s`` bounds every
     collective of the transport and of the shard's, the start-up check included."""
     cfg.validate()
+    if transport is None and cfg.comm.transport != "torch":  # the default below is torch.distributed's
+        raise ConfigError(f"lowcomm.transport {cfg.comm.transport!r}: build_optimizer was given no transport; pass "
+                          "transport=ds_lowcomm.comm.build_transport(cfg.comm.transport, ...)")
+    if transport is None and shard is None and cfg.comm.replica_size > 1:
+        raise ConfigError(f"lowcomm.replica_size {cfg.comm.replica_size}: build_optimizer was given no transport or "
+                          "shard, so every rank of the default group would be a replica of its own; pass the "
+                          "cross-replica transport (and the replica's shard), as the DeepSpeed glue does")
     hyper = AdamSettings.from_flat({"lr": lr, **adam}, where="optimizer", strict=True)
     cls = METHOD_CLASSES[cfg.method]
     optimizer = _build(cfg, cls, params, hyper, transport, shard, ledger_steps, inner_factory, clip_grad)
