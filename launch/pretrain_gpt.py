@@ -80,8 +80,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--overlap-grad-reduce", action="store_true", help="start each bucket's sync during backward")
     p.add_argument("--use-distributed-optimizer", action="store_true")
     p.add_argument("--optimizer", default="adam", choices=("adam", "muon"),
-                   help="Megatron's Adam, or Megatron-Core's Muon (needs the emerging-optimizers package; with the "
-                        "outer methods: their inner optimizer)")
+                   help="Megatron's Adam, or Megatron-Core's Muon (needs NVIDIA's emerging-optimizers package at "
+                        "the API megatron-core 0.16 calls, its v0.1.0 release; refused saying why where it cannot "
+                        "be built; with the outer methods: their inner optimizer)")
     p.add_argument("--clip-grad", type=float, default=0.0, help="Megatron's gradient clipping (0: none) of the gradients its optimizer holds: the mean (stock, adamw), "
                         "each replica's own (mtdao, the outer methods)")
     p.add_argument("--seed", type=int, default=1234)
@@ -132,6 +133,11 @@ def main(argv=None) -> dict | None:
     from lowcomm_task.data import ByteCorpus
     from megatron_patches import apply, checkpoint
     from megatron_patches.activations import install_activation_compression
+
+    if args.optimizer == "muon":  # before any rank communicates: whether Megatron-Core's Muon can be built here
+        from megatron_patches.install import check_megatron_muon
+
+        check_megatron_muon()
 
     gpu = torch.cuda.is_available()
     if gpu:

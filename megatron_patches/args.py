@@ -16,6 +16,7 @@ is for the settings' own checks to say.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 from typing import Any
 
@@ -40,7 +41,21 @@ def _defaults_by_key() -> dict[str, list[Any]]:
 
 
 def _list_keys() -> set[str]:
-    return {k for k, values in _defaults_by_key().items() if any(isinstance(v, (tuple, list)) for v in values)}
+    """Keys that hold lists: by a default that is one, or by the field's type where the default is
+    None (MT-DAO's ``momentum_sync_every``)."""
+    out = {k for k, values in _defaults_by_key().items() if any(isinstance(v, (tuple, list)) for v in values)}
+
+    def typed(cls) -> None:
+        nested = cls.nested()
+        for f in dataclasses.fields(cls):
+            if f.name in nested:
+                typed(nested[f.name])
+            elif str(f.type).startswith(("tuple", "list")):
+                out.add(f.name)
+
+    for cls in (CommSettings, *(c.settings_class for c in METHOD_CLASSES.values())):
+        typed(cls)
+    return out
 
 
 def _str_keys() -> set[str]:
@@ -64,6 +79,8 @@ def parse_value(key: str, text: str) -> Any:
     if key == "method" or key in _str_keys():
         return text
     if key in _list_keys():
+        if text.strip().lower() in ("null", "none"):
+            return None
         return [_scalar(part) for part in text.split(",") if part.strip()]
     return _scalar(text)
 
@@ -132,10 +149,14 @@ def lowcomm_section(args: argparse.Namespace) -> dict[str, Any] | None:
 def lowcomm_config(args: argparse.Namespace) -> LowcommConfig | None:
     """The validated :class:`LowcommConfig` of the ``--lowcomm-*`` arguments; None where none is
     given (plain Megatron training)."""
+    from .keys import refuse_unhonoured
+
     section = lowcomm_section(args)
     if section is None:
         return None
-    return LowcommConfig.from_dict(section, where="lowcomm")
+    config = LowcommConfig.from_dict(section, where="lowcomm")
+    refuse_unhonoured(config, section)  # every key honoured with Megatron-Core, or refused by name
+    return config
 
 
 def activation_settings(args: argparse.Namespace) -> ActivationSettings | None:

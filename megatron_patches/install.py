@@ -54,6 +54,7 @@ from ds_lowcomm.optim.mtdao import MTDAO
 from ds_lowcomm.optim.registry import LowcommConfig, build_optimizer
 from ds_lowcomm.settings import ConfigError
 
+from .keys import describe, refuse_unhonoured
 from .grad_sync import DeMoExchange, DenseMean, install_grad_sync, switch_off_grad_sync
 from .outer import OUTER_METHODS, OuterLoopOptimizer, _MegatronInner
 from . import internals as mi
@@ -191,16 +192,79 @@ class PerStepOptimizer(MegatronLowcomm):
         self.ledger.load_state_dict(state_dict["lowcomm"]["ledger"])
 
 
+# What Megatron-Core 0.16's TensorParallelMuon calls in emerging-optimizers: the API of its v0.1.0
+# release (Python >= 3.10). Its 0.2.0 and later renamed both keywords (``nesterov``, ``tp_mode``) and
+# need Python >= 3.12: megatron-core 0.16.1 fails on them with a TypeError when building Muon.
+_EMERGING_API = (("emerging_optimizers.orthogonalized_optimizers", "OrthogonalizedOptimizer", "use_nesterov"),
+                 ("emerging_optimizers.orthogonalized_optimizers.muon_utils", "newton_schulz_tp", "mode"))
+
+
+def megatron_muon_unavailable() -> str | None:
+    """Why Megatron-Core's Muon cannot be built here (None: it can): NVIDIA's emerging-optimizers
+    package missing, failing to import (the reason), or of an API this Megatron-Core does not call."""
+    import importlib
+    import importlib.metadata
+    import inspect
+    import sys
+
+    try:
+        version = importlib.metadata.version("emerging-optimizers")
+    except importlib.metadata.PackageNotFoundError:
+        version = None
+    python = f"Python {sys.version_info.major}.{sys.version_info.minor}"
+    if version is None:
+        return ("NVIDIA's emerging-optimizers package is not installed. The package index's emerging-optimizers "
+                "(0.3.0) needs Python >= 3.12 (here " + python + ") and renamed the keywords megatron-core 0.16 "
+                "calls; megatron-core 0.16 calls the API of emerging-optimizers' v0.1.0 release")
+    if not mi.live(mi.HAVE_EMERGING_OPTIMIZERS):
+        try:
+            importlib.import_module(_EMERGING_API[1][0])
+            reason = "Megatron-Core's import of it failed"
+        except Exception as err:  # noqa: BLE001  (the reason is what the user needs)
+            reason = f"{type(err).__name__}: {err}"
+        return f"emerging-optimizers {version} is installed but does not import under {python} ({reason})"
+    for module, name, keyword in _EMERGING_API:
+        params = inspect.signature(getattr(importlib.import_module(module), name)).parameters
+        if keyword not in params:
+            return (f"emerging-optimizers {version} is installed, but Megatron-Core's TensorParallelMuon calls "
+                    f"{name}({keyword}=...), which this version does not take (the API of emerging-optimizers "
+                    "v0.1.0 is the one megatron-core 0.16 calls)")
+    return None
+
+
 def megatron_muon_optimizer(config, model_chunks):
     """Megatron-Core's Muon (``get_megatron_muon_optimizer``: TensorParallelMuon on the hidden
     matrices, Adam on the rest, chained), as Megatron-LM's ``--optimizer muon`` builds it without
-    the layer-wise distributed optimizer. It needs NVIDIA's emerging-optimizers package: refused
-    by name where it is missing."""
+    the layer-wise distributed optimizer. It needs NVIDIA's emerging-optimizers package at the API
+    this Megatron-Core calls: refused by name, saying why, where it cannot be built."""
     muon = mi.live(mi.MEGATRON_MUON_OPTIMIZER)
-    if not mi.live(mi.HAVE_EMERGING_OPTIMIZERS):
-        raise ConfigError("--optimizer muon: Megatron-Core's Muon needs NVIDIA's emerging-optimizers package, which is "
-                          "not importable here (pip install emerging-optimizers, from NVIDIA's repository)")
+    check_megatron_muon()
     return muon(config, model_chunks)
+
+
+def check_megatron_muon() -> None:
+    """``--optimizer muon``'s check, before any rank communicates: a ConfigError saying why
+    Megatron-Core's Muon cannot be built here, if it cannot."""
+    why = megatron_muon_unavailable()
+    if why is not None:
+        raise ConfigError(f"--optimizer muon: Megatron-Core's Muon cannot be built here: {why}. Use --optimizer adam "
+                          "(an outer method's inner Adam) or the DeepSpeed / plain torch path, whose inner Muon is "
+                          "torch's (lowcomm.inner_optimizer muon)")
+
+
+def describe_optimizer(optimizer) -> str:
+    """Megatron's optimizer in words, with its settings as its param groups hold them at the start
+    (each of a ChainedOptimizer's: Megatron's Muon is TensorParallelMuon chained with Adam)."""
+    parts = []
+    for opt in chained(optimizer):
+        inner = torch_optimizer(opt)
+        group = inner.param_groups[0] if inner.param_groups else {}
+        shown = {k: group[k] for k in ("lr", "betas", "eps", "momentum", "weight_decay") if k in group}
+        settings = ", ".join(f"{k} {v}" for k, v in shown.items())
+        where = "" if optimizer_kind(opt) == "torch" else f"Megatron's {type(opt).__name__} of "
+        parts.append(f"{where}{type(inner).__name__} ({settings})")
+    clip = [mi.get(opt, mi.OPTIMIZER_CONFIG).clip_grad for opt in chained(optimizer) if optimizer_kind(opt) != "torch"]
+    return " + ".join(parts) + (f", clip_grad {clip[0]}" if clip else "")
 
 
 def _is_megatron_optimizer(optimizer) -> bool:
@@ -211,25 +275,12 @@ def _check_supported(model_chunks, optimizer, cfg: LowcommConfig) -> None:
     from megatron.core import parallel_state as ps
 
     ddp, base_data_parallel, megatron_module = mi.live(mi.DDP), mi.live(mi.DP_BASE), mi.live(mi.MEGATRON_MODULE)
-    if cfg.comm.transport != "torch":
-        raise ConfigError("lowcomm.transport must be torch with Megatron-Core (the data-parallel group's "
-                          f"collectives); got {cfg.comm.transport!r}")
+    refuse_unhonoured(cfg)  # the section's keys (the launchers check them earlier, with the keys given)
     mp_size = ps.get_tensor_model_parallel_world_size() * ps.get_pipeline_model_parallel_world_size()
     if cfg.comm.replica_size not in (1, mp_size):
         raise ConfigError(f"lowcomm.replica_size must be 1 (or {mp_size}, the model-parallel size) with "
                           "Megatron-Core: a replica is one model-parallel group; "
                           f"got {cfg.comm.replica_size!r}")
-    if cfg.method == "demo" and cfg.settings.overlap:
-        raise ConfigError("lowcomm.overlap must be false with Megatron-Core: DeMo's exchange already runs in "
-                          "Megatron's bucket-level gradient sync (overlap_grad_reduce overlaps it with the "
-                          "backward pass); allowed: false")
-    if cfg.method == "dion":
-        raise ConfigError("lowcomm.method 'dion' is not supported with Megatron-Core yet (its orthonormal step needs "
-                          "whole weight matrices and two all-reduces inside the optimizer step); allowed: "
-                          "adamw, demo, diloco, dct_diloco, sparseloco, mtdao")
-    if cfg.method in ("diloco", "dct_diloco", "sparseloco") and cfg.settings.inner_optimizer != "adamw":
-        raise ConfigError(f"lowcomm.inner_optimizer {cfg.settings.inner_optimizer!r} does not apply with Megatron-Core: "
-                          "the inner optimizer is Megatron's own (--optimizer muon for Muon); allowed: adamw")
     if ps.get_context_parallel_world_size() != 1:
         raise ConfigError("Megatron-Core with context parallelism > 1 is not supported by ds_lowcomm yet")
     if len(model_chunks) != 1:
@@ -329,11 +380,15 @@ def apply(model_chunks, optimizer, config: LowcommConfig | dict | None) -> Megat
         from .args import refuse_fault_tolerance
 
         refuse_fault_tolerance(config)
+        given = list(config or {})
         config = LowcommConfig.from_dict(config, where="lowcomm")
+        refuse_unhonoured(config, given)
     config.validate()
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
     _check_supported(model_chunks, optimizer, config)
+    if torch.distributed.get_rank() == 0:  # the run's first log line: what runs, at which settings
+        print(describe(config, describe_optimizer(optimizer)), flush=True)
     transport = build_transport("torch", group=ps.get_data_parallel_group(), timeout_s=config.comm.timeout_s)
     transport.nonfinite = config.comm.nonfinite  # a rank with NaN/inf to send: skip it, or raise (lowcomm.nonfinite)
     _mark_main_params_trainable(optimizer)
@@ -378,4 +433,5 @@ def apply(model_chunks, optimizer, config: LowcommConfig | dict | None) -> Megat
     return PerStepOptimizer(optimizer, config, transport)
 
 
-__all__ = ["apply", "GRAD_SYNC_METHODS", "PerStepOptimizer", "SignDescent"]
+__all__ = ["apply", "check_megatron_muon", "describe_optimizer", "megatron_muon_unavailable", "GRAD_SYNC_METHODS",
+           "PerStepOptimizer", "SignDescent"]

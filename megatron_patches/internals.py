@@ -101,8 +101,10 @@ PER_TOKEN_LOSS = Internal(_TRANSFORMER_CONFIG, "TransformerConfig.calculate_per_
 # --- Optimizers (install.py, wrapper.py, outer.py) ---------------------------------------------
 OPTIMIZER_INNER = Internal(_OPTIMIZER, "MegatronOptimizer.optimizer", "instance",
                            use="reads and replaces the torch optimizer inside (demo, mtdao)")
-OPTIMIZER_CONFIG = Internal(_OPTIMIZER, "MegatronOptimizer.config", "instance", use="reads fp16")
+OPTIMIZER_CONFIG = Internal(_OPTIMIZER, "MegatronOptimizer.config", "instance", use="reads fp16 and clip_grad")
 FP16 = Internal(_OPTIMIZER_CONFIG, "OptimizerConfig.fp16", "field", use="refuses fp16 with demo and mtdao")
+CLIP_GRAD = Internal(_OPTIMIZER_CONFIG, "OptimizerConfig.clip_grad", "field",
+                     use="the run's first log line shows it")
 FLOAT16_OPTIMIZER = Internal(_OPTIMIZER, "Float16OptimizerWithFloat16Params", "class",
                              use="bf16/fp16 model parameters with fp32 main copies")
 FLOAT16_GROUPS = Internal(_OPTIMIZER, "Float16OptimizerWithFloat16Params.float16_groups", "instance",

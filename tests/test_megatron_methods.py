@@ -24,6 +24,7 @@ import torch
 
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (the 'megatron' extra)")
 
+from ds_lowcomm.optim.recipes import SIGN_OUTER  # noqa: E402
 from lowcomm_task.workers import run_local_workers  # noqa: E402
 from tests.megatron_train import BATCH, SEQ, batch, coordinates, train  # noqa: E402
 
@@ -34,6 +35,7 @@ DCT_DILOCO = {"method": "dct_diloco", "sync_every": 3, "topk": 32, "chunk": 16}
 STREAMING = {"method": "diloco", "sync_every": 4, "fragments": 2, "sync_delay": 1}
 DILOCO_BF16 = {"method": "diloco", "sync_every": 2}
 DEMO_MUON = {**DEMO, "update": "muon", "mean_momentum": 0.5}
+SIGN = {**SIGN_OUTER, "sync_every": 3}  # the one-bit recipe's outer settings (dct_diloco, sign values), H 3
 
 
 def _check_whole_matrices(record):
@@ -92,6 +94,8 @@ def _layout_worker(rank, world, tp, pp):
     out["adamw_bytes"] = _bytes(opt)
     _, opt, out["demo"], out["demo_digests"] = train(DEMO, 6, micro=micro)
     out["demo_bytes"] = _bytes(opt)
+    _, opt, out["sign"], out["sign_digests"] = train(SIGN, 6, micro=micro)  # the sign format, every layout
+    out["sign_bytes"] = _bytes(opt)
     if pp == 1:  # DeMo's Muon step through Megatron's path (a split matrix orthogonalised whole at TP 2)
         out["muon_check"] = {}
         _, opt, out["demo_muon"], out["demo_muon_digests"] = train(DEMO_MUON, 6,
@@ -121,7 +125,7 @@ def _layout_worker(rank, world, tp, pp):
 
 def _reshard_per_replica_state():
     """Each replica's own state follows a new tensor/pipeline layout with the same replicas:
-    DCT-DiLoCo between syncs (its residuals, the replicas' parameters; DeMo's momenta go the same
+    DCT-DiLoCo in the sign format (recipes.SIGN_OUTER) between syncs (its residuals, the replicas' parameters; DeMo's momenta go the same
     way) saved at TP 2 x DP 2 in torch_dist, loaded at PP 2 x DP 2. Returns each replica's whole
     parameters and residuals as saved and as loaded (megatron_train.whole_tensors: the shards
     gathered, the stage's layers renumbered)."""
@@ -143,7 +147,7 @@ def _reshard_per_replica_state():
                 "residual": whole_tensors(model, state)}
 
     out = {}
-    for name, lowcomm, steps in (("dct_diloco", DCT_DILOCO, 4),):  # 1 step past a sync
+    for name, lowcomm, steps in (("dct_diloco", SIGN, 4),):  # the sign format, 1 step past a sync
         path = f"{where[0]}/{name}"
         model, opt, _, _ = train(lowcomm, steps)
         saved = observed(opt, model)
@@ -293,6 +297,25 @@ def test_demo_muon_through_megatrons_path(layout):
             assert r["demo_muon_ops"]["tp_matrix_assembly"] == 2 * 6
 
 
+def test_sign_format_dct_diloco_in_every_layout(layout):
+    """The one-bit recipe's outer settings (recipes.SIGN_OUTER: dct_diloco, top-k of 8x8 chunks
+    untransformed, sign values, H 3 here) around Megatron's Adam at TP 1, TP 2 and PP 2 with 2
+    replicas: the replicas differ between syncs and hold the same bits after each; bytes only at a
+    sync; the loss falls."""
+    (tp, pp), results = layout
+    by_position = {}
+    for r in results:
+        by_position.setdefault(r["coord"][:2], []).append(r)
+    for position, (a, b) in by_position.items():
+        same = [x == y for x, y in zip(a["sign_digests"], b["sign_digests"])]
+        assert same == [False, False, True] * 2, (position, same)
+    for r in results:
+        assert [n > 0 for n in r["sign_bytes"]] == [False, False, True] * 2, r["sign_bytes"]
+        assert r["sign_bytes"][2] < r["numel"] // 4, r["sign_bytes"]  # about a bit per value, plus indices' share
+    for r in _last_stage(results):
+        assert r["sign"][-1] < r["sign"][0], r["sign"]
+
+
 def test_pipeline_activation_codecs(layout):
     """Codec none: bit-identical to Megatron's own p2p. int8 both ways: close, and the bytes each
     stage sends are exactly the codec's (a fp32 scale per row + one byte per value)."""
@@ -429,7 +452,7 @@ def test_unsupported_megatron_features_are_refused_clearly():
     assert "virtual pipeline" in errors["two_chunks"]
     assert "lowcomm.overlap must be false" in errors["demo_overlap"]
     assert "lowcomm.method 'dion' is not supported with Megatron-Core" in errors["dion"]
-    assert "lowcomm.inner_optimizer 'muon' does not apply with Megatron-Core" in errors["inner_muon"]
+    assert "lowcomm.inner_optimizer must be adamw with Megatron-Core" in errors["inner_muon"]
     nan = "found NaN in local grad norm for bucket #0 in backward pass before data-parallel communication"
     for name in ("nan_stock", "nan_demo", "nan_demo_overlap", "nan_diloco", "nan_diloco_overlap"):
         assert errors[name].startswith("RuntimeError: Rank ") and nan in errors[name], (name, errors[name])
@@ -447,7 +470,7 @@ def _pretrain(tmp_path, name, *args, fails=False, nproc=2):
         assert run.returncode != 0 and not metrics.exists(), run.stdout[-3000:]
         return run.stdout + run.stderr
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
-    return json.loads(metrics.read_text())
+    return {**json.loads(metrics.read_text()), "stdout": run.stdout}
 
 
 @pytest.mark.parametrize("tp, pp", [(2, 3), (0, 1)])
@@ -463,12 +486,32 @@ def test_pretrain_gpt_refuses_a_layout_the_world_size_cannot_hold(tp, pp):
             f">= 1 and divide the world size ({4 if tp else 2} ranks started)") in run.stderr
 
 
+def test_pretrain_gpt_says_why_megatrons_muon_cannot_be_built():
+    """--optimizer muon needs NVIDIA's emerging-optimizers at the API megatron-core 0.16 calls (its
+    v0.1.0 release); the package index's 0.3.0 needs Python >= 3.12 and renamed those keywords. Where
+    it cannot be built the launcher stops before any rank communicates, saying why."""
+    from megatron_patches.install import megatron_muon_unavailable
+
+    why = megatron_muon_unavailable()
+    if why is None:
+        pytest.skip("Megatron-Core's Muon can be built here")
+    cmd = [sys.executable, str(ROOT / "launch" / "pretrain_gpt.py"), "--optimizer", "muon", *SIGN_ARGS]
+    run = subprocess.run(cmd, cwd=ROOT, env={**os.environ, "CUDA_VISIBLE_DEVICES": "", "WORLD_SIZE": "1"},
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2, run.stderr[-2000:]
+    assert f"configuration error: --optimizer muon: Megatron-Core's Muon cannot be built here: {why}" in run.stderr
+    assert "emerging-optimizers" in why
+
+
 class _PickledCall:
     def __reduce__(self):  # loading this with pickle would call os.getpid
         return os.getpid, ()
 
 
 DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
+# the one-bit recipe's outer settings as flags (SIGN_OUTER at H 4)
+SIGN_ARGS = [a for k, v in {**SIGN_OUTER, "sync_every": 4}.items()
+             for a in (f"--lowcomm-{k.replace('_', '-')}", str(v))]
 RESUME_CASES = {  # diloco resumes in torch_dist at TP 2 x DP 2 (the last case)
     # a warmup (the lr set in the param groups each iteration, as Megatron's scheduler does): DeMo
     # reads the groups after the load replaced them
@@ -479,6 +522,7 @@ RESUME_CASES = {  # diloco resumes in torch_dist at TP 2 x DP 2 (the last case)
     "stock-torch_dist": [],
     "diloco-tp2xdp2-torch_dist": ["--lowcomm-method", "diloco", "--lowcomm-sync-every", "4",
                                   "--tensor-model-parallel-size", "2"],
+    "sign-torch_dist": SIGN_ARGS,
 }
 
 
@@ -508,6 +552,12 @@ def test_pretrain_gpt_resumes_exactly(tmp_path, case):
     assert full["train_loss"][-1] < full["train_loss"][0] - 0.5
     if args:
         assert resumed["bytes_sent_per_step"] == full["bytes_sent_per_step"]
+    if case == "sign-torch_dist":  # the run's first log line: Megatron's optimizer and every setting honoured
+        first = full["stdout"].splitlines()[0]
+        assert first.startswith("ds_lowcomm: dct_diloco on Megatron-Core, inner optimizer: Megatron's FP32Optimizer "
+                                "of AdamW (lr 0.003, betas (0.9, 0.999), eps 1e-08, weight_decay 0.01), clip_grad 0.0; "
+                                "settings: method=dct_diloco, transport=torch"), first
+        assert "value_dtype=sign, transform=none" in first and "sync_every=4" in first and "inner_" not in first
     if case == "stock-torch_dist":  # a stock checkpoint with a method's flags: refused by name
         out = _pretrain(tmp_path, "flags", "--load", str(save), "--lowcomm-method", "diloco", fails=True)
         assert out.count("holds no ds_lowcomm state") >= 2 and "iteration 11/" not in out, out[-3000:]
