@@ -55,7 +55,7 @@ def llama(width: int, layers: int, tied: bool = True) -> LlamaForCausalLM:
 
 def run(deepspeed_config, out: str, steps: int = 20, save_steps: int = 0, resume: str | None = None, width: int = 64,
         layers: int = 2, seq: int = 128, batch: int = 8, lr: float = 3e-3, corpus: ByteCorpus | None = None,
-        callbacks=None, eval_windows: int = 64, tied: bool = True) -> dict:
+        callbacks=None, eval_windows: int = 64, tied: bool = True, bf16: bool = False) -> dict:
     """Train with the Trainer (``deepspeed_config``: a path or a dict) and report what happened
     (every rank's parameter digest; the method's bytes where the config has a lowcomm section)."""
     corpus = corpus or ByteCorpus()
@@ -65,7 +65,7 @@ def run(deepspeed_config, out: str, steps: int = 20, save_steps: int = 0, resume
         per_device_eval_batch_size=batch, max_steps=steps, learning_rate=lr, warmup_steps=2,
         lr_scheduler_type="cosine", weight_decay=0.0, logging_steps=1, save_strategy="steps" if save_steps else "no",
         save_steps=save_steps or 500, report_to=[], seed=0, data_seed=0, dataloader_drop_last=True,
-        use_cpu=not torch.cuda.is_available(), disable_tqdm=True)
+        use_cpu=not torch.cuda.is_available(), disable_tqdm=True, bf16=bf16)
     trainer = Trainer(model=model, args=training, train_dataset=Windows(corpus.train, seq),
                       eval_dataset=Windows(corpus.val, seq, limit=eval_windows), callbacks=callbacks)
     result = trainer.train(resume_from_checkpoint=os.path.join(out, resume) if resume else None)

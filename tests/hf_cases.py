@@ -22,6 +22,7 @@ import ds_lowcomm.deepspeed as dl  # noqa: E402
 from lowcomm_task.data import ByteCorpus  # noqa: E402
 
 STEPS = 6
+RECIPE_OUTER = json.loads((ROOT / "configs" / "muloco_sign_zero2_bf16.json").read_text())["lowcomm"]
 
 
 class StepCounter(TrainerCallback):
@@ -152,6 +153,17 @@ def main() -> None:
                                   "method": report["lowcomm"]["method"]}
     reports["diloco"] = hf_trainer.run(config({"method": "diloco", "sync_every": 3, "replica_size": 1}),
                                        str(work / "diloco"), **kw)
+    # the one-bit recipe (issue 54): ds_lowcomm's own Muon at ZeRO 1 in bf16 (the Trainer's AdamW
+    # section for the rest), and the shipped Trainer config (DeepSpeed's Muon section at the
+    # Trainer's lr, ZeRO 2, bf16); H 3, so that the 6 steps end on a sync
+    sign = {**RECIPE_OUTER, "sync_every": 3, "replica_size": 1}
+    recipe = config({**sign, "inner_optimizer": "muon", "inner_muon_lr": 0.02}) | {
+        "zero_optimization": {"stage": 1}, "bf16": {"enabled": "auto"}}
+    reports["recipe_own_muon_zero1_bf16"] = hf_trainer.run(recipe, str(work / "recipe1"), bf16=True, **kw)
+    shipped = json.loads((ROOT / "examples" / "hf_trainer_muloco_sign.json").read_text())
+    reports["recipe_shipped_zero2_bf16"] = hf_trainer.run(shipped | {"lowcomm": {**shipped["lowcomm"], **sign}},
+                                                          str(work / "recipe2"), bf16=True, **kw)
+    reports["recipe_shipped_outer"] = shipped["lowcomm"]
     # the README's command, as written there (its script's main() with its arguments: 20 steps, 64 wide)
     sys.argv = ["hf_trainer.py", "--deepspeed", str(ROOT / "examples" / "hf_trainer.json"), "--out", str(work / "readme")]
     hf_trainer.main()
