@@ -53,7 +53,7 @@ def _params(n: int) -> str:
 # The one-bit recipe's entries of the time-to-loss run: the situation each is for, and its config
 TTL_ROWS = (
     ("You train with Muon over a slow link: the default", "muloco_sign", "H 5",
-     "[muloco_sign.json](configs/muloco_sign.json) (ds_lowcomm's Muon, ZeRO 0 fp32) or "
+     "[muloco_sign.json](configs/muloco_sign.json) (ds_lowcomm's Muon; set any ZeRO stage, bf16) or "
      "[muloco_sign_zero2_bf16.json](configs/muloco_sign_zero2_bf16.json) (DeepSpeed's Muon section, ZeRO 1-3, bf16)"),
     ("Fewer bytes still, a few more steps", "muloco_sign_h10", "H 10", "the same with `sync_every` 10"),
     ("A link so slow that a sync takes longer than a step", "muloco_sign_overlap", "H 5, sync overlapped by 2 steps",

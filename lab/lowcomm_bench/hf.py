@@ -30,14 +30,17 @@ import tempfile
 import time
 from pathlib import Path
 
-from ds_lowcomm.optim.recipes import RECIPES
+from ds_lowcomm.optim.recipes import RECIPES, SIGN_OUTER
 
 from .codec import write_csv
 from .netns import TestNetwork, check_can_create
 from .runs import LINKS, effective_shape
 
 EXAMPLES = Path(__file__).resolve().parents[2] / "examples"
-ENTRIES = ("deepspeed", "deepspeed_muon", "adamw", "demo", "demo_muon", "diloco", "dct_diloco", "sparseloco", "mtdao")
+ENTRIES = ("deepspeed", "deepspeed_muon", "muloco_sign", "adamw", "demo", "demo_muon", "diloco", "dct_diloco",
+           "sparseloco", "mtdao")
+# muloco_sign: the one-bit recipe (recipes.SIGN_OUTER) around deepspeed_muon's own Muon section, at
+# its settings (lr, adam_lr, ZeRO stage: deepspeed_muon's --config entry unless it has its own)
 # deepspeed_muon: plain DeepSpeed with its own Muon ("type": "Muon", the Trainer's lr as Muon's lr,
 # Adam's half at plain DeepSpeed's tuned AdamW lr); demo_muon: demo stepping along Muon's
 # orthogonalised q (configs/demo_muon.json's recipe: 2 of each 16x16 block, embeddings and head by sign)
@@ -61,10 +64,12 @@ def entry_config(entry: str, override: dict | None = None) -> tuple[dict, float]
     if "zero_optimization" in override:  # another ZeRO stage than the example's 1
         config["zero_optimization"] = dict(override["zero_optimization"])
     config["optimizer"]["params"]["torch_adam"] = True  # torch's AdamW in plain DeepSpeed too (no op to build on CPU)
-    if entry == "deepspeed_muon":
+    if entry in ("deepspeed_muon", "muloco_sign"):
         config["optimizer"] = {"type": "Muon", "params": {"lr": "auto", "adam_lr": override.get("adam_lr", MUON_ADAM_LR),
                                                          "momentum": 0.95,
                                                          "weight_decay": "auto", "torch_adam": True}}
+        if entry == "muloco_sign":
+            config["lowcomm"] = {**SIGN_OUTER, "replica_size": 1, **override.get("lowcomm", {})}
         return config, override.get("lr", 0.02)
     recipe = DEMO_MUON if entry == "demo_muon" else RECIPES["adamw" if entry == "deepspeed" else entry]
     lr = override.get("lr", recipe["lr"])
@@ -181,7 +186,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
         with TestNetwork(2, shape) as net:
             for entry in entries:
                 port += 1
-                run = run_entry(net, entry, args, port, overrides.get(entry))
+                derived = overrides.get("deepspeed_muon") if entry == "muloco_sign" else None
+                run = run_entry(net, entry, args, port, overrides.get(entry, derived))
                 runs[f"{entry}@{link}"] = run
                 rows.append({"entry": entry, "link": link, "steps": args.steps, "held_out_loss": run["held_out_loss"],
                              "bytes_sent_per_worker": int(max(run["wire_bytes_sent"])),
