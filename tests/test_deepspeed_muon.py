@@ -183,7 +183,7 @@ def _worker(rank, world, workdir):
     # precision sections, the recipe's outer keys; H 2 so that the 4 steps end on a sync), and the
     # Muon one at ZeRO 1 and 3 too
     for name, stage in (("muloco_sign_zero2_bf16", None), ("muloco_sign_zero2_bf16", 1),
-                        ("muloco_sign_zero2_bf16", 3), ("adamw_sign", None)):
+                        ("muloco_sign_zero3_bf16", None), ("muloco_sign_zero1_bf16", None), ("adamw_sign", None)):
         cfg = json.loads((CONFIGS / f"{name}.json").read_text())
         stage = cfg["zero_optimization"]["stage"] if stage is None else stage
         bf16 = bool(cfg.get("bf16", {}).get("enabled"))
@@ -226,15 +226,18 @@ def test_zero_stages_equal_zero0_fp32(runs, kind):
 
 
 @pytest.mark.parametrize("key", [("muloco_sign_zero2_bf16", 2), ("muloco_sign_zero2_bf16", 1),
-                                 ("muloco_sign_zero2_bf16", 3), ("adamw_sign", 1)])
+                                 ("muloco_sign_zero3_bf16", 3), ("muloco_sign_zero1_bf16", 1), ("adamw_sign", 1)])
 def test_sign_recipe_configs_train_through_the_engine(runs, key):
-    """configs/muloco_sign_zero2_bf16.json (DeepSpeed's Muon section as the inner optimizer, at the
-    user's dense settings; also at ZeRO 1 and 3) and configs/adamw_sign.json (the user's AdamW)
+    """configs/muloco_sign_zero2_bf16.json and _zero3_bf16.json (DeepSpeed's Muon section as the inner
+    optimizer, at the user's dense settings; also at ZeRO 1), configs/muloco_sign_zero1_bf16.json
+    (ds_lowcomm's own Muon at ZeRO 1 in bf16) and configs/adamw_sign.json (the user's AdamW)
     train through the real engine: replicas bit-identical after the sync, parameters moved, finite;
     the lowcomm sections are the recipe's outer keys alone (ds_lowcomm.optim.recipes.SIGN_OUTER)."""
     from ds_lowcomm.optim.recipes import SIGN_OUTER
 
-    assert json.loads((CONFIGS / f"{key[0]}.json").read_text())["lowcomm"] == SIGN_OUTER
+    lowcomm = json.loads((CONFIGS / f"{key[0]}.json").read_text())["lowcomm"]
+    own_muon = {k: lowcomm.pop(k) for k in ("inner_optimizer", "inner_muon_lr") if k in lowcomm}
+    assert lowcomm == SIGN_OUTER and own_muon in ({}, {"inner_optimizer": "muon", "inner_muon_lr": 0.05})
     params = [runs[rank][key]["params"] for rank in range(4)]
     for n in params[0]:
         assert all(torch.equal(p[n], params[0][n]) for p in params[1:]), (key, n)
