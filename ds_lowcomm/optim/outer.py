@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..codec import CodecSettings
-from ..comm import Pending, ReplicaShard, Transport, all_finite
+from ..comm import CompressedAllReduce, Pending, ReplicaShard, Transport, all_finite
 from ..settings import (ConfigError, Settings, check_bool, check_choice, check_fraction, check_int, check_nonnegative,
                         check_positive, check_unit)
 from .base import LowcommOptimizer, StatefulSettings, ordered_params
@@ -171,14 +171,43 @@ class DiLoCoSettings(OuterSettings):
         return out
 
 
+# How a sync's compressed pseudo-gradients travel: every rank's payload to every rank
+# ("all_gather"), or the two-phase compressed all-reduce of comm/compressed_allreduce.py
+# ("all_reduce": about 2 payloads per rank whatever the number of replicas, for dense payloads:
+# every element kept, transform none); "auto": the all-reduce at 3 or more replicas for the sign
+# and 2-bit formats on dense payloads (where it sends fewer bytes), the all-gather otherwise.
+EXCHANGES = ("auto", "all_gather", "all_reduce")
+ALL_REDUCE_AUTO_FORMATS = ("sign", "2bit")
+
+
+def _check_exchange(where: str, exchange: str, codec: CodecSettings) -> None:
+    check_choice(where, "exchange", exchange, EXCHANGES)
+    if exchange == "all_reduce" and (codec.transform != "none" or codec.topk != codec.chunk * codec.chunk):
+        raise ConfigError(f"{where}.exchange all_reduce needs a dense payload ({where}.transform none and {where}.topk = "
+                          f"chunk*chunk = {codec.chunk * codec.chunk}: every element kept); got transform "
+                          f"{codec.transform!r}, topk {codec.topk} (use exchange all_gather or auto)")
+
+
+def resolve_exchange(exchange: str, codec: CodecSettings, world_size: int, fixed_group: bool = True) -> str:
+    """``exchange`` setting -> "all_gather" or "all_reduce" for this group (``fixed_group`` False:
+    its members change between syncs (fault tolerance), where auto keeps the all-gather)."""
+    if exchange != "auto":
+        return exchange
+    dense = codec.transform == "none" and codec.topk == codec.chunk * codec.chunk
+    fits = dense and codec.value_dtype in ALL_REDUCE_AUTO_FORMATS and world_size >= 3 and fixed_group
+    return "all_reduce" if fits else "all_gather"
+
+
 @dataclass(frozen=True)
 class DCTDiLoCoSettings(DiLoCoSettings):
     decay: float = 0.9  # of the error-feedback buffer the top-k components are taken from
     codec: CodecSettings = field(default_factory=CodecSettings)
+    exchange: str = "auto"  # EXCHANGES
 
     def check(self, where: str) -> None:
         super().check(where)
         check_fraction(where, "decay", self.decay)
+        _check_exchange(where, self.exchange, self.codec)
 
 
 @dataclass(frozen=True)
@@ -191,10 +220,12 @@ class SparseLoCoSettings(OuterSettings):
     decay: float = 0.95
     codec: CodecSettings = field(default_factory=lambda: CodecSettings(
         topk=64, chunk=64, value_dtype="2bit", transform="none", average="world"))
+    exchange: str = "auto"  # EXCHANGES
 
     def check(self, where: str) -> None:
         super().check(where)
         check_fraction(where, "decay", self.decay)
+        _check_exchange(where, self.exchange, self.codec)
 
 
 # The settings a checkpoint saved before they existed lacks (the outer optimizer's, the inner
@@ -518,8 +549,37 @@ class DCTDiLoCo(OuterLoop):
     settings_class = DCTDiLoCoSettings
     replica_state = ("residual",)  # each replica's own pseudo-gradients not sent yet
 
+    def __init__(self, inner, **kwargs):
+        super().__init__(inner, **kwargs)
+        fixed_group = getattr(self.transport, "checks_at_start", True)  # torchft's: members change
+        if self.settings.exchange == "all_reduce" and not fixed_group:
+            raise ConfigError("lowcomm.exchange all_reduce is not supported with lowcomm.fault_tolerance yet (its "
+                              "server error buffers belong to a fixed set of replicas); use all_gather or auto")
+        # "all_gather" or "all_reduce": the record (and so a checkpoint) holds what the syncs do
+        self.exchange = resolve_exchange(self.settings.exchange, self.settings.codec, self.transport.world_size,
+                                         fixed_group)
+        self._record["exchange"] = self.exchange
+        self._all_reduces: dict[tuple[int, ...], CompressedAllReduce] = {}
+        # exchange all_reduce: this rank's server error buffer per sync (its chunk of the flat
+        # pseudo-gradients), keyed by the positions of the sync's tensors among the optimizer's
+        self._server_error: dict[str, torch.Tensor] = {}
+
+    def set_routes(self, routes):
+        if self.exchange == "all_reduce":
+            if self.settings.exchange == "all_reduce":
+                raise ConfigError("lowcomm.exchange all_reduce is not supported with replicas of different shapes "
+                                  "(each route's chunks would differ); use all_gather or auto")
+            self.exchange = self._record["exchange"] = "all_gather"
+        super().set_routes(routes)
+
+    def _server_key(self, params) -> str:
+        position = {id(p): i for i, p in enumerate(self._current_params())}
+        return ",".join(str(position[id(p)]) for p in params)
+
     def _exchanged(self, params):
-        return [self._residual(p) for p in params]  # decayed, added to and sent from by each sync
+        # decayed, added to and sent from by each sync; with the all-reduce, the server error too
+        server = self._server_error.get(self._server_key(params)) if self.exchange == "all_reduce" else None
+        return [self._residual(p) for p in params] + ([server] if server is not None else [])
 
     def _residual(self, p: torch.Tensor) -> torch.Tensor:
         state = self.state[p]
@@ -535,8 +595,52 @@ class DCTDiLoCo(OuterLoop):
             if finite:
                 residual.mul_(self.settings.decay).add_(delta)
             residuals.append(residual)
+        if self.exchange == "all_reduce":
+            return self._start_all_reduce(params, residuals, self._healthy() and finite)
         # sent components leave the residuals now; the means arrive on wait()
         return self._sync_for(params, "outer_sparse_all_gather").start(residuals, self._healthy() and finite)
+
+    def _start_all_reduce(self, params, residuals, healthy: bool) -> Pending:
+        if self.exchange_driver is not None:
+            raise ConfigError("lowcomm.exchange all_reduce is not supported with lowcomm.fault_tolerance yet")
+        key = tuple(id(p) for p in params)
+        sync = self._all_reduces.get(key)
+        if sync is None:
+            layouts = [self._pieces.get(id(p), p.shape) for p in params]
+            sync = CompressedAllReduce(layouts, value_dtype=self.settings.codec.value_dtype, transport=self.transport,
+                                       op="outer_compressed_all_reduce")
+            self._all_reduces[key] = sync
+        name = self._server_key(params)
+        server = self._server_error.get(name)
+        if server is None:
+            server = torch.zeros(sync.server_error_numel, dtype=torch.float32, device=residuals[0].device)
+            self._server_error[name] = server
+        elif server.numel() != sync.server_error_numel:
+            raise ValueError(f"the checkpoint's server error buffer {name!r} holds {server.numel()} elements; this "
+                             f"rank's chunk has {sync.server_error_numel} (saved at another number of replicas or "
+                             "another sharding: resharding the all-reduce's server error is not supported)")
+        return sync.start(residuals, server, healthy)
+
+    def _extra_state(self):
+        extra = super()._extra_state()
+        if self._server_error:  # absent with the all-gather: its checkpoints keep their form
+            extra["server_error"] = {k: v.clone() for k, v in self._server_error.items()}
+        return extra
+
+    def _load_extra_state(self, extra):
+        super()._load_extra_state(extra)
+        params = self._current_params()
+        device = params[0].device if params else torch.device("cpu")
+        self._server_error = {k: v.to(device=device, dtype=torch.float32, copy=True)
+                              for k, v in extra.get("server_error", {}).items()}
+
+    def load_state_dict(self, state_dict):
+        lowcomm = state_dict.get("lowcomm") if isinstance(state_dict, dict) else None
+        if lowcomm is not None and "exchange" not in lowcomm["settings"]:
+            # saved before exchange was a setting: its syncs were all-gathers
+            state_dict = {**state_dict, "lowcomm": {**lowcomm, "settings": {**lowcomm["settings"],
+                                                                            "exchange": "all_gather"}}}
+        super().load_state_dict(state_dict)
 
 
 class SparseLoCo(DCTDiLoCo):
