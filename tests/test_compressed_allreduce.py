@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 
 from ds_lowcomm.codec import ValueFormat
-from ds_lowcomm.comm import ByteLedger, CompressedAllReduce, TorchDistTransport
+from ds_lowcomm.comm import ByteLedger, CompressedAllReduce, Pieces, TorchDistTransport
 from ds_lowcomm.optim.outer import DCTDiLoCo, DCTDiLoCoSettings, SparseLoCoSettings, resolve_exchange
 from ds_lowcomm.optim.recipes import SIGN_OUTER
 from ds_lowcomm.settings import ConfigError
@@ -25,6 +25,7 @@ SHAPES = [(5, 7), (13,), (3, 4)]  # 60 elements: chunks of 30, 20, 15 and 8 (the
 EXCHANGES = 3  # per format, the server error carried from one to the next
 FORMATS = ("sign", "2bit")
 RECIPE_STEPS, RECIPE_SAVE_AT, RECIPE_H = 8, 4, 2
+PIECES_NUMEL, PIECE_OFFSETS = 70, (0, 40, 56)  # SHAPES inside one flat tensor, padding between them
 
 
 def _inputs(fmt: str, n: int, rank: int, exchange: int) -> list[torch.Tensor]:
@@ -70,6 +71,29 @@ def _worker(rank, world_size):
                 transport.ledger = ByteLedger()
                 runs.append({"means": means, "left": buffers, "server": server.clone(), "ledger": ledger})
             out["exchange"][f"{fmt}{n}"] = runs
+    if rank < 4:  # 4 ranks, sign: rank 1 sits out (a healed replica), then rank 2 has a NaN (nonfinite skip)
+        transport = TorchDistTransport(groups[4], ledger=ByteLedger())
+        sync = CompressedAllReduce(SHAPES, value_dtype="sign", transport=transport)
+        server = torch.zeros(sync.server_error_numel)
+        runs = []
+        for e, (sits_out, nan_rank) in enumerate(((1, None), (None, 2))):
+            buffers = _inputs("sign", 4, rank, e)
+            if rank == nan_rank:
+                buffers[1][3] = float("nan")
+            transport.sits_out = rank == sits_out
+            before = [b.clone() for b in buffers]
+            means = sync.exchange(buffers, server)
+            runs.append({"means": means, "kept": all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(before, buffers)),
+                         "server": server.clone()})
+        out["left_out"] = {"runs": runs, "nonfinite": transport.ledger.nonfinite}
+    if rank < 3:  # 3 ranks, sign, the tensors as pieces of one flat tensor with padding (a ZeRO partition)
+        layout = Pieces(PIECES_NUMEL, tuple(zip(PIECE_OFFSETS, SHAPES)))
+        flat = torch.full((PIECES_NUMEL,), 7.0)  # padding: neither sent nor changed
+        for view, t in zip(layout.views(flat), _inputs("sign", 3, rank, 0)):
+            view.copy_(t)
+        sync = CompressedAllReduce([layout], value_dtype="sign", transport=TorchDistTransport(groups[3], ledger=ByteLedger()))
+        (mean,) = sync.exchange([flat], torch.zeros(sync.server_error_numel))
+        out["pieces"] = {"mean": mean, "left": flat}
     # the recipe at 8 replicas: auto picks the all-reduce; a checkpoint at RECIPE_SAVE_AT, resumed
     transport = TorchDistTransport(ledger=ByteLedger())
     model = _model()
@@ -109,22 +133,24 @@ def _quantise(fmt: str, x: torch.Tensor) -> torch.Tensor:
     return ValueFormat("2bit").pack(x)[1]
 
 
-def _replay(fmt: str, n: int):
-    """Per exchange: the mean every rank ends with, each rank's buffers after, each rank's server error."""
+def _replay(fmt: str, n: int, exchanges: int = EXCHANGES, senders=lambda e: None):
+    """Per exchange: the mean every rank ends with, each rank's buffers after, each rank's server
+    error. ``senders(e)``: the ranks averaged in exchange e (None: all)."""
     numel = sum(math.prod(s) for s in SHAPES)
     c = math.ceil(numel / n)
     bounds = [(j * c, min(numel, (j + 1) * c)) for j in range(n)]
     servers = [torch.zeros(hi - lo) for lo, hi in bounds]
     out = []
-    for e in range(EXCHANGES):
+    for e in range(exchanges):
         flats = [torch.cat([t.reshape(-1) for t in _inputs(fmt, n, r, e)]) for r in range(n)]
         sent = [torch.cat([_quantise(fmt, f[lo:hi]) for lo, hi in bounds]) for f in flats]
+        ranks = senders(e) or list(range(n))
         mean_chunks = []
         for j, (lo, hi) in enumerate(bounds):
-            total = sent[0][lo:hi].clone()
-            for r in range(1, n):
+            total = sent[ranks[0]][lo:hi].clone()
+            for r in ranks[1:]:
                 total += sent[r][lo:hi]
-            compensated = total / n + servers[j]
+            compensated = total / len(ranks) + servers[j]
             q = _quantise(fmt, compensated)
             servers[j] = compensated - q
             mean_chunks.append(q)
@@ -156,6 +182,31 @@ def test_two_phase_exchange_matches_its_replay(results, fmt, n):
             # this rank's chunk out and the n-1 others in
             assert run["ledger"] == {"compressed_all_reduce_scatter": [1, (n - 1) * (cb + 1), (n - 1) * (cb + 1)],
                                      "compressed_all_reduce_gather": [1, cb, (n - 1) * cb]}
+
+
+def test_a_rank_sitting_out_or_non_finite_is_left_out_of_the_mean_and_keeps_its_buffers(results):
+    replay = _replay("sign", 4, exchanges=2, senders=lambda e: [0, 2, 3] if e == 0 else [0, 1, 3])
+    for e, expect in enumerate(replay):
+        for rank in range(4):
+            run = results[rank]["left_out"]["runs"][e]
+            torch.testing.assert_close(torch.cat([m.reshape(-1) for m in run["means"]]), expect["mean"], rtol=0, atol=0)
+            torch.testing.assert_close(run["server"], expect["servers"][rank], rtol=0, atol=0)
+            assert run["kept"] == (rank == (1, 2)[e])  # the one left out sent nothing of its buffers
+    for rank in range(4):  # only the NaN is counted (sitting out is not non-finite), on every rank
+        assert results[rank]["left_out"]["nonfinite"] == {"compressed_all_reduce": {"2": 1}}
+
+
+def test_pieces_of_a_flat_tensor_are_exchanged_without_their_padding(results):
+    (expect,) = _replay("sign", 3, exchanges=1)
+    gaps = torch.ones(PIECES_NUMEL, dtype=torch.bool)
+    for offset, shape in zip(PIECE_OFFSETS, SHAPES):
+        gaps[offset : offset + math.prod(shape)] = False
+    for rank in range(3):
+        got = results[rank]["pieces"]
+        torch.testing.assert_close(got["mean"][~gaps], expect["mean"], rtol=0, atol=0)
+        assert torch.equal(got["mean"][gaps], torch.zeros(int(gaps.sum())))
+        torch.testing.assert_close(got["left"][~gaps], expect["left"][rank], rtol=0, atol=0)
+        assert torch.equal(got["left"][gaps], torch.full((int(gaps.sum()),), 7.0))
 
 
 def test_the_recipe_at_eight_replicas_stays_identical_and_resumes_exactly(results):

@@ -31,7 +31,7 @@ from typing import Sequence
 import torch
 
 from ..codec import ValueFormat
-from .collectives import HEALTHY, Layout, Pieces, _piece_views, all_finite, health_flag, settle_health, settled_seconds
+from .collectives import HEALTHY, Layout, Pieces, _piece_shapes, _piece_views, all_finite, health_flag, settle_health, settled_seconds
 from .transport import Pending, Transport
 
 
@@ -45,7 +45,7 @@ class CompressedAllReduce:
     def __init__(self, layouts: Sequence[Layout], *, value_dtype: str, transport: Transport,
                  op: str = "compressed_all_reduce"):
         self.layouts = list(layouts)
-        self.numel = sum(layout.numel if isinstance(layout, Pieces) else math.prod(layout) for layout in self.layouts)
+        self.numel = sum(math.prod(shape) for layout in self.layouts for shape in _piece_shapes(layout))  # padding left out
         self.values = ValueFormat(value_dtype)
         self.transport = transport
         self.op = op
