@@ -2,7 +2,8 @@
 """Train a Megatron-Core GPTModel on the reference corpus (bytes; lab/lowcomm_task/data.py) with
 Megatron's tensor/pipeline parallelism, Megatron's schedules, DDP and optimizer, and, with any
 ``--lowcomm-*`` option, a ds_lowcomm method across the data-parallel replicas
-(``megatron_patches.apply``: adamw, demo, mtdao, diloco, dct_diloco, sparseloco)::
+(``megatron_patches.apply``: adamw, demo, mtdao, diloco, dct_diloco, sparseloco; MuLoCo with
+``--lowcomm-inner-optimizer muon``: ds_lowcomm's Muon in place of Megatron's Adam)::
 
     torchrun --nproc_per_node 2 launch/pretrain_gpt.py --tensor-model-parallel-size 2 --train-iters 20
     torchrun --nproc_per_node 2 launch/pretrain_gpt.py --pipeline-model-parallel-size 2 --train-iters 20
@@ -231,9 +232,9 @@ def main(argv=None) -> dict | None:
         # Every rank of one replica sees the same micro batches; each replica its own shard.
         batches = [corpus.train_batch(dp_rank, dp_size, it * num_micro + m, args.micro_batch_size, args.seq_length,
                                       seed=args.seed) for m in range(num_micro)]
-        if args.lr_warmup_iters:  # as Megatron's scheduler: the lr goes into the param groups
-            for group in optimizer.param_groups:
-                group["lr"] = args.lr * min(1.0, (it + 1) / args.lr_warmup_iters)
+        if args.lr_warmup_iters:  # as Megatron's scheduler: each group's lr from its own peak (max_lr: --lr,
+            for group in optimizer.param_groups:  # or inner_muon_lr for the Muon half of MuLoCo's inner optimizer)
+                group["lr"] = group.get("max_lr", args.lr) * min(1.0, (it + 1) / args.lr_warmup_iters)
         model.zero_grad_buffer()
         optimizer.zero_grad()
         loss = run(batches, forward_only=False)

@@ -21,7 +21,9 @@ demo                           The bucket-level sync becomes DeMo's exchange (mo
 mtdao                          No gradient sync; Megatron's inner Adam is replaced by MT-DAO, which
                                averages parameters and momenta every ``sync_every`` steps.
 diloco, dct_diloco, sparseloco No gradient sync; Megatron's whole optimizer step is the inner step
-                               of ds_lowcomm's outer loop (outer.py).
+                               of ds_lowcomm's outer loop (outer.py); with ``inner_optimizer`` muon
+                               (MuLoCo) the Adam inside it is first swapped for ds_lowcomm's Muon
+                               + AdamW (inner_muon.py).
 =============================  ================================================================
 
 In every case Megatron's own mixed precision stays: the methods step the fp32 main parameters
@@ -57,6 +59,7 @@ from ds_lowcomm.settings import ConfigError
 from .keys import describe, refuse_unhonoured
 from .grad_sync import DeMoExchange, DenseMean, install_grad_sync, switch_off_grad_sync
 from .outer import OUTER_METHODS, OuterLoopOptimizer, _MegatronInner
+from . import inner_muon
 from . import internals as mi
 from . import sharded_state
 from .wrapper import MegatronLowcomm, chained, model_params_of_mains, optimizer_kind, torch_optimizer
@@ -248,21 +251,25 @@ def check_megatron_muon() -> None:
     why = megatron_muon_unavailable()
     if why is not None:
         raise ConfigError(f"--optimizer muon: Megatron-Core's Muon cannot be built here: {why}. Use --optimizer adam "
-                          "(an outer method's inner Adam) or the DeepSpeed / plain torch path, whose inner Muon is "
-                          "torch's (lowcomm.inner_optimizer muon)")
+                          "(an outer method's inner Adam), or MuLoCo with ds_lowcomm's Muon in its place: --optimizer "
+                          "adam with --lowcomm-inner-optimizer muon (torch's Muon, as on the DeepSpeed and plain "
+                          "torch paths)")
 
 
 def describe_optimizer(optimizer) -> str:
     """Megatron's optimizer in words, with its settings as its param groups hold them at the start
     (each of a ChainedOptimizer's: Megatron's Muon is TensorParallelMuon chained with Adam)."""
     parts = []
-    for opt in chained(optimizer):
-        inner = torch_optimizer(opt)
+    def described(inner) -> str:
+        if isinstance(inner, inner_muon.MegatronMuonWithAdamW):  # each half with its own settings
+            return " + ".join(described(half) for half in inner.optimizers)
         group = inner.param_groups[0] if inner.param_groups else {}
-        shown = {k: group[k] for k in ("lr", "betas", "eps", "momentum", "weight_decay") if k in group}
-        settings = ", ".join(f"{k} {v}" for k, v in shown.items())
+        shown = {k: group[k] for k in ("lr", "betas", "eps", "momentum", "nesterov", "weight_decay") if k in group}
+        return f"{type(inner).__name__} ({', '.join(f'{k} {v}' for k, v in shown.items())})"
+
+    for opt in chained(optimizer):
         where = "" if optimizer_kind(opt) == "torch" else f"Megatron's {type(opt).__name__} of "
-        parts.append(f"{where}{type(inner).__name__} ({settings})")
+        parts.append(where + described(torch_optimizer(opt)))
     clip = [mi.get(opt, mi.OPTIMIZER_CONFIG).clip_grad for opt in chained(optimizer) if optimizer_kind(opt) != "torch"]
     return " + ".join(parts) + (f", clip_grad {clip[0]}" if clip else "")
 
@@ -387,9 +394,11 @@ def apply(model_chunks, optimizer, config: LowcommConfig | dict | None) -> Megat
     if isinstance(model_chunks, torch.nn.Module):
         model_chunks = [model_chunks]
     _check_supported(model_chunks, optimizer, config)
+    transport = build_transport("torch", group=ps.get_data_parallel_group(), timeout_s=config.comm.timeout_s)
+    if config.method in OUTER_METHODS and config.settings.inner_optimizer == "muon":  # MuLoCo: for Megatron's Adam
+        inner_muon.install(model_chunks, optimizer, config.settings, transport.ledger, config.comm.timeout_s)
     if torch.distributed.get_rank() == 0:  # the run's first log line: what runs, at which settings
         print(describe(config, describe_optimizer(optimizer)), flush=True)
-    transport = build_transport("torch", group=ps.get_data_parallel_group(), timeout_s=config.comm.timeout_s)
     transport.nonfinite = config.comm.nonfinite  # a rank with NaN/inf to send: skip it, or raise (lowcomm.nonfinite)
     _mark_main_params_trainable(optimizer)
 
@@ -398,7 +407,8 @@ def apply(model_chunks, optimizer, config: LowcommConfig | dict | None) -> Megat
         inner = None if isinstance(optimizer, torch.optim.Optimizer) else _MegatronInner(optimizer)
         # lr: only the default inner AdamW's, which inner_factory replaces (a scheduler may hold 0 now).
         outer = build_optimizer(config, [], lr=1.0, transport=transport,
-                                inner_factory=lambda _params: inner if inner is not None else optimizer)
+                                inner_factory=lambda _params: inner if inner is not None else optimizer,
+                                inner_factory_honours=("adamw", "muon"))
         return OuterLoopOptimizer(optimizer, outer, inner)
 
     if config.method == "adamw":

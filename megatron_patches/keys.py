@@ -1,9 +1,11 @@
 """Every key of the ``"lowcomm"`` section on the Megatron-Core road: honoured, or refused by name.
 
 With Megatron-Core some keys have nothing to act on: an outer method's inner optimizer is
-Megatron's own (``--optimizer adam`` or ``muon``), so ds_lowcomm's inner-optimizer keys
-(``inner_optimizer`` other than adamw, ``inner_impl``, ``inner_muon_lr``, ``inner_muon_momentum``)
-would be accepted and ignored; a key of another method (``topk`` beside ``diloco``) would be too.
+Megatron's own (``--optimizer adam`` or ``muon``), so ``inner_impl`` (the kernel of ds_lowcomm's
+inner AdamW) would be accepted and ignored; a key of another method (``topk`` beside ``diloco``)
+would be too. ``inner_optimizer muon`` (with ``inner_muon_lr``, ``inner_muon_momentum``) is
+honoured: ds_lowcomm's Muon + AdamW in place of the Adam inside Megatron's optimizer
+(megatron_patches/inner_muon.py).
 :func:`refuse_unhonoured` refuses each of them naming the key, before any rank communicates
 (``lowcomm_config`` and ``apply`` call it); every other key of the method's settings reaches the
 method's object. :func:`describe` is the run's first log line: the inner (or per-step) optimizer
@@ -20,15 +22,15 @@ from ds_lowcomm.optim.registry import METHOD_CLASSES, OUTER_METHODS, LowcommConf
 from ds_lowcomm.settings import ConfigError
 
 SUPPORTED_METHODS = ("adamw", "demo", "diloco", "dct_diloco", "sparseloco", "mtdao")
-# keys that would choose or tune the inner optimizer ds_lowcomm builds: with Megatron the inner
-# optimizer is Megatron's (its --lr, --weight-decay, --optimizer), so these have nothing to act on
+# keys that choose or tune the inner optimizer ds_lowcomm builds: with Megatron the inner optimizer
+# is Megatron's (its --lr, --weight-decay, --optimizer), its Adam swapped for ds_lowcomm's Muon + AdamW
+# by inner_optimizer muon; inner_impl (the inner AdamW's kernel) has nothing to act on
 INNER_OPTIMIZER_KEYS = ("inner_optimizer", "inner_impl", "inner_muon_lr", "inner_muon_momentum")
 # keys honoured only at one value with Megatron-Core (the value each must have, why)
 ONLY_VALUE = {
     "transport": ("torch", "the data-parallel group's collectives"),
     "overlap": (False, "DeMo's exchange already runs in Megatron's bucket-level gradient sync "
                        "(overlap_grad_reduce overlaps it with the backward pass)"),
-    "inner_optimizer": ("adamw", "the inner optimizer is Megatron's own: --optimizer muon for Megatron-Core's Muon"),
     "inner_impl": ("torch", "the inner optimizer is Megatron's own (its Adam is Megatron's choice of kernel)"),
 }
 
@@ -41,8 +43,7 @@ def method_keys(method: str) -> tuple[str, ...]:
 def honoured_keys(method: str) -> tuple[str, ...]:
     """The keys Megatron's road honours for ``method`` at any valid value (``ONLY_VALUE``'s at theirs,
     ``replica_size`` at 1 or the model-parallel size, install._check_supported)."""
-    skip = INNER_OPTIMIZER_KEYS if method in OUTER_METHODS else ()
-    return tuple(k for k in method_keys(method) if k not in skip)
+    return tuple(k for k in method_keys(method) if k != "inner_impl" or method not in OUTER_METHODS)
 
 
 def _defaults(method: str) -> dict[str, Any]:
@@ -72,12 +73,6 @@ def refuse_unhonoured(config: LowcommConfig, given: Iterable[str] | None = None)
         if key in effective and effective[key] != value:
             shown = "false" if value is False else value
             raise ConfigError(f"lowcomm.{key} must be {shown} with Megatron-Core ({why}); got {effective[key]!r}")
-    if method in OUTER_METHODS:
-        tuned = [k for k in ("inner_muon_lr", "inner_muon_momentum") if k in given]
-        if tuned:
-            raise ConfigError(f"lowcomm.{', lowcomm.'.join(tuned)}: ds_lowcomm's inner Muon's settings, which do not "
-                              "apply with Megatron-Core: the inner optimizer is Megatron's own, at its own settings "
-                              "(--optimizer muon: Megatron-Core's Muon at --lr, momentum muon_momentum); remove them")
 
 
 def describe(config: LowcommConfig, inner: str) -> str:

@@ -41,6 +41,7 @@ REQUIRES = {"fragments": {"sync_every": 8}, "carry_local_steps": {"sync_delay": 
             "fragment_mix": {"fragments": 2, "sync_every": 8}, "beta2": {"update": "adam"}, "eps": {"update": "adam"},
             "outer_betas": {"outer_optimizer": "adam"}, "outer_eps": {"outer_optimizer": "adam"},
             "warm_betas": {"switch_step": 3}, "switch_lr_scale": {"switch_step": 3},
+            **{k: {"inner_optimizer": "muon"} for k in ("inner_muon_lr", "inner_muon_momentum")},
             **{k: {"outer_optimizer": "sgd"} for k in ("outer_lr", "outer_momentum", "nesterov")},
             **{k: {"sync_codec": "topk"} for k in ("topk", "chunk", "value_dtype", "transform", "average", "compile")}}
 
@@ -99,12 +100,18 @@ def test_the_keys_megatron_honours_only_at_one_value_are_taken_there():
 
 def test_the_sign_recipe_runs_with_megatrons_optimizer_as_its_inner_one():
     """SIGN_OUTER (dct_diloco, one-bit values) is outer settings only: every key honoured; the recipe's
-    Muon form names ds_lowcomm's inner Muon, refused here by name (Megatron's optimizer is the inner one)."""
+    Muon form (MuLoCo: ds_lowcomm's inner Muon, which takes the place of the Adam inside Megatron's
+    optimizer) honoured with its lr and momentum; inner_impl refused; the Muon keys without
+    inner_optimizer muon refused by name (nothing would read them)."""
     config = _config(sign_recipe("adamw"))
     assert {k: config.effective()[k] for k in SIGN_OUTER} == SIGN_OUTER
     line = describe(config, "Megatron's Adam")
     assert "value_dtype=sign" in line and "inner_muon_lr" not in line and "inner_impl" not in line
-    with pytest.raises(ConfigError, match="lowcomm.inner_optimizer must be adamw with Megatron-Core"):
-        _config(sign_recipe("muon", muon_lr=0.02))
+    config = _config({**sign_recipe("muon", muon_lr=0.02), "inner_muon_momentum": 0.9})
+    assert {k: config.effective()[k] for k in SIGN_OUTER} == SIGN_OUTER
+    line = describe(config, "Megatron's FP32Optimizer of Muon (...) + AdamW (...)")
+    assert "inner_optimizer=muon, inner_muon_lr=0.02, inner_muon_momentum=0.9" in line and "inner_impl" not in line
+    with pytest.raises(ConfigError, match="lowcomm.inner_impl must be torch"):
+        _config({**SIGN_OUTER, "inner_optimizer": "muon", "inner_impl": "apex"})
     with pytest.raises(ConfigError, match="lowcomm.inner_muon_lr"):
-        _config({**SIGN_OUTER, "inner_muon_lr": 0.02})
+        _config({**SIGN_OUTER, "inner_muon_lr": 0.05})

@@ -36,6 +36,7 @@ STREAMING = {"method": "diloco", "sync_every": 4, "fragments": 2, "sync_delay": 
 DILOCO_BF16 = {"method": "diloco", "sync_every": 2}
 DEMO_MUON = {**DEMO, "update": "muon", "mean_momentum": 0.5}
 SIGN = {**SIGN_OUTER, "sync_every": 3}  # the one-bit recipe's outer settings (dct_diloco, sign values), H 3
+MULOCO_SIGN = {**SIGN, "inner_optimizer": "muon", "inner_muon_lr": 0.02, "inner_muon_momentum": 0.9}
 
 
 def _check_whole_matrices(record):
@@ -68,6 +69,74 @@ def _check_whole_matrices(record):
     return install
 
 
+def _check_muloco(record, lr=1e-2, weight_decay=0.01):
+    """after_apply for MULOCO_SIGN (ds_lowcomm's Muon in place of Megatron's Adam): every inner step
+    checked against an independent reference, the largest difference recorded. Whole matrices
+    (TP 1): a replay of each step here by torch's own Muon (hidden matrices, by name) and AdamW
+    (the rest) with Megatron's settings, from the same parameters and gradients, their states
+    carried from step to step. TP 2: each split matrix's
+    update equals gathering the momentum-blended shards, torch's Muon update of the whole matrix
+    here, and this rank's shard of it."""
+    def install(opt, model):
+        import torch.distributed as dist
+        from megatron.core import parallel_state as ps
+
+        from ds_lowcomm.optim.muon import muon_update
+        from megatron_patches.internals import tensor_parallel_shard
+        from megatron_patches.wrapper import chained, torch_optimizer
+
+        inner = torch_optimizer(chained(opt.optimizer)[0])
+        names = {id(p): n for n, p in model.named_parameters()}
+        tp = ps.get_tensor_model_parallel_world_size()
+        record.update(max_diff=0.0, steps=0, matrices=len(inner.muon.param_groups[0]["params"]))
+        if tp > 1:
+            prepare, muon = inner.prepare, inner.muon
+
+            def checked():
+                group = muon.param_groups[0]
+                beta, mains = group["momentum"], [p for g in muon.param_groups for p in g["params"]]
+                blends = {}
+                for p in mains:
+                    buf = muon.state[p].get("momentum_buffer", torch.zeros_like(p)).lerp(p.grad, 1 - beta)
+                    blends[id(p)] = p.grad.lerp(buf, beta)
+                prepare()
+                for p in mains:
+                    dim, x = tensor_parallel_shard(p), blends[id(p)]
+                    shards = [torch.empty_like(x) for _ in range(tp)]
+                    dist.all_gather(shards, x.contiguous(), group=ps.get_tensor_model_parallel_group())
+                    ref = muon_update(torch.cat(shards, dim), group).chunk(tp, dim)[ps.get_tensor_model_parallel_rank()]
+                    record["max_diff"] = max(record["max_diff"], (ref - p.grad).abs().max().item())
+                record["steps"] += 1
+            inner.prepare = checked
+            return
+        stepped = [p for g in inner.param_groups for p in g["params"]]
+        replay = {id(p): p.detach().clone() for p in stepped}
+
+        def hidden(p):
+            return p.dim() == 2 and "embedding" not in names[id(p)] and "output_layer" not in names[id(p)]
+
+        # (Megatron's wd_mult 0 on biases and 1-D reaches the groups through its scheduler, which
+        # this harness does not run: every group at the config's weight decay)
+        muon = torch.optim.Muon([replay[id(p)] for p in stepped if hidden(p)], lr=0.02, momentum=0.9, nesterov=True,
+                                weight_decay=weight_decay)
+        adamw = torch.optim.AdamW([replay[id(p)] for p in stepped if not hidden(p)], lr=lr, weight_decay=weight_decay)
+        record["replayed_matrices"] = sum(len(g["params"]) for g in muon.param_groups)
+        step = inner.step
+
+        def checked(closure=None):
+            for p in stepped:
+                replay[id(p)].copy_(p.detach())
+                replay[id(p)].grad = p.grad.detach().clone()
+            out = step(closure)
+            muon.step()
+            adamw.step()
+            record["max_diff"] = max(record["max_diff"], max((replay[id(p)] - p).abs().max().item() for p in stepped))
+            record["steps"] += 1
+            return out
+        inner.step = checked
+    return install
+
+
 def _init(tp, pp):
     from megatron_patches import cpu_shim
     cpu_shim.install()  # before megatron (a no-op with a GPU)
@@ -96,6 +165,10 @@ def _layout_worker(rank, world, tp, pp):
     out["demo_bytes"] = _bytes(opt)
     _, opt, out["sign"], out["sign_digests"] = train(SIGN, 6, micro=micro)  # the sign format, every layout
     out["sign_bytes"] = _bytes(opt)
+    out["muloco_check"] = {}  # MuLoCo: the same outer settings around ds_lowcomm's Muon in Megatron's optimizer
+    _, opt, out["muloco"], out["muloco_digests"] = train(MULOCO_SIGN, 6, micro=micro,
+                                                         after_apply=_check_muloco(out["muloco_check"]))
+    out["muloco_ops"] = {op: row[0] for op, row in opt.ledger.by_op.items()}
     if pp == 1:  # DeMo's Muon step through Megatron's path (a split matrix orthogonalised whole at TP 2)
         out["muon_check"] = {}
         _, opt, out["demo_muon"], out["demo_muon_digests"] = train(DEMO_MUON, 6,
@@ -316,6 +389,32 @@ def test_sign_format_dct_diloco_in_every_layout(layout):
         assert r["sign"][-1] < r["sign"][0], r["sign"]
 
 
+def test_muloco_with_ds_lowcomms_muon_in_megatrons_optimizer(layout):
+    """MuLoCo on Megatron (lowcomm.inner_optimizer muon, the one-bit recipe's outer settings):
+    Megatron's Adam swapped for ds_lowcomm's Muon + AdamW. Whole matrices (TP 1, PP 2): every inner
+    step equals a replay by torch's Muon and AdamW on the same gradients within fp32 rounding; TP 2:
+    each matrix Megatron splits is orthogonalised whole (equal to gathering it), its shards
+    assembled over the tensor-parallel group. The replicas hold the same bits after each sync and
+    the loss falls."""
+    (tp, pp), results = layout
+    by_position = {}
+    for r in results:
+        by_position.setdefault(r["coord"][:2], []).append(r)
+    for position, (a, b) in by_position.items():
+        same = [x == y for x, y in zip(a["muloco_digests"], b["muloco_digests"])]
+        assert same == [False, False, True] * 2, (position, same)
+    for r in results:
+        check = r["muloco_check"]
+        assert check["steps"] == 6 and check["matrices"] == 8 // pp, check  # qkv, proj, fc1, fc2 per layer
+        assert check["max_diff"] < 1e-6, check
+        if tp == 1:
+            assert check["replayed_matrices"] == check["matrices"] and "tp_matrix_assembly" not in r["muloco_ops"]
+        else:
+            assert r["muloco_ops"]["tp_matrix_assembly"] == 2 * 6, r["muloco_ops"]
+    for r in _last_stage(results):
+        assert r["muloco"][-1] < r["muloco"][0] - 0.5, r["muloco"]
+
+
 def test_pipeline_activation_codecs(layout):
     """Codec none: bit-identical to Megatron's own p2p. int8 both ways: close, and the bytes each
     stage sends are exactly the codec's (a fp32 scale per row + one byte per value)."""
@@ -422,10 +521,12 @@ def _refusal_worker(rank, world):
              "demo_overlap": ({}, {"method": "demo", "overlap": True}),
              # (demo's update rules and mean momentum run through SignDescent now: test above)
              "dion": ({}, {"method": "dion"}),
-             "inner_muon": ({}, {"method": "diloco", "inner_optimizer": "muon"})}
+             "inner_muon_torch": ({}, {"method": "diloco", "inner_optimizer": "muon"})}
     for name, (kwargs, lowcomm) in cases.items():
         try:
             model, opt = build(**kwargs)
+            if name == "inner_muon_torch":  # ds_lowcomm's Muon swaps the Adam inside Megatron's optimizer
+                opt = torch.optim.AdamW(model.parameters())
             apply([model, model] if name == "two_chunks" else [model], opt, lowcomm)
         except ConfigError as err:
             errors[name] = str(err)
@@ -452,7 +553,7 @@ def test_unsupported_megatron_features_are_refused_clearly():
     assert "virtual pipeline" in errors["two_chunks"]
     assert "lowcomm.overlap must be false" in errors["demo_overlap"]
     assert "lowcomm.method 'dion' is not supported with Megatron-Core" in errors["dion"]
-    assert "lowcomm.inner_optimizer must be adamw with Megatron-Core" in errors["inner_muon"]
+    assert "lowcomm.inner_optimizer muon on Megatron-Core swaps the Adam inside Megatron's" in errors["inner_muon_torch"]
     nan = "found NaN in local grad norm for bucket #0 in backward pass before data-parallel communication"
     for name in ("nan_stock", "nan_demo", "nan_demo_overlap", "nan_diloco", "nan_diloco_overlap"):
         assert errors[name].startswith("RuntimeError: Rank ") and nan in errors[name], (name, errors[name])
@@ -512,7 +613,7 @@ DROPOUT = ["--hidden-dropout", "0.1", "--attention-dropout", "0.1"]
 # the one-bit recipe's outer settings as flags (SIGN_OUTER at H 4)
 SIGN_ARGS = [a for k, v in {**SIGN_OUTER, "sync_every": 4}.items()
              for a in (f"--lowcomm-{k.replace('_', '-')}", str(v))]
-RESUME_CASES = {  # diloco resumes in torch_dist at TP 2 x DP 2 (the last case)
+RESUME_CASES = {  # MuLoCo (diloco) resumes in torch_dist at TP 2 x DP 2
     # a warmup (the lr set in the param groups each iteration, as Megatron's scheduler does): DeMo
     # reads the groups after the load replaced them
     "demo-torch_dist": ["--lowcomm-method", "demo", "--lowcomm-topk", "8", "--lowcomm-chunk", "16",
@@ -520,8 +621,12 @@ RESUME_CASES = {  # diloco resumes in torch_dist at TP 2 x DP 2 (the last case)
     "sparseloco-torch_dist": ["--lowcomm-method", "sparseloco", "--lowcomm-sync-every", "4"],
     "sparseloco-torch": ["--lowcomm-method", "sparseloco", "--lowcomm-sync-every", "4", "--ckpt-format", "torch"],
     "stock-torch_dist": [],
-    "diloco-tp2xdp2-torch_dist": ["--lowcomm-method", "diloco", "--lowcomm-sync-every", "4",
-                                  "--tensor-model-parallel-size", "2"],
+    # MuLoCo (diloco around ds_lowcomm's Muon in place of Megatron's Adam; its momenta and Adam's
+    # moments in the checkpoint by parameter; each split matrix orthogonalised whole), both halves
+    # warmed up from their own peaks
+    "muloco-tp2xdp2-torch_dist": ["--lowcomm-method", "diloco", "--lowcomm-sync-every", "4",
+                                  "--tensor-model-parallel-size", "2", "--lowcomm-inner-optimizer", "muon",
+                                  "--lowcomm-inner-muon-lr", "0.02", "--lr-warmup-iters", "15"],
     "sign-torch_dist": SIGN_ARGS,
 }
 
@@ -542,7 +647,7 @@ def test_pretrain_gpt_resumes_exactly(tmp_path, case):
     method's state through the optimizer's sharded_state_dict; torch: a file per rank),
     saved at iteration 10 (inside the outer methods' 4-step interval: the replicas differ), with
     dropout on: resumed to 20, the same parameters, losses and bytes as the run straight through.
-    TP 2 x DP 2 on 4 ranks trains and resumes too."""
+    TP 2 x DP 2 on 4 ranks trains and resumes too (MuLoCo: ds_lowcomm's Muon in Megatron's optimizer)."""
     args = RESUME_CASES[case]
     nproc = 4 if "tp2" in case else 2
     save, full, resumed = _resume(tmp_path, args, nproc)
@@ -558,6 +663,12 @@ def test_pretrain_gpt_resumes_exactly(tmp_path, case):
                                 "of AdamW (lr 0.003, betas (0.9, 0.999), eps 1e-08, weight_decay 0.01), clip_grad 0.0; "
                                 "settings: method=dct_diloco, transport=torch"), first
         assert "value_dtype=sign, transform=none" in first and "sync_every=4" in first and "inner_" not in first
+    if case == "muloco-tp2xdp2-torch_dist":
+        first = full["stdout"].splitlines()[0]
+        assert first.startswith("ds_lowcomm: diloco on Megatron-Core, inner optimizer: Megatron's FP32Optimizer of "
+                                "Muon (lr 0.02, eps 1e-07, momentum 0.95, nesterov True, weight_decay 0.01) + AdamW "
+                                "(lr 0.003, betas (0.9, 0.999)"), first
+        assert "inner_optimizer=muon, inner_muon_lr=0.02, inner_muon_momentum=0.95" in first
     if case == "stock-torch_dist":  # a stock checkpoint with a method's flags: refused by name
         out = _pretrain(tmp_path, "flags", "--load", str(save), "--lowcomm-method", "diloco", fails=True)
         assert out.count("holds no ds_lowcomm state") >= 2 and "iteration 11/" not in out, out[-3000:]

@@ -151,6 +151,7 @@ def build_optimizer(
     shard: ReplicaShard | None = None,
     ledger_steps: bool = True,
     inner_factory: Callable[[Iterable], torch.optim.Optimizer] | None = None,
+    inner_factory_honours: tuple[str, ...] = ("adamw",),
     clip_grad: float = 0.0,
     **adam,
 ) -> LowcommOptimizer:
@@ -159,7 +160,9 @@ def build_optimizer(
     MT-DAO takes its beta2 from ``betas[1]`` unless its settings name one, its first moments from
     its settings) or, for outer-loop methods, the inner AdamW's (with ``inner_optimizer`` "muon", the
     AdamW beside Muon; ``params`` then as :func:`model_param_groups` gives them), unless
-    ``inner_factory(params)`` builds another inner optimizer. ``transport``, ``shard``,
+    ``inner_factory(params)`` builds another inner optimizer (``inner_factory_honours``: the
+    ``inner_optimizer`` values it builds as named, e.g. Megatron's Adam swapped for Muon; any other
+    is refused). ``transport``, ``shard``,
     ``ledger_steps`` and ``clip_grad``: see :class:`LowcommOptimizer`;
     without ``transport``, torch.distributed's default group. ``cfg.comm.timeout_s`` bounds every
     collective of the transport and of the shard's, the start-up check included."""
@@ -173,7 +176,8 @@ def build_optimizer(
                           "cross-replica transport (and the replica's shard), as the DeepSpeed glue does")
     hyper = AdamSettings.from_flat({"lr": lr, **adam}, where="optimizer", strict=True)
     cls = METHOD_CLASSES[cfg.method]
-    optimizer = _build(cfg, cls, params, hyper, transport, shard, ledger_steps, inner_factory, clip_grad)
+    optimizer = _build(cfg, cls, params, hyper, transport, shard, ledger_steps, inner_factory, clip_grad,
+                       inner_factory_honours)
     optimizer.transport.nonfinite = cfg.comm.nonfinite  # what the collectives do about a rank with NaN/inf
     return optimizer
 
@@ -189,11 +193,12 @@ def _timed(cfg: LowcommConfig, transport: Transport | None, shard: ReplicaShard 
     return transport
 
 
-def _build(cfg, cls, params, hyper, transport, shard, ledger_steps, inner_factory, clip_grad) -> LowcommOptimizer:
+def _build(cfg, cls, params, hyper, transport, shard, ledger_steps, inner_factory, clip_grad,
+           inner_factory_honours=("adamw",)) -> LowcommOptimizer:
     inner = None
     if issubclass(cls, OuterLoop):  # the inner optimizer first: inner_impl's error comes before any collective
         if inner_factory is not None:
-            if cfg.settings.inner_optimizer != "adamw":
+            if cfg.settings.inner_optimizer not in inner_factory_honours:
                 raise ConfigError(f"lowcomm.inner_optimizer {cfg.settings.inner_optimizer!r} chooses the inner optimizer "
                                   "ds_lowcomm builds; here the caller builds it (inner_factory, Megatron's optimizer): "
                                   "leave inner_optimizer adamw and choose Muon in that optimizer")
