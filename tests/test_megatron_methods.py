@@ -532,6 +532,22 @@ def _refusal_worker(rank, world):
             errors[name] = str(err)
         except Exception as err:  # noqa: BLE001  (reported: the test wants a ConfigError)
             errors[name] = f"{type(err).__name__}: {err}"
+    # MuLoCo's two halves under Megatron's own lr scheduler (warmup 4, linear decay to min_lr by 10):
+    # each from its own peak (--lr for AdamW's groups, inner_muon_lr for Muon's), the same shape
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+    from megatron_patches.wrapper import chained, torch_optimizer
+
+    model, _ = build()
+    megatron_opt = get_megatron_optimizer(OptimizerConfig(optimizer="adam", lr=1e-3, min_lr=1e-4), [model])
+    opt = apply([model], megatron_opt, {"method": "diloco", "inner_optimizer": "muon", "inner_muon_lr": 0.02})
+    scheduler = OptimizerParamScheduler(opt, init_lr=0.0, max_lr=1e-3, min_lr=1e-4, lr_warmup_steps=4,
+                                        lr_decay_steps=10, lr_decay_style="linear", start_wd=0.01, end_wd=0.01,
+                                        wd_incr_steps=10, wd_incr_style="constant")
+    halves = torch_optimizer(chained(megatron_opt)[0]).optimizers
+    errors["scheduled_lrs"] = []
+    for steps in (2, 8):  # after 2 steps: half way up; after 10: the floor
+        scheduler.step(steps)
+        errors["scheduled_lrs"].append([sorted({g["lr"] for g in half.param_groups}) for half in halves])
     # Megatron's NaN check on the local gradients (--check-for-nan-in-loss-and-grad), stock and
     # with ds_lowcomm in place of its grad sync (with and without overlap) or with it switched off.
     for name, lowcomm, overlap in (("nan_stock", None, False), ("nan_demo", DEMO, False),
@@ -546,6 +562,7 @@ def _refusal_worker(rank, world):
 
 
 def test_unsupported_megatron_features_are_refused_clearly():
+    """(And, sharing the launch: MuLoCo's Muon and AdamW halves under Megatron's lr scheduler.)"""
     errors = _run(2, _refusal_worker)[0]
     assert "distributed optimizer" in errors["distributed_optimizer"]
     assert "calculate_per_token_loss" in errors["per_token_loss"]
@@ -554,6 +571,9 @@ def test_unsupported_megatron_features_are_refused_clearly():
     assert "lowcomm.overlap must be false" in errors["demo_overlap"]
     assert "lowcomm.method 'dion' is not supported with Megatron-Core" in errors["dion"]
     assert "lowcomm.inner_optimizer muon on Megatron-Core swaps the Adam inside Megatron's" in errors["inner_muon_torch"]
+    (muon_up, adamw_up), (muon_floor, adamw_floor) = errors["scheduled_lrs"]
+    assert muon_up == [pytest.approx(0.01)] and adamw_up == [pytest.approx(5e-4)], errors["scheduled_lrs"]
+    assert muon_floor == [pytest.approx(2e-3)] and adamw_floor == [pytest.approx(1e-4)], errors["scheduled_lrs"]
     nan = "found NaN in local grad norm for bucket #0 in backward pass before data-parallel communication"
     for name in ("nan_stock", "nan_demo", "nan_demo_overlap", "nan_diloco", "nan_diloco_overlap"):
         assert errors[name].startswith("RuntimeError: Rank ") and nan in errors[name], (name, errors[name])
