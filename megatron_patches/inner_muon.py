@@ -216,8 +216,10 @@ def install(model_chunks, optimizer, settings, ledger, timeout_s: float) -> list
     tag_muon_params(model_chunks)
     model_of = model_params_of_mains(optimizer)
 
-    def takes_muon(p) -> bool:
-        return p.dim() == 2 and bool(getattr(model_of.get(id(p), p), "use_muon", False))
+    tagged = {id(p): bool(p.use_muon) for chunk in model_chunks for p in chunk.parameters() if p.requires_grad}
+
+    def takes_muon(p) -> bool:  # (a main copy by its model parameter's tag)
+        return p.dim() == 2 and tagged.get(id(model_of.get(id(p), p)), False)
 
     built = []
     for opt in chained(optimizer):

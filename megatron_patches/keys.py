@@ -80,7 +80,7 @@ def describe(config: LowcommConfig, inner: str) -> str:
     then every setting Megatron's road honours for the method, with its value."""
     effective = config.effective()
     role = "inner optimizer" if config.method in OUTER_METHODS else "optimizer"
-    unused = getattr(config.settings, "unused_keys", dict)()  # keys nothing reads at the other settings
+    unused = config.settings.unused_keys()  # keys nothing reads at the other settings
     shown = ", ".join(f"{k}={effective[k]}" for k in honoured_keys(config.method) if k in effective and k not in unused)
     return f"ds_lowcomm: {config.method} on Megatron-Core, {role}: {inner}; settings: {shown}"
 
