@@ -44,8 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .codec import FLOAT_DTYPES, SparseSpec
+from .codec import FLOAT_DTYPES, SparseSpec, ValueFormat
 from .optim.mtdao import MTDAOSettings
+from .optim.outer import ALL_REDUCE_AUTO_FORMATS
 from .optim.recipes import RECIPES
 from .optim.registry import METHODS, LowcommConfig
 from .settings import ConfigError
@@ -234,6 +235,32 @@ def sparse_message(op: str, shapes, codec: dict) -> Message:
     return Message(op, "all_gather", sum(s.nbytes for s in specs) + 1, sum(math.prod(s) for s in shapes))
 
 
+def outer_exchange(settings: dict, replicas: int) -> str:
+    """"all_gather" or "all_reduce": how dct_diloco / sparseloco exchange at ``replicas`` workers,
+    by the rule of :func:`ds_lowcomm.optim.outer.resolve_exchange` (auto: the compressed all-reduce
+    at 3+ replicas for a dense sign / 2-bit payload in a fixed group)."""
+    exchange = settings.get("exchange", "auto")
+    if exchange != "auto":
+        return exchange
+    dense = settings.get("transform", "dct") == "none" and settings["topk"] == settings["chunk"] ** 2
+    fits = dense and settings["value_dtype"] in ALL_REDUCE_AUTO_FORMATS and replicas >= 3 \
+        and not settings.get("fault_tolerance")
+    return "all_reduce" if fits else "all_gather"
+
+
+def compressed_all_reduce_messages(op: str, shapes, value_dtype: str, replicas: int) -> list[Message]:
+    """The two collectives of :class:`ds_lowcomm.comm.compressed_allreduce.CompressedAllReduce` at
+    ``replicas`` = n workers, as its ledger books them: the flat tensor of E elements cut into n
+    chunks of c = ceil(E / n) elements, each travelling as b = the format's bytes of c (shorter ones
+    padded); phase 1 an all-to-all of one chunk plus a health byte to each other rank ((n - 1)(b + 1)
+    sent and received), phase 2 an all-gather of this rank's re-quantised chunk (b)."""
+    n = max(2, replicas)
+    elements = sum(math.prod(s) for s in shapes)
+    chunk_bytes = ValueFormat(value_dtype).nbytes(math.ceil(elements / n))
+    return [Message(f"{op}_scatter", "all_to_all", (n - 1) * (chunk_bytes + 1), elements),
+            Message(f"{op}_gather", "all_gather", chunk_bytes, elements)]
+
+
 def dense_messages(op: str, elements: int, nbytes_per: int) -> list[Message]:
     """A dense mean: its one-byte health all-gather beside one all-reduce (one dtype)."""
     return [Message(f"{op}_health", "all_gather", 1), Message(op, "all_reduce", elements * nbytes_per)]
@@ -245,11 +272,11 @@ def _state_bytes(settings: dict) -> int:
 
 
 def planned_ledger(method: str, settings: dict, shapes, steps: int,
-                   matrices: list[bool] | None = None) -> dict[str, tuple[int, int]]:
+                   matrices: list[bool] | None = None, replicas: int = 2) -> dict[str, tuple[int, int]]:
     """What a run of ``steps`` steps records in its ledger per op (start-up left out): (calls, bytes
     sent). A streaming outer method's fragments each sync on their own step of every H; mtdao's
     ``switch_step`` S: S steps of a dense gradient mean, then syncs counted from S."""
-    every = sync_messages(method, settings, shapes, matrices=matrices)[0]
+    every = sync_messages(method, settings, shapes, matrices=matrices, replicas=replicas)[0]
     warm = min(steps, settings.get("switch_step", 0)) if method == "mtdao" else 0
     out: dict[str, tuple[int, int]] = {}
 
@@ -260,7 +287,7 @@ def planned_ledger(method: str, settings: dict, shapes, steps: int,
 
     for m in warm_messages(shapes) if warm else []:
         add(m, warm)
-    fragments = fragment_messages(method, settings, shapes, matrices=matrices)
+    fragments = fragment_messages(method, settings, shapes, matrices=matrices, replicas=replicas)
     for f, messages in enumerate(fragments):
         if every == 1:
             syncs = steps - warm
@@ -296,14 +323,15 @@ def fragment_shapes(settings: dict, shapes) -> list[list[tuple[int, ...]]]:
 
 
 def fragment_messages(method: str, settings: dict, shapes, grad_bytes: int = 4,
-                      param_bytes: int = 4, matrices: list[bool] | None = None) -> list[list[Message]]:
+                      param_bytes: int = 4, matrices: list[bool] | None = None,
+                      replicas: int = 2) -> list[list[Message]]:
     """The messages of one sync of each streaming fragment (one list without streaming)."""
     parts = fragment_shapes(settings, shapes)
     if len(parts) == 1:
-        return [sync_messages(method, settings, shapes, grad_bytes, param_bytes, matrices)[1]]
+        return [sync_messages(method, settings, shapes, grad_bytes, param_bytes, matrices, replicas)[1]]
     if method == "dion":
         raise ConfigError("plan: dion has no streaming fragments")
-    return [sync_messages(method, settings, part, grad_bytes, param_bytes)[1] for part in parts]
+    return [sync_messages(method, settings, part, grad_bytes, param_bytes, replicas=replicas)[1] for part in parts]
 
 
 def warm_messages(shapes, grad_bytes: int = 4) -> list[Message]:
@@ -321,10 +349,11 @@ def dion_factor_shapes(shape: tuple[int, ...], rank_fraction: float) -> tuple[in
 
 
 def sync_messages(method: str, settings: dict, shapes, grad_bytes: int = 4, param_bytes: int = 4,
-                  matrices: list[bool] | None = None) -> tuple[int, list[Message]]:
+                  matrices: list[bool] | None = None, replicas: int = 2) -> tuple[int, list[Message]]:
     """(steps between syncs, the messages of one sync) for ``method`` with ``settings`` (the
     effective flat settings) over tensors of ``shapes`` (one worker's); ``matrices``: which of
-    them take an orthonormal step (dion's factors; see :func:`hidden_matrices`)."""
+    them take an orthonormal step (dion's factors; see :func:`hidden_matrices`); ``replicas``:
+    the workers exchanging (dct_diloco / sparseloco's exchange and its chunks depend on it)."""
     elements = sum(math.prod(s) for s in shapes)
     if method == "adamw":
         return 1, dense_messages("all_reduce", elements, grad_bytes)
@@ -343,6 +372,9 @@ def sync_messages(method: str, settings: dict, shapes, grad_bytes: int = 4, para
     if method == "diloco":
         return settings["sync_every"], dense_messages("outer_all_reduce", elements, state)
     if method in ("dct_diloco", "sparseloco"):
+        if outer_exchange(settings, replicas) == "all_reduce":
+            return settings["sync_every"], compressed_all_reduce_messages("outer_compressed_all_reduce", shapes,
+                                                                          settings["value_dtype"], replicas)
         return settings["sync_every"], [sparse_message("outer_sparse_all_gather", shapes, settings)]
     if method == "mtdao":
         periods = MTDAOSettings.from_flat(settings, where="plan").periods()  # the method's own schedule
@@ -421,10 +453,13 @@ def muon_memory(shapes, other: set[int], gpus: int, zero_stage: int, state_bytes
 def ring_rounds(kind: str, replicas: int) -> tuple[int, float]:
     """(rounds, the share of the payload each round carries) of one collective between ``replicas``
     workers as a ring (gloo's, and NCCL's ring algorithm): an all-gather is n-1 rounds of the whole
-    payload, an all-reduce 2(n-1) rounds of 1/n of it (a reduce-scatter, then an all-gather)."""
+    payload, an all-reduce 2(n-1) rounds of 1/n of it (a reduce-scatter, then an all-gather); an
+    all-to-all (whose ``nbytes`` already counts every part to the others) n-1 rounds of 1/(n-1)."""
     n = replicas
     if n <= 1:
         return 0, 0.0
+    if kind == "all_to_all":
+        return n - 1, 1.0 / (n - 1)
     return (n - 1, 1.0) if kind == "all_gather" else (2 * (n - 1), 1.0 / n)
 
 
@@ -437,15 +472,18 @@ def wire_bytes_per_step(method: str, settings: dict, shapes, replicas: int, grad
                         param_bytes: int = 4, matrices: list[bool] | None = None) -> float:
     """Bytes one worker sends on its link per step with ``replicas`` workers (:func:`wire_bytes` of
     each message of a sync, over the steps between syncs): the figure of ``bench replica_bytes``."""
-    every, messages = sync_messages(method, settings, shapes, grad_bytes, param_bytes, matrices)
+    every, messages = sync_messages(method, settings, shapes, grad_bytes, param_bytes, matrices, replicas)
     return sum(wire_bytes(m, replicas) for m in messages) / every
 
 
 def wire_bytes_sent(kind: str, nbytes: float, replicas: int) -> float:
     """Bytes one worker puts on the wire (payload, before framing) for one collective of
     ``nbytes`` per worker between ``replicas`` workers as a ring: an all-gather (n-1) x nbytes, an
-    all-reduce 2 (n-1) / n x nbytes. The ledger counts ``nbytes`` for both (comm/ledger.py): the
-    two agree at 2 workers only. Checked against what gloo writes to its sockets (tests/test_plan.py)."""
+    all-reduce 2 (n-1) / n x nbytes, an all-to-all its ``nbytes`` (the parts to the others). The
+    ledger counts ``nbytes`` sent for all three (comm/ledger.py): they agree at 2 workers only. Each
+    of these receives what it sends, so this is also a worker's bytes received on the wire (the
+    ledger's received column: (n-1) x nbytes for an all-gather). Checked against what gloo writes
+    to its sockets (tests/test_plan.py)."""
     rounds, share = ring_rounds(kind, replicas)
     return rounds * share * nbytes
 
@@ -506,8 +544,8 @@ def plan_method(method: str, inputs: PlanInputs, shapes=None) -> dict[str, Any]:
     settings = LowcommConfig.from_dict(raw, where=f"plan.methods.{method}").effective()
     g, n = inputs.gpus_per_replica, inputs.replicas
     matrices = hidden_matrices(inputs.model, shapes)
-    every = sync_messages(method, settings, shapes, inputs.grad_bytes, inputs.param_bytes, matrices)[0]
-    fragments = fragment_messages(method, settings, shapes, inputs.grad_bytes, inputs.param_bytes, matrices)
+    every = sync_messages(method, settings, shapes, inputs.grad_bytes, inputs.param_bytes, matrices, n)[0]
+    fragments = fragment_messages(method, settings, shapes, inputs.grad_bytes, inputs.param_bytes, matrices, n)
     messages = [m for part in fragments for m in part]  # one sync of every fragment: H steps' worth
     elements = sum(math.prod(s) for s in shapes)
     # one worker's share: the model's bytes over its replica's G workers

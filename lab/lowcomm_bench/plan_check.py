@@ -49,7 +49,8 @@ MEASURED_WITH = {"mtdao": MTDAO_TWO_MOMENTA}
 COLUMNS = ["source", "setting", "method", "compute_s", "measured_step_s", "predicted_step_s", "timed_codec_s_per_step",
            "predicted_codec_s_per_step"]
 WIRE_COLUMNS = ["workers", "method", "syncs", "socket_bytes_per_sync", "predicted_socket_bytes_per_sync",
-                "predicted_wire_bytes_per_sync", "gloo_framing_bytes_per_sync", "ledger_bytes_per_sync"]
+                "predicted_wire_bytes_per_sync", "gloo_framing_bytes_per_sync", "ledger_bytes_per_sync",
+                "ledger_received_bytes_per_sync"]
 STEP_WITHIN, BYTES_WITHIN = 0.15, 0.005
 # adamw and demo on 2 hosts re-measured with the codec of 2026-11-27 (network-2h.json's runs, of
 # 2026-11-23, predate the multi-tensor codec): python -m lowcomm_bench network --hosts 2 --repeats 3
@@ -211,6 +212,23 @@ def gloo_framing_per_round() -> float:
     return (socket_bytes_written() - before - (transport.world_size - 1)) / (transport.world_size - 1)
 
 
+# Beside the recipes: the one-bit outer loop (every element a sign bit, no transform) with each
+# exchange (issue 56): auto is the compressed all-reduce at 3+ workers
+WIRE_VARIANTS = {f"dct_diloco_sign_{exchange}": ("dct_diloco", {"topk": 64, "chunk": 8, "transform": "none",
+                                                               "value_dtype": "sign", "exchange": exchange})
+                 for exchange in ("auto", "all_gather")}
+
+
+def wire_settings(name: str) -> tuple[str, dict, float]:
+    """(method, its raw lowcomm settings with outer syncs every 2 steps, lr) of a recipe or a
+    :data:`WIRE_VARIANTS` entry."""
+    method, extra = WIRE_VARIANTS.get(name, (name, {}))
+    raw = {**RECIPES[method]["lowcomm"], **extra, "method": method}
+    if "sync_every" in raw:
+        raw["sync_every"] = 2
+    return method, raw, RECIPES[method]["lr"]
+
+
 def wire_worker(rank: int, world: int, methods: list[str], steps: int, n_layer: int, n_embd: int,
                 seq_len: int) -> dict:
     """Each method (its compare recipe; outer methods syncing every 2 steps) stepped ``steps``
@@ -226,11 +244,9 @@ def wire_worker(rank: int, world: int, methods: list[str], steps: int, n_layer: 
     for method in methods:
         torch.manual_seed(0)
         model = GPT(GPTConfig(n_layer=n_layer, n_embd=n_embd, seq_len=seq_len))
-        raw = {**RECIPES[method]["lowcomm"], "method": method}
-        if "sync_every" in raw:
-            raw["sync_every"] = 2
+        _, raw, lr = wire_settings(method)
         cfg = LowcommConfig.from_dict(raw)
-        opt = build_optimizer(cfg, model_param_groups(cfg, model, model.parameters()), lr=RECIPES[method]["lr"])
+        opt = build_optimizer(cfg, model_param_groups(cfg, model, model.parameters()), lr=lr)
         x = torch.randint(0, 256, (2, seq_len + 1), generator=torch.Generator().manual_seed(rank))
         written = 0
         for _ in range(steps):
@@ -241,7 +257,8 @@ def wire_worker(rank: int, world: int, methods: list[str], steps: int, n_layer: 
             written += socket_bytes_written() - before
             opt.zero_grad()
         ledger = sum(sent for op, (_, sent, _) in opt.ledger.by_op.items() if op != "setup")
-        out["methods"][method] = {"socket": written, "ledger": ledger}
+        received = sum(got for op, (_, _, got) in opt.ledger.by_op.items() if op != "setup")
+        out["methods"][method] = {"socket": written, "ledger": ledger, "ledger_received": received}
     return out
 
 
@@ -250,21 +267,24 @@ def wire_rows(results: list[dict], workers: int, methods: list[str], steps: int,
     framing = statistics.median(r["framing"] for r in results)
     matrices = planner.hidden_matrices("reference", shapes)  # dion's orthonormal matrices
     rows = []
-    for method in methods:
-        raw = {**RECIPES[method]["lowcomm"], "method": method}
-        if "sync_every" in raw:
-            raw["sync_every"] = 2
+    for name in methods:
+        method, raw, _ = wire_settings(name)
         settings = LowcommConfig.from_dict(raw).effective()
-        every = planner.sync_messages(method, settings, shapes, matrices=matrices)[0]
-        messages = [m for part in planner.fragment_messages(method, settings, shapes, matrices=matrices) for m in part]
+        every = planner.sync_messages(method, settings, shapes, matrices=matrices, replicas=workers)[0]
+        messages = [m for part in planner.fragment_messages(method, settings, shapes, matrices=matrices,
+                                                            replicas=workers) for m in part]
         syncs = steps // every
         wire = sum(planner.wire_bytes_sent(m.kind, m.nbytes, workers) for m in messages)
-        frames = sum(planner.ring_rounds(m.kind, workers)[0] for m in messages) * framing
-        socket = max(r["methods"][method]["socket"] for r in results) / syncs
-        rows.append({"workers": workers, "method": method, "syncs": syncs, "socket_bytes_per_sync": socket,
+        # gloo's all-to-all writes half a ring round's framing per part it sends (measured at 3 workers)
+        frames = sum(planner.ring_rounds(m.kind, workers)[0] * (0.5 if m.kind == "all_to_all" else 1.0)
+                     for m in messages) * framing
+        socket = max(r["methods"][name]["socket"] for r in results) / syncs
+        rows.append({"workers": workers, "method": name, "syncs": syncs, "socket_bytes_per_sync": socket,
                      "predicted_socket_bytes_per_sync": wire + frames, "predicted_wire_bytes_per_sync": wire,
                      "gloo_framing_bytes_per_sync": frames,
-                     "ledger_bytes_per_sync": max(r["methods"][method]["ledger"] for r in results) / syncs})
+                     "ledger_bytes_per_sync": max(r["methods"][name]["ledger"] for r in results) / syncs,
+                     "ledger_received_bytes_per_sync": max(r["methods"][name].get("ledger_received", 0)
+                                                           for r in results) / syncs})
     return rows
 
 
