@@ -36,7 +36,9 @@ STREAMING = {"method": "diloco", "sync_every": 4, "fragments": 2, "sync_delay": 
 DILOCO_BF16 = {"method": "diloco", "sync_every": 2}
 DEMO_MUON = {**DEMO, "update": "muon", "mean_momentum": 0.5}
 SIGN = {**SIGN_OUTER, "sync_every": 3}  # the one-bit recipe's outer settings (dct_diloco, sign values), H 3
-MULOCO_SIGN = {**SIGN, "inner_optimizer": "muon", "inner_muon_lr": 0.02, "inner_muon_momentum": 0.9}
+# configs/megatron/muloco_sign.json as shipped (--lowcomm-config), at H 3 and this model's inner settings
+MULOCO_SHIPPED = json.loads((Path(__file__).resolve().parents[1] / "configs" / "megatron" / "muloco_sign.json").read_text())
+MULOCO_SIGN = {**MULOCO_SHIPPED, "sync_every": 3, "inner_muon_lr": 0.02, "inner_muon_momentum": 0.9}
 
 
 def _check_whole_matrices(record):
@@ -396,6 +398,7 @@ def test_muloco_with_ds_lowcomms_muon_in_megatrons_optimizer(layout):
     each matrix Megatron splits is orthogonalised whole (equal to gathering it), its shards
     assembled over the tensor-parallel group. The replicas hold the same bits after each sync and
     the loss falls."""
+    assert {k: v for k, v in MULOCO_SHIPPED.items() if not k.startswith("inner_")} == SIGN_OUTER
     (tp, pp), results = layout
     by_position = {}
     for r in results:
