@@ -28,7 +28,7 @@ from accelerate import Accelerator  # noqa: E402
 from accelerate.utils import DummyOptim, InitProcessGroupKwargs  # noqa: E402
 
 from lowcomm_task.data import ByteCorpus  # noqa: E402
-from hf_trainer import Windows, _digest, llama  # noqa: E402
+from hf_trainer import Windows, _digest, end, llama  # noqa: E402
 
 
 def main() -> None:
@@ -74,7 +74,11 @@ def main() -> None:
                   "lowcomm": model.lowcomm.summary() if hasattr(model, "lowcomm") else None}
         with open(os.path.join(args.out, "report_resumed.json" if args.resume else "report.json"), "w") as f:
             json.dump(report, f, default=str)
+    # the engine released (Accelerate's references; DeepSpeed's engine.destroy() drops DeepSpeed's
+    # own, to the parameters): see end()
+    accelerator.free_memory()
 
 
 if __name__ == "__main__":
     main()
+    end()  # the engine's and the process groups' end before the interpreter's (hf_trainer.end)

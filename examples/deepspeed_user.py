@@ -7,6 +7,7 @@ config, two parameter groups, save/load_checkpoint with client_state.
 """
 
 import argparse
+import gc
 import json
 import os
 
@@ -86,7 +87,18 @@ def main():
             with open(args.out, "w") as f:
                 json.dump(report, f)
     torch.distributed.barrier()
+    # the engines released: DeepSpeed's own references to their parameters dropped (see the end below)
+    engine.destroy()
+    engine2.destroy()
 
 
 if __name__ == "__main__":
     main()
+    # The end of a run, in this order: the engines' last reference cycles collected while the
+    # process groups are still up, then DeepSpeed's torch.distributed torn down (DeepSpeed drops
+    # its own references to the groups too) and the groups collected, so that torch joins their
+    # gloo worker threads now. A worker still holding its last collective's tensors when the
+    # interpreter shuts down aborts the process (pytorch/pytorch#190489).
+    gc.collect()
+    deepspeed.comm.destroy_process_group()
+    gc.collect()

@@ -11,6 +11,7 @@ Without the "lowcomm" section the same script is plain DeepSpeed under the Train
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import sys
@@ -73,10 +74,14 @@ def run(deepspeed_config, out: str, steps: int = 20, save_steps: int = 0, resume
     engine = trainer.model_wrapped
     everyone = [None] * torch.distributed.get_world_size()
     torch.distributed.all_gather_object(everyone, _digest(model))
-    return {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "held_out_loss": held_out,
-            "train_loss": result.training_loss, "global_step": trainer.state.global_step, "digests": everyone,
-            "parameters": sum(p.numel() for p in model.parameters()),
-            "lowcomm": engine.lowcomm.summary() if hasattr(engine, "lowcomm") else None}
+    report = {"losses": [h["loss"] for h in trainer.state.log_history if "loss" in h], "held_out_loss": held_out,
+              "train_loss": result.training_loss, "global_step": trainer.state.global_step, "digests": everyone,
+              "parameters": sum(p.numel() for p in model.parameters()),
+              "lowcomm": engine.lowcomm.summary() if hasattr(engine, "lowcomm") else None}
+    # the engine released (the Trainer's Accelerate references; DeepSpeed's engine.destroy() drops
+    # DeepSpeed's own, to the parameters): see end()
+    trainer.accelerator.free_memory()
+    return report
 
 
 def main() -> None:
@@ -96,6 +101,21 @@ def main() -> None:
             json.dump(report, f, default=str)
 
 
+def end() -> None:
+    """The end of a run, after main() returned (its engines released, nothing of them held), in this order:
+    the engines' last reference cycles collected while the process groups are still up, then
+    DeepSpeed's torch.distributed torn down (DeepSpeed drops its own references to the groups too;
+    torch's destroy_process_group(), which Accelerate's end_training() calls, leaves those) and
+    the groups collected, so that torch joins their gloo worker threads now. A worker still holding
+    its last collective's tensors when the interpreter shuts down aborts the process
+    (pytorch/pytorch#190489)."""
+    import deepspeed
+
+    gc.collect()
+    deepspeed.comm.destroy_process_group()
+    gc.collect()
+
+
 def _digest(model) -> str:
     import hashlib
 
@@ -108,3 +128,4 @@ def _digest(model) -> str:
 
 if __name__ == "__main__":
     main()
+    end()

@@ -182,3 +182,4 @@ def main() -> None:
 if __name__ == "__main__":
     os.environ.setdefault("DS_ACCELERATOR", "cpu")
     main()
+    hf_trainer.end()  # the process groups gone before interpreter shutdown (pytorch/pytorch#190489)

@@ -24,7 +24,7 @@ def cases(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("hf")
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port", "29541",
+    proc = subprocess.run([str(Path(sys.executable).parent / "torchrun"), "--nproc_per_node", "2", "--master_port", str(_free_port()),
                            str(ROOT / "tests" / "hf_cases.py"), str(tmp / "cases.json"), str(tmp)],
                           cwd=tmp, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, (proc.stdout[-3000:], proc.stderr[-5000:])
@@ -153,12 +153,19 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _accelerate(tmp_path, *extra):
+def _accelerate(tmp_path, *extra, probe=False):
+    """`accelerate launch` of the example; with ``probe``, through tests/teardown_probe.py (the
+    example run as __main__, then what its end left behind written to tmp_path/teardown)."""
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "OMP_NUM_THREADS": "1", "CUDA_VISIBLE_DEVICES": "",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    script = [str(ROOT / "examples" / "accelerate_user.py")]
+    if probe:
+        (tmp_path / "teardown").mkdir()
+        env["TEARDOWN_PROBE_OUT"] = str(tmp_path / "teardown")
+        script.insert(0, str(ROOT / "tests" / "teardown_probe.py"))
     return subprocess.run([str(Path(sys.executable).parent / "accelerate"), "launch", "--num_processes", "2",
                            "--main_process_port", str(_free_port()), "--use_deepspeed", "--deepspeed_config_file",
-                           str(ROOT / "examples" / "accelerate_user.json"), str(ROOT / "examples" / "accelerate_user.py"),
+                           str(ROOT / "examples" / "accelerate_user.json"), *script,
                            "--out", str(tmp_path), *extra],
                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
 
@@ -170,7 +177,10 @@ def test_accelerate_launch_trains_through_ds_lowcomm_on_cpu(tmp_path):
     ds_lowcomm (install()), which builds its engine with the config's diloco at ZeRO 2: the loss
     falls, the replicas end identical, what crossed between them was diloco's outer all-reduce
     (two syncs in 8 steps, no DeepSpeed gradient all-reduce); save_state after step 4 and a fresh
-    launch's load_state go on to the same parameters and losses."""
+    launch's load_state go on to the same parameters and losses. The example's end (engine
+    released, then the process group destroyed) leaves no process group and no gloo worker thread
+    behind on either rank, so none can hold a tensor at interpreter shutdown (pytorch/pytorch#190489:
+    that aborted about one resume launch in tens under load)."""
     proc = _accelerate(tmp_path, "--steps", "8", "--save-at", "4", "--backend", "gloo")
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     report = json.loads((tmp_path / "report.json").read_text())
@@ -180,11 +190,15 @@ def test_accelerate_launch_trains_through_ds_lowcomm_on_cpu(tmp_path):
     assert lowcomm["method_ledger"]["by_op"]["outer_all_reduce"]["calls"] == 2
     assert report["steps"] == 8 and report["losses"][-1] < report["losses"][0] - 0.5
     assert len(set(report["digests"])) == 1
-    proc = _accelerate(tmp_path, "--steps", "8", "--resume", "--backend", "gloo")
+    proc = _accelerate(tmp_path, "--steps", "8", "--resume", "--backend", "gloo", probe=True)
     assert proc.returncode == 0, (proc.stdout[-2000:], proc.stderr[-3000:])
     resumed = json.loads((tmp_path / "report_resumed.json").read_text())
     assert resumed["start"] == 4 and resumed["steps"] == 8
     assert resumed["digests"] == report["digests"] and resumed["losses"] == report["losses"][4:]
+    for rank in range(2):
+        teardown = json.loads((tmp_path / "teardown" / f"rank{rank}.json").read_text())
+        assert teardown["destroyed"] and teardown["workers_at_destroy"] >= 2, teardown
+        assert not teardown["default_group_alive"] and teardown["workers_after"] == 0, teardown
 
 
 def test_accelerate_without_a_process_group_is_refused_by_ds_lowcomm(tmp_path):

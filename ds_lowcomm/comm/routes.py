@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import atexit
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Sequence
@@ -323,22 +324,22 @@ class SyncBoard:
                 pause = min(2 * pause, 0.05)
 
 
-_GROUPS: dict[tuple, tuple] = {}  # (ranks, timeout) -> (default group, group): reused by later builds
+# default group -> {(ranks, timeout): group}, reused by later builds; weakly, as comm/topology.py's
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
 
 
 def _group(ranks: tuple[int, ...], timeout: dict):
     key = (ranks, tuple(timeout.items()))
-    world_group = dist.distributed_c10d._get_default_group()
-    cached = _GROUPS.get(key)
-    if cached is not None and cached[0] is world_group:
-        return cached[1]
+    built = _GROUPS.setdefault(dist.distributed_c10d._get_default_group(), {})
+    if key in built:
+        return built[key]
     group = dist.new_group(list(ranks), **timeout)
     if dist.get_rank() not in ranks:
         # Keep every rank's count of groups in step: torch names a group made with local
         # synchronisation (DeepSpeed's inside a replica, subworld.py) from the count its members
         # hold, and a member that holds one group fewer would wait for a differently named one.
         dist.new_group([dist.get_rank()], use_local_synchronization=True)
-    _GROUPS[key] = (world_group, group)
+    built[key] = group
     return group
 
 

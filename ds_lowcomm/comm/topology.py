@@ -15,6 +15,7 @@ number of pipelines when replicas are pipelines); ``data_per_replica`` of them p
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -80,10 +81,9 @@ class ReplicaTopology:
         size = len(replicas[0])
         key = (tuple(tuple(r) for r in replicas), timeout_s)
         timeout = {} if timeout_s is None else {"timeout": timedelta(seconds=timeout_s)}
-        world_group = dist.distributed_c10d._get_default_group()
-        cached = _GROUPS.get(key)
-        if cached is not None and cached[0] is world_group:  # another engine in this process, same layout
-            return cls(world, rank, [list(r) for r in replicas], *cached[1], data_rank, data_world, data_per_replica)
+        built = _GROUPS.setdefault(dist.distributed_c10d._get_default_group(), {})
+        if key in built:  # another engine in this process, same layout
+            return cls(world, rank, [list(r) for r in replicas], *built[key], data_rank, data_world, data_per_replica)
         mine = {}
         # new_group is collective: every rank creates every group, in the same order.
         for ranks in replicas:
@@ -100,11 +100,13 @@ class ReplicaTopology:
             if r == rank:
                 mine["single"] = g
         groups = (mine["replica"], mine["cross"], mine["single"])
-        _GROUPS[key] = (world_group, groups)
+        built[key] = groups
         return cls(world, rank, [list(r) for r in replicas], *groups, data_rank, data_world, data_per_replica)
 
 
 # Process groups of the layouts built in this process, reused by later engines (every rank builds
-# the same layouts in the same order, so every rank reuses alike); keyed to the default group, so
-# a re-initialised torch.distributed gets new ones.
-_GROUPS: dict[tuple, tuple] = {}
+# the same layouts in the same order, so every rank reuses alike); kept per default group, so a
+# re-initialised torch.distributed gets new ones. Weakly: once torch has destroyed the default group
+# and the engines are gone, the groups go with it and torch joins their gloo worker threads then,
+# not at interpreter shutdown (pytorch/pytorch#190489: a worker still holding a tensor then aborts).
+_GROUPS: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # default group -> {layout: groups}

@@ -28,7 +28,7 @@ from __future__ import annotations
 import argparse
 import types
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from ..comm import ByteLedger, ReplicaTopology, TorchDistTransport, assert_same_across_ranks
@@ -149,7 +149,9 @@ def initialize(args=None, model=None, optimizer=None, model_parameters=None, tra
     # 2. The layout of replicas (layout.py); every rank with the same settings, from rank 0's weights.
     layout = choose_layout(split, model, engine_ledger)
     topology, timeout_s = layout.topology, layout.timeout_s
-    STATE.topology = topology  # data_parallel_rank() / _world_size() for the user's own loaders
+    # data_parallel_rank() / _world_size() for the user's own loaders: the numbers, not the groups
+    # (process state outliving the engine would keep them from torch's teardown, state.py)
+    STATE.topology = replace(topology, replica_group=None, cross_group=None, single_group=None)
     layout.agreed_settings = {
         # flat keys, so that a difference names its field
         **{f"lowcomm.{k}": v for k, v in split.lowcomm.effective().items()},

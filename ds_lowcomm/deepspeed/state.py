@@ -18,7 +18,10 @@ class ProcessState:
     place: Any = None
     # enter_subworld(): the backend through which DeepSpeed sees one replica as its world (subworld.py)
     subworld: Any = None
-    # initialize(): the last engine's replica topology, for data_parallel_rank() / _world_size() (data.py)
+    # initialize(): the last engine's replica topology, for data_parallel_rank() / _world_size()
+    # (data.py); its numbers only. Nothing here holds a process group: state that outlives the
+    # engine would keep torch's groups (and their gloo worker threads) alive past
+    # destroy_process_group() into interpreter shutdown (pytorch/pytorch#190489)
     topology: Any = None
 
 
