@@ -218,18 +218,26 @@ def test_a_streaming_sync_hides_only_behind_its_delay(delay):
 
 @pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="needs Linux's per-process I/O counters")
 def test_the_wire_bytes_are_what_gloo_writes_to_its_sockets():
-    """3 real gloo workers step every method (its compare recipe, outer syncs every 2 steps) on a
-    small GPT; what each process hands its sockets while the optimizer steps (/proc/self/io) is
+    """3 real gloo workers step every method (its compare recipe, outer syncs every 2 steps; and the
+    one-bit outer loop with the compressed all-reduce and with the all-gather) on a small GPT; what each process hands its sockets while the optimizer steps (/proc/self/io) is
     the planner's wire bytes at 3 workers (ring: 2 P per all-gather, 4/3 N per all-reduce) plus
     gloo's framing of each round, measured in the same run on a one-byte all-gather; the ledger's
     convention (P, N) is short of it by those factors."""
-    from lowcomm_bench.plan_check import measure_wire
+    from lowcomm_bench.plan_check import WIRE_VARIANTS, measure_wire
 
-    rows = measure_wire(3, list(RECIPES), steps=2, n_layer=1, n_embd=32, seq_len=32)
-    assert [r["method"] for r in rows] == list(RECIPES)
+    rows = measure_wire(3, [*RECIPES, *WIRE_VARIANTS], steps=2, n_layer=1, n_embd=32, seq_len=32)
+    assert [r["method"] for r in rows] == [*RECIPES, *WIRE_VARIANTS]
     for r in rows:
         assert abs(r["predicted_socket_bytes_per_sync"] / r["socket_bytes_per_sync"] - 1) <= 0.001, r
         assert r["socket_bytes_per_sync"] > 1.3 * r["ledger_bytes_per_sync"], r
+    # the one-bit payload both ways (issue 56): the compressed all-reduce (auto at 3 workers) and the
+    # all-gather; each receives what it sends, so the ledger's received column is the wire's bytes
+    sign = {r["method"]: r for r in rows if r["method"] in WIRE_VARIANTS}
+    for r in sign.values():
+        assert r["ledger_received_bytes_per_sync"] == r["predicted_wire_bytes_per_sync"], r
+    reduce, gather = sign["dct_diloco_sign_auto"], sign["dct_diloco_sign_all_gather"]
+    assert reduce["predicted_wire_bytes_per_sync"] < 0.7 * gather["predicted_wire_bytes_per_sync"]  # 4/3 P against 2 P
+    assert reduce["socket_bytes_per_sync"] < gather["socket_bytes_per_sync"]
 
 
 def test_the_cpu_codec_default_follows_the_model_size():
@@ -339,3 +347,43 @@ def test_the_hf_benchmark_configs_and_verdict():
     assert verdict["reach"] == {"demo": 100.0} and verdict["met"] and verdict["deepspeed_entry"] == "deepspeed_muon"
     muon, lr = entry_config("deepspeed_muon", {"lr": 0.04})
     assert "lowcomm" not in muon and lr == 0.04 and muon["optimizer"]["type"] == "Muon"
+
+
+def test_the_replica_bytes_are_the_planners_at_every_measured_count():
+    """bench replica_bytes (docs/bench/replica_bytes.csv, issue 56): the one-bit recipe measured on
+    2, 4 and 8 test hosts with its exchange chosen by auto (the compressed all-reduce from 3) and
+    with the all-gather. Each row's formula is the planner's now (and plan() prices the same at
+    that replica count); the workers' ledgers received exactly the formula's bytes per sync (the
+    larger of their sent and received columns); every host's veth sent and received the formula's
+    bytes framed into full segments, within 5% (small messages carry more headers). The recipe at
+    8 replicas: at most 2x its bytes at 2, where the all-gather's are 7x."""
+    import csv
+    import dataclasses
+
+    from lowcomm_bench.replica_bytes import planned
+    from lowcomm_bench.time_to_loss import entry_spec
+
+    rows = [r for r in csv.DictReader(open(Path(__file__).resolve().parents[1] / "docs/bench/replica_bytes.csv"))
+            if r["entry"] == "muloco_sign"]
+    model = {"n_layer": 2, "n_embd": 128, "seq_len": 128}  # the bench's reference model
+    spec, _ = entry_spec("muloco_sign", 8, 8, model)
+    measured = {}
+    for r in rows:
+        n = int(r["replicas"])
+        variant = {**spec.lowcomm, "exchange": r["exchange"], "sync_every": 1}
+        wire = planned("muloco_sign", dataclasses.replace(spec, lowcomm=variant), None, model, n)[2]
+        assert float(r["wire_bytes_per_sync"]) == pytest.approx(wire, rel=1e-9), r
+        settings = LowcommConfig.from_dict({**variant, "method": "dct_diloco"}).effective()
+        assert r["exchange_used"] == planner.outer_exchange(settings, n)
+        row = planner.plan_method("dct_diloco", planner.PlanInputs(model="reference", replicas=n,
+                                                                   methods={"dct_diloco": variant}))
+        assert row["wire_bytes_per_sync"] == pytest.approx(wire, rel=1e-9)
+        if r["measured"] == "True":
+            sent, received = float(r["ledger_sent_bytes_per_sync"]), float(r["ledger_received_bytes_per_sync"])
+            assert max(sent, received) == pytest.approx(wire, rel=1e-9), r
+            for veth in (float(r["measured_bytes_per_sync"]), float(r["measured_received_bytes_per_sync"])):
+                assert abs(veth / float(r["framed_bytes_per_sync"]) - 1) <= 0.05, r
+            measured[(r["exchange"], n)] = max(sent, received)
+    assert {n for _, n in measured} == {2, 4, 8}
+    assert measured[("auto", 8)] <= 2 * measured[("auto", 2)]
+    assert measured[("all_gather", 8)] == pytest.approx(7 * measured[("auto", 2)], rel=0.01)

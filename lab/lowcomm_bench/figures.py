@@ -10,7 +10,11 @@ figure cannot drift from its evidence. ``--write`` rewrites the blocks in README
   one-bit recipe (docs/bench/issue41/sign/time_to_loss.csv: 2 test hosts, 3 seeds, shaped links)
   and the scale runs (docs/bench/scale_summary.csv: the recipe's inner settings derived from the
   dense run's, per model size);
-- ``compare``: the README's first command on this machine (docs/bench/compare/results.csv).
+- ``compare``: the README's first command on this machine (docs/bench/compare/results.csv);
+- ``replica_bytes``: the one-bit recipe's bytes per worker per sync as replicas grow, its
+  exchange chosen by ``exchange`` auto against the all-gather, beside DDP + Muon with bf16
+  gradients (docs/bench/replica_bytes.csv: measured on 2, 4 and 8 test hosts, the planner's
+  formula beyond).
 """
 
 from __future__ import annotations
@@ -120,7 +124,39 @@ def render_compare() -> str:
     return "\n".join(out) + "\n"
 
 
-RENDER = {"recipes": render_recipes, "compare": render_compare}
+def render_replica_bytes() -> str:
+    rows = _rows(BENCH / "replica_bytes.csv")
+
+    def per_sync(r: dict) -> float:  # the wire's payload (for muloco_sign the ledger's received, to the byte)
+        return float(r["wire_bytes_per_sync"])
+
+    def how(r: dict) -> str:
+        if r["measured"] != "True":
+            return "formula"
+        return (f"measured: veth sent {float(r['measured_bytes_per_sync']) / 1e3:.1f}, "
+                f"received {float(r['measured_received_bytes_per_sync']) / 1e3:.1f}")
+
+    sign = {(r["exchange"], int(r["replicas"])): r for r in rows if r["entry"] == "muloco_sign"}
+    ddp = {int(r["replicas"]): r for r in rows if r["entry"] == "muon_bf16"}
+    base = per_sync(sign[("auto", 2)])
+    out = ["| replicas | muloco_sign (H 5), kB per worker per sync | vs its 2 replicas | as an all-gather | "
+           "DDP + Muon (bf16 gradients), kB per worker per step | fewer bytes a step than DDP | how (kB, with headers) |",
+           "| --- | --- | --- | --- | --- | --- | --- |"]
+    for n in sorted({n for _, n in sign}):
+        auto = sign[("auto", n)]
+        gather = sign.get(("all_gather", n), auto if auto["exchange_used"] == "all_gather" else None)
+        mine, step = per_sync(auto), per_sync(auto) / float(auto["sync_every"])
+        dense = per_sync(ddp[n]) if n in ddp else None
+        out.append(f"| {n} | {mine / 1e3:.1f} ({auto['exchange_used'].replace('_', '-')}) | {times(mine / base)} | "
+                   + (f"{per_sync(gather) / 1e3:.1f} ({times(per_sync(gather) / base)})" if gather else "-") + " | "
+                   + (f"{dense / 1e3:.0f} | {times(dense / step)}" if dense else "- | -") + f" | {how(auto)} |")
+    out.append("")
+    out.append("(reference GPT, 446k parameters; bytes on the wire, each way: a worker receives what it sends; "
+               "[replica_bytes.csv](docs/bench/replica_bytes.csv))")
+    return "\n".join(out) + "\n"
+
+
+RENDER = {"recipes": render_recipes, "compare": render_compare, "replica_bytes": render_replica_bytes}
 
 
 def blocks(text: str) -> dict[str, str]:
