@@ -186,3 +186,20 @@ def dct_by_definition(n):
         for i in range(n):
             c[k, i] = scale * math.cos(math.pi * (2 * i + 1) * k / (2 * n))
     return c
+
+
+@pytest.fixture(scope="module")
+def one_rank_group(tmp_path_factory):
+    """A real gloo group of one rank in this process (start-up checks and collectives run on it;
+    nothing to send to)."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        yield
+        return
+    store = tmp_path_factory.mktemp("store") / "store"
+    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()

@@ -7,7 +7,6 @@ declares it unused (``Settings.unused_keys``). Refused: a ``ConfigError`` naming
 any rank communicates. Nothing is accepted and ignored. (Megatron-Core's road: test_megatron_keys.py.)"""
 
 import torch
-import torch.distributed as dist
 import pytest
 
 from ds_lowcomm.optim import METHODS, LowcommConfig, build_optimizer, model_param_groups
@@ -75,20 +74,6 @@ def _torch_road(section):
 ROADS = {"deepspeed_adamw_z0": _deepspeed_road(ADAMW, 0), "deepspeed_adamw_z2": _deepspeed_road(ADAMW, 2),
          "deepspeed_muon_z0": _deepspeed_road(MUON, 0), "deepspeed_muon_z2": _deepspeed_road(MUON, 2),
          "torch": _torch_road}
-
-
-@pytest.fixture(scope="module")
-def one_rank_group(tmp_path_factory):
-    """A real gloo group of one rank in this process (build_optimizer's start-up check runs on it)."""
-    if dist.is_initialized():
-        yield
-        return
-    store = tmp_path_factory.mktemp("store") / "store"
-    dist.init_process_group("gloo", init_method=f"file://{store}", rank=0, world_size=1)
-    try:
-        yield
-    finally:
-        dist.destroy_process_group()
 
 
 def _honoured(method, key, value, built, context):
