@@ -7,7 +7,7 @@ import argparse
 import pytest
 
 from ds_lowcomm.optim.recipes import SIGN_OUTER, sign_recipe
-from ds_lowcomm.optim.registry import METHODS, OUTER_METHODS, _all_keys
+from ds_lowcomm.optim.registry import METHODS, _all_keys
 from ds_lowcomm.settings import ConfigError
 from megatron_patches.args import add_lowcomm_args, lowcomm_config
 from megatron_patches.keys import ONLY_VALUE, SUPPORTED_METHODS, describe, honoured_keys, method_keys
