@@ -6,7 +6,7 @@ inside it (each of a ChainedOptimizer's) for :class:`MegatronMuonWithAdamW` over
 (the fp32 main copies under mixed precision): torch's Muon (Nesterov, ``inner_muon_momentum``) on
 the hidden matrices, torch's AdamW on the rest with Megatron's Adam settings. Which tensors take
 Muon's step is ``ds_lowcomm.optim.muon.takes_muon_step``'s decision on the model's parameters,
-Megatron's word embeddings and output layer tagged not-Muon first (``install.tag_muon_params``).
+Megatron's word embeddings and output layer tagged not-Muon first (``tag_muon_params``).
 Megatron's optimizer keeps everything else: gradient copy, unscaling, clipping, the main-to-model
 copy; the outer loop wraps its ``step()`` as with Adam.
 
@@ -187,6 +187,16 @@ def _split_groups(groups: list[dict], adam_defaults: dict, takes_muon, muon_lr: 
     return muon_groups, adamw_groups
 
 
+def tag_muon_params(model_chunks) -> None:
+    """The one decision of which parameters take Muon's step (ds_lowcomm.optim.muon.takes_muon_step),
+    with Megatron's own marks: its word embeddings and output layer (``is_embedding_or_output_parameter``)
+    are tagged ``use_muon = False`` first, as Megatron-Core's Muon leaves them to Adam."""
+    from ds_lowcomm.optim.muon import tag_muon_params
+
+    for chunk in model_chunks:
+        tag_muon_params(chunk, [p for p in chunk.parameters() if mi.is_embedding_or_output(p)])
+
+
 def install(model_chunks, optimizer, settings, ledger, timeout_s: float) -> list[MegatronMuonWithAdamW]:
     """Swap the Adam inside each of Megatron's optimizers for :class:`MegatronMuonWithAdamW`
     (``settings``: the outer method's, its ``inner_muon_lr`` and ``inner_muon_momentum``); at
@@ -195,8 +205,6 @@ def install(model_chunks, optimizer, settings, ledger, timeout_s: float) -> list
     communicates: a torch optimizer in place of Megatron's, Megatron's own Muon, several optimizers
     chained at TP > 1."""
     from megatron.core import parallel_state as ps
-
-    from .install import tag_muon_params
 
     tp = ps.get_tensor_model_parallel_world_size()
     if tp > 1 and len(chained(optimizer)) > 1:  # each would assemble its own share in a collective of its own

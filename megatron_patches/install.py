@@ -95,16 +95,6 @@ class SignDescent(torch.optim.Optimizer):
                     sign_step_(p, p.grad, group["lr"], group["weight_decay"])
 
 
-def tag_muon_params(model_chunks) -> None:
-    """The one decision of which parameters take Muon's step (ds_lowcomm.optim.muon.takes_muon_step),
-    with Megatron's own marks: its word embeddings and output layer (``is_embedding_or_output_parameter``)
-    are tagged ``use_muon = False`` first, as Megatron-Core's Muon leaves them to Adam."""
-    from ds_lowcomm.optim.muon import tag_muon_params
-
-    for chunk in model_chunks:
-        tag_muon_params(chunk, [p for p in chunk.parameters() if mi.is_embedding_or_output(p)])
-
-
 def tensor_parallel_matrices(demo: DeMo, model_params: list[torch.Tensor], optimizer) -> None:
     """DeMo's muon matrices split over the tensor-parallel group, orthogonalised whole: each is
     assembled from its shards on one owning rank of the group (an all-to-all, comm.MatrixAssembly;
@@ -419,7 +409,7 @@ def apply(model_chunks, optimizer, config: LowcommConfig | dict | None) -> Megat
 
     if config.method == "demo":
         if config.settings.update == "muon":
-            tag_muon_params(model_chunks)
+            inner_muon.tag_muon_params(model_chunks)
         params = _model_params(model_chunks)
         demo = DeMo(params, lr=1.0, settings=config.settings, transport=transport,
                     ledger_steps=False)  # its momenta, exchange and rule's state; lr per step from Megatron's groups

@@ -145,7 +145,7 @@ def test_four_rank_layouts_train_and_agree(layout):
     ({"replicas": [{"ranks": 3, "pipeline_stages": 2}]}, "lowcomm.replicas[0].pipeline_stages must divide"),
     ({"replicas": [{"ranks": 1}, {"size": 2}]}, "lowcomm.replicas[1]: unknown key(s) size"),
     ({"replicas": [{"ranks": 1, "activations": {"forward": "int8"}}]}, "need pipeline_stages > 1"),
-    ({"replicas": [{"ranks": 1}, {"ranks": 1, "inner_steps": 2}], "method": "demo"}, "demo syncs every step"),
+    ({"replicas": [{"ranks": 1}, {"ranks": 1, "inner_steps": 2}], "method": "demo"}, "setting(s) sync_every do not apply to method 'demo'"),
     ({"replicas": [{"ranks": 1}], "replica_size": 1}, "give one"),
     ({"replicas": [{"ranks": 1}], "fragments": 2, "sync_delay": 1}, "lowcomm.fragments must be 1"),
     ({"replicas": []}, "non-empty list"),
