@@ -242,6 +242,8 @@ def outer_exchange(settings: dict, replicas: int) -> str:
     exchange = settings.get("exchange", "auto")
     if exchange != "auto":
         return exchange
+    if settings.get("subset_fraction", 1.0) < 1.0:  # the subset moves every sync: the all-gather
+        return "all_gather"
     dense = settings.get("transform", "dct") == "none" and settings["topk"] == settings["chunk"] ** 2
     fits = dense and settings["value_dtype"] in ALL_REDUCE_AUTO_FORMATS and replicas >= 3 \
         and not settings.get("fault_tolerance")
@@ -371,6 +373,19 @@ def sync_messages(method: str, settings: dict, shapes, grad_bytes: int = 4, para
     state = _state_bytes(settings)
     if method == "diloco":
         return settings["sync_every"], dense_messages("outer_all_reduce", elements, state)
+    if method in ("dct_diloco", "sparseloco") and settings.get("low_rank"):
+        # each matrix's rank-r factors P (rows x r) then Q (rest x r), fp32 dense means; the rest the codec's
+        r = settings["low_rank"]
+        mats = [(s[0], math.prod(s[1:])) for s in shapes if len(s) >= 2]
+        rest = [s for s in shapes if len(s) < 2]
+        codec = sync_messages(method, {**settings, "low_rank": 0}, rest, replicas=replicas)[1] if rest else []
+        return settings["sync_every"], [
+            *dense_messages("outer_low_rank_p", sum(rows * min(r, rows, cols) for rows, cols in mats), 4),
+            *dense_messages("outer_low_rank_q", sum(cols * min(r, rows, cols) for rows, cols in mats), 4), *codec]
+    if method in ("dct_diloco", "sparseloco") and settings.get("subset_fraction", 1.0) < 1.0:
+        # ceil(f n) of each tensor's n elements, coded as a vector of that length; no index
+        picked = [(math.ceil(settings["subset_fraction"] * math.prod(s)),) for s in shapes]
+        return settings["sync_every"], [sparse_message("outer_subset_all_gather", picked, settings)]
     if method in ("dct_diloco", "sparseloco"):
         if outer_exchange(settings, replicas) == "all_reduce":
             return settings["sync_every"], compressed_all_reduce_messages("outer_compressed_all_reduce", shapes,
@@ -421,6 +436,9 @@ def state_bytes_per_element(method: str, settings: dict, param_bytes: int = 4, s
     outer = settings.get("outer_optimizer", "sgd")
     outer_state = (state if settings.get("outer_momentum", 0.0) else 0) if outer == "sgd" else 2 * state
     residual = state if method in ("dct_diloco", "sparseloco") else 0
+    if settings.get("low_rank") and shapes is not None:  # each matrix's warm-started Q (rest x r), fp32
+        residual += 4 * sum(math.prod(s[1:]) * min(settings["low_rank"], s[0], math.prod(s[1:]))
+                            for s in shapes if len(s) >= 2) / sum(math.prod(s) for s in shapes)
     inner = 2 * param_bytes  # AdamW's two moments; Muon keeps one momentum buffer on the matrices
     if settings.get("inner_optimizer") == "muon":
         inner = (param_bytes * on_matrices + 2 * param_bytes * (elements - on_matrices)) / elements

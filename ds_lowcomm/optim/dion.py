@@ -32,6 +32,7 @@ from dataclasses import dataclass
 
 import torch
 
+from ..codec import orthonormal_columns, shared_randn
 from ..comm import ReplicaShard, Transport, start_all_reduce_mean_
 from ..settings import ConfigError, check_choice, check_fraction, check_nonnegative, check_positive
 from .adamw import AdamSettings
@@ -106,8 +107,7 @@ class Dion(LowcommOptimizer):
     def _q_init(self, index: int, cols: int, r: int, device) -> torch.Tensor:
         """The shared warm start of matrix ``index``: the same on every rank with no message (a
         generator seeded by the matrix's position, on the CPU, whatever the device)."""
-        g = torch.Generator().manual_seed(index)
-        return torch.randn(cols, r, generator=g).to(device=device, dtype=self.state_dtype)
+        return shared_randn(cols, r, index, device=device, dtype=self.state_dtype)
 
     def _update(self, params):
         self._clip_(params)  # this rank's gradient, before it enters its momentum (as demo's)
@@ -143,9 +143,7 @@ class Dion(LowcommOptimizer):
             start_all_reduce_mean_(local_p + dense, self.transport, op="dion_all_reduce", healthy=healthy).wait()
             ps, local_r = [], []
             for b, pm in zip(views, local_p):
-                pm = pm.float()
-                if pm.any():
-                    pm = torch.linalg.qr(pm).Q  # Householder, in fp32
+                pm = orthonormal_columns(pm)
                 ps.append(pm)
                 local_r.append((b.T.float() @ pm).to(wire))
             start_all_reduce_mean_(local_r, self.transport, op="dion_all_reduce", healthy=healthy).wait()

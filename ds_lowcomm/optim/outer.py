@@ -35,8 +35,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..codec import CodecSettings
-from ..comm import CompressedAllReduce, Pending, ReplicaShard, Transport, all_finite
+from ..codec import CodecSettings, orthonormal_columns, shared_randn, shared_subset
+from ..comm import (CompressedAllReduce, Pending, ReplicaShard, SparseAllGather, Transport, all_finite,
+                    start_all_reduce_mean_)
 from ..settings import (ConfigError, Settings, check_bool, check_choice, check_fraction, check_int, check_nonnegative,
                         check_positive, check_unit)
 from .base import LowcommOptimizer, StatefulSettings, ordered_params
@@ -188,6 +189,21 @@ def _check_exchange(where: str, exchange: str, codec: CodecSettings) -> None:
                           f"{codec.transform!r}, topk {codec.topk} (use exchange all_gather or auto)")
 
 
+def _check_below_one_bit(where: str, settings) -> None:
+    """``subset_fraction`` and ``low_rank`` (the fields below): their bounds and what they exclude."""
+    f = settings.subset_fraction
+    if not (isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 < f <= 1.0):
+        raise ConfigError(f"{where}.subset_fraction must be a number in (0, 1] (1: every element); got {f!r}")
+    check_int(where, "low_rank", settings.low_rank, 0, hint="0: off")
+    if f < 1.0 and settings.low_rank:
+        raise ConfigError(f"{where}.subset_fraction and {where}.low_rank are two ways below one bit a parameter: set "
+                          f"one (got subset_fraction {f}, low_rank {settings.low_rank})")
+    if f < 1.0 and settings.exchange == "all_reduce":
+        raise ConfigError(f"{where}.exchange all_reduce does not take subset_fraction < 1 (its server error is kept per "
+                          f"position, and the subset moves every sync); use exchange all_gather or auto, or "
+                          f"subset_fraction 1 (got {f})")
+
+
 def resolve_exchange(exchange: str, codec: CodecSettings, world_size: int, fixed_group: bool = True) -> str:
     """``exchange`` setting -> "all_gather" or "all_reduce" for this group (``fixed_group`` False:
     its members change between syncs (fault tolerance), where auto keeps the all-gather)."""
@@ -203,11 +219,22 @@ class DCTDiLoCoSettings(DiLoCoSettings):
     decay: float = 0.9  # of the error-feedback buffer the top-k components are taken from
     codec: CodecSettings = field(default_factory=CodecSettings)
     exchange: str = "auto"  # EXCHANGES
+    # Below one bit a parameter a sync (issue 56), one or the other:
+    # - subset_fraction f < 1: a sync sends ceil(f * n) of each tensor's n elements through the codec,
+    #   the same positions on every replica, drawn from the sync's number (no index travels); error
+    #   feedback keeps the rest for later syncs.
+    # - low_rank r > 0: each matrix's buffer M (2-D and up, as rows x rest) travels as rank-r
+    #   factors, averaged by two dense fp32 all-reduces (PowerSGD's power step: P = M Q, P
+    #   orthonormalised, Q = M^T P; Q warm-started from the last sync); what P P^T M leaves stays in
+    #   the buffer. Other tensors go through the codec as before.
+    subset_fraction: float = 1.0
+    low_rank: int = 0
 
     def check(self, where: str) -> None:
         super().check(where)
         check_fraction(where, "decay", self.decay)
         _check_exchange(where, self.exchange, self.codec)
+        _check_below_one_bit(where, self)
 
 
 @dataclass(frozen=True)
@@ -221,11 +248,15 @@ class SparseLoCoSettings(OuterSettings):
     codec: CodecSettings = field(default_factory=lambda: CodecSettings(
         topk=64, chunk=64, value_dtype="2bit", transform="none", average="world"))
     exchange: str = "auto"  # EXCHANGES
+    # below one bit a parameter a sync: as DCTDiLoCoSettings's
+    subset_fraction: float = 1.0
+    low_rank: int = 0
 
     def check(self, where: str) -> None:
         super().check(where)
         check_fraction(where, "decay", self.decay)
         _check_exchange(where, self.exchange, self.codec)
+        _check_below_one_bit(where, self)
 
 
 # The settings a checkpoint saved before they existed lacks (the outer optimizer's, the inner
@@ -555,9 +586,14 @@ class DCTDiLoCo(OuterLoop):
         if self.settings.exchange == "all_reduce" and not fixed_group:
             raise ConfigError("lowcomm.exchange all_reduce is not supported with lowcomm.fault_tolerance yet (its "
                               "server error buffers belong to a fixed set of replicas); use all_gather or auto")
+        if self.settings.low_rank and not fixed_group:
+            raise ConfigError("lowcomm.low_rank is not supported with lowcomm.fault_tolerance yet (its warm-started "
+                              "factors change inside a sync's tries); use low_rank 0 (subset_fraction runs there)")
         # "all_gather" or "all_reduce": the record (and so a checkpoint) holds what the syncs do
         self.exchange = resolve_exchange(self.settings.exchange, self.settings.codec, self.transport.world_size,
                                          fixed_group)
+        if self.settings.subset_fraction < 1.0:  # the server error is per position; the subset moves
+            self.exchange = "all_gather"
         self._record["exchange"] = self.exchange
         self._all_reduces: dict[tuple[int, ...], CompressedAllReduce] = {}
         # exchange all_reduce: this rank's server error buffer per sync (its chunk of the flat
@@ -565,6 +601,9 @@ class DCTDiLoCo(OuterLoop):
         self._server_error: dict[str, torch.Tensor] = {}
 
     def set_routes(self, routes):
+        if self.settings.subset_fraction < 1.0 or self.settings.low_rank:
+            raise ConfigError("lowcomm.subset_fraction < 1 and lowcomm.low_rank are not supported with replicas of "
+                              "different shapes (each route's tensors differ); use subset_fraction 1 and low_rank 0")
         if self.exchange == "all_reduce":
             if self.settings.exchange == "all_reduce":
                 raise ConfigError("lowcomm.exchange all_reduce is not supported with replicas of different shapes "
@@ -572,9 +611,19 @@ class DCTDiLoCo(OuterLoop):
             self.exchange = self._record["exchange"] = "all_gather"
         super().set_routes(routes)
 
-    def _server_key(self, params) -> str:
+    def set_pieces(self, flat, pieces):
+        if self.settings.low_rank:
+            raise ConfigError("lowcomm.low_rank needs whole matrices: ZeRO stages 1-3 hand the optimizer flat "
+                              "partitions (use ZeRO stage 0, or subset_fraction to go below one bit)")
+        super().set_pieces(flat, pieces)
+
+    def _positions(self, params) -> list[int]:
+        """Each parameter's position among the optimizer's: the same on every replica."""
         position = {id(p): i for i, p in enumerate(self._current_params())}
-        return ",".join(str(position[id(p)]) for p in params)
+        return [position[id(p)] for p in params]
+
+    def _server_key(self, params) -> str:
+        return ",".join(str(i) for i in self._positions(params))
 
     def _exchanged(self, params):
         # decayed, added to and sent from by each sync; with the all-reduce, the server error too
@@ -595,10 +644,85 @@ class DCTDiLoCo(OuterLoop):
             if finite:
                 residual.mul_(self.settings.decay).add_(delta)
             residuals.append(residual)
+        healthy = self._healthy() and finite
+        if self.settings.low_rank:
+            return self._start_low_rank(params, residuals, healthy)
+        if self.settings.subset_fraction < 1.0:
+            return self._start_subset(params, residuals, healthy)
+        return self._start_codec(params, residuals, healthy)
+
+    def _start_codec(self, params, residuals, healthy: bool) -> Pending:
+        """The codec's exchange of these residuals: sent components leave them now; the means arrive on wait()."""
+        if not params:
+            return Pending(lambda: [], None)
         if self.exchange == "all_reduce":
-            return self._start_all_reduce(params, residuals, self._healthy() and finite)
-        # sent components leave the residuals now; the means arrive on wait()
-        return self._sync_for(params, "outer_sparse_all_gather").start(residuals, self._healthy() and finite)
+            return self._start_all_reduce(params, residuals, healthy)
+        return self._sync_for(params, "outer_sparse_all_gather").start(residuals, healthy)
+
+    def _start_subset(self, params, residuals, healthy: bool) -> Pending:
+        """``subset_fraction``: the same random positions of each residual on every replica (drawn
+        from the sync's number and the tensor's position) go through the codec as one vector per
+        tensor; what they send leaves them, the rest stays in the residuals."""
+        sync_number = int(self.state[params[0]]["outer_steps"])
+        picks = [shared_subset(r.numel(), self.settings.subset_fraction, sync_number, position, device=r.device)
+                 for r, position in zip(residuals, self._positions(params))]
+        values = [r.reshape(-1)[pick] for r, pick in zip(residuals, picks)]  # copies
+        key = ("subset", *(id(p) for p in params))
+        sync = self._syncs.get(key)
+        if sync is None:
+            sync = SparseAllGather([(v.numel(),) for v in values], transport=self.transport,
+                                   op="outer_subset_all_gather", **self.settings.codec.flat())
+            self._syncs[key] = sync
+        pending = sync.start(values, healthy)  # error feedback on the copies ...
+        for r, pick, v in zip(residuals, picks, values):
+            r.view(-1)[pick] = v  # ... written back to their positions
+
+        def finish():
+            out = []
+            for r, pick, mean in zip(residuals, picks, pending.wait()):
+                full = torch.zeros(r.numel(), dtype=torch.float32, device=r.device)
+                full[pick] = mean.reshape(-1)
+                out.append(full.view(r.shape))
+            return out
+
+        return Pending(finish, None)
+
+    def _start_low_rank(self, params, residuals, healthy: bool) -> Pending:
+        """``low_rank``: each matrix's residual M (rows x rest) as PowerSGD's rank-r power step, the
+        other tensors through the codec, both started now; wait() runs the second all-reduce."""
+        mats = [i for i, r in enumerate(residuals) if r.dim() >= 2]
+        rest = [i for i in range(len(params)) if i not in set(mats)]
+        views, local_p = [], []
+        for i, position in zip(mats, self._positions([params[i] for i in mats])):
+            m = residuals[i].view(residuals[i].shape[0], -1)
+            state = self.state[params[i]]
+            if "low_rank_q" not in state:  # the shared warm start: the same on every replica, no message
+                rank = min(self.settings.low_rank, *m.shape)
+                state["low_rank_q"] = shared_randn(m.shape[1], rank, position, device=m.device)
+            views.append(m)
+            local_p.append(m.float() @ state["low_rank_q"])
+        p_sum = start_all_reduce_mean_(local_p, self.transport, op="outer_low_rank_p", healthy=healthy)
+        codec = self._start_codec([params[i] for i in rest], [residuals[i] for i in rest], healthy)
+
+        def finish():
+            out: list[torch.Tensor | None] = [None] * len(params)
+            local_q = []
+            ps = [orthonormal_columns(pm) for pm in p_sum.wait()]
+            for m, pm in zip(views, ps):
+                local_q.append(m.float().T @ pm)
+            if healthy:  # what P P^T M sends leaves the buffer
+                for m, pm, q in zip(views, ps, local_q):
+                    m.sub_((pm @ q.T).to(m.dtype))
+            start_all_reduce_mean_(local_q, self.transport, op="outer_low_rank_q", healthy=healthy).wait()
+            for i, pm, q in zip(mats, ps, local_q):
+                if pm.any():  # else nothing caught on any replica: no move, the warm start kept
+                    self.state[params[i]]["low_rank_q"].copy_(q)
+                out[i] = (pm @ q.T).view(residuals[i].shape)
+            for i, mean in zip(rest, codec.wait()):
+                out[i] = mean
+            return out
+
+        return Pending(finish, None)
 
     def _start_all_reduce(self, params, residuals, healthy: bool) -> Pending:
         if self.exchange_driver is not None:
