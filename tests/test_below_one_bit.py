@@ -178,3 +178,15 @@ def test_settings_refused_by_name():
     with pytest.raises(ConfigError, match=r"exchange all_reduce does not take subset_fraction < 1"):
         DCTDiLoCoSettings.from_flat({"subset_fraction": 0.5, "exchange": "all_reduce", "topk": 64, "chunk": 8,
                                      "transform": "none", "value_dtype": "sign"})
+    from ds_lowcomm.deepspeed.config import split_config
+
+    def deepspeed(stage, **extra):
+        return split_config({"train_micro_batch_size_per_gpu": 2, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+                             "zero_optimization": {"stage": stage}, **extra,
+                             "lowcomm": {"method": "dct_diloco", "low_rank": 2}})
+
+    deepspeed(0)  # whole matrices
+    with pytest.raises(ConfigError, match=r"lowcomm.low_rank needs zero_optimization.stage 0 in fp32 .*got stage 2"):
+        deepspeed(2)
+    with pytest.raises(ConfigError, match=r"got stage 0, bf16.enabled true"):
+        deepspeed(0, bf16={"enabled": True})

@@ -26,7 +26,7 @@ SAMPLE = {
     "nesterov": "false", "momentum_betas": "0.99", "momentum_weights": "0.5", "momentum_sync_every": "3",
     "second_moment_sync_every": "4", "sync_codec": "topk", "switch_step": "3", "warm_betas": "0.8,0.99",
     "switch_lr_scale": "0.5", "rank_fraction": "0.5", "mu": "0.9", "matrix_lr": "0.02", "epsilon": "1e-07",
-    "exchange": "all_gather",
+    "exchange": "all_gather", "subset_fraction": "0.5", "low_rank": "2",
 }
 
 
