@@ -118,10 +118,13 @@ def _resume_and_accumulate(lowcomm, optimizer, stage, bf16, rank, workdir, name)
 
 
 def _masters(engine):
-    """Every parameter's fp32 master, whole (DeepSpeed's public accessor: at every ZeRO stage, in bf16 too)."""
+    """Every parameter's fp32 master, whole (DeepSpeed's public accessor: at ZeRO 1-3, in bf16 too; at
+    ZeRO 0 in fp32, where it has none, the parameter is the master)."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    return {n: safe_get_full_fp32_param(p).detach().clone() for n, p in engine.module.named_parameters()}
+    masters = {n: safe_get_full_fp32_param(p) for n, p in engine.module.named_parameters()}
+    return {n: (p if masters[n] is None else masters[n]).detach().float().clone()
+            for n, p in engine.module.named_parameters()}
 
 
 def _run(initialize, lowcomm, optimizer, stage, rank, bf16=False):
@@ -151,7 +154,11 @@ RESUMED = {("own_muon_sign", 1, False): ({**SIGN, "inner_optimizer": "muon", "in
            # the top-k formats: sparseloco and dct_diloco keeping 8 of each block
            ("own_muon_sparseloco", 2, False): ({"method": "sparseloco", "sync_every": 2, "topk": 8, "chunk": 64,
                                                 "inner_optimizer": "muon", "inner_muon_lr": 0.02}, ADAMW),
-           ("deepspeed_muon_topk", 1, False): ({"method": "dct_diloco", "sync_every": 2, "topk": 8, "chunk": 8}, MUON)}
+           ("deepspeed_muon_topk", 1, False): ({"method": "dct_diloco", "sync_every": 2, "topk": 8, "chunk": 8}, MUON),
+           # below one bit a parameter a sync: a random quarter of each partition, the low-rank factors
+           ("own_muon_subset", 2, True): ({**SIGN, "inner_optimizer": "muon", "inner_muon_lr": 0.02,
+                                            "subset_fraction": 0.25}, ADAMW),
+           ("deepspeed_muon_low_rank", 0, False): ({**SIGN, "low_rank": 2}, MUON)}
 
 
 def _worker(rank, world, workdir):

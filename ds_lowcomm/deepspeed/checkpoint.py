@@ -233,8 +233,12 @@ def patch_checkpoint(engine, run) -> None:
             ledgers = {k: ledger.state_dict() for k, ledger in run.ledgers().items()}
             client_state = {**client_state, LEDGERS_KEY: ledgers}
             try:
+                # ZeRO 0 writes one file per replica (its data-parallel rank 0's): it must hold the
+                # method state the replica's other ranks own (each syncs its share of the parameters)
+                run.optimizer.collect_replica_state()
                 out = save(replica_dir(save_dir), tag, client_state=client_state, save_latest=save_latest, **kwargs)
             finally:
+                run.optimizer.drop_collected_state()  # on ranks whose state DeepSpeed did not ask for
                 for k, ledger in run.ledgers().items():
                     ledger.load_state_dict(ledgers[k])
             if save_latest and topology.local_rank == 0 and topology.replica != 0:

@@ -18,7 +18,7 @@ import torch
 from ..codec import FLOAT_DTYPES
 from ..comm import (ByteLedger, NonFiniteError, Pending, Pieces, ReplicaShard, Routes, SparseAllGather, TorchDistTransport,
                     Transport, all_finite, assert_same_across_ranks, start_all_reduce_mean_)
-from ..comm.consistency import settings_differences
+from ..comm.consistency import gather_json, settings_differences
 from ..settings import Settings, check_choice
 
 STATE_DTYPES = tuple(FLOAT_DTYPES)
@@ -88,6 +88,7 @@ class LowcommOptimizer(torch.optim.Optimizer):
         self.settings = settings
         self.transport = transport if transport is not None else TorchDistTransport()
         self.shard = shard
+        self._owner_state = None  # collect_replica_state()'s, until the next state_dict()
         self.ledger_steps = ledger_steps
         self._syncs: dict[tuple[int, ...], SparseAllGather] = {}
         self._pieces: dict[int, Pieces] = {}
@@ -323,6 +324,48 @@ class LowcommOptimizer(torch.optim.Optimizer):
         finally:
             self.transport.ledger = ledger
 
+    def collect_replica_state(self) -> None:
+        """Before a checkpoint at ZeRO 0 with several ranks a replica (a :class:`ReplicaShard`):
+        each parameter's method state that only its owner holds (an outer loop's anchor, residual,
+        outer momentum...) is sent to the replica's other ranks, so that the one file DeepSpeed's
+        stage 0 writes per replica (its data-parallel rank 0's) holds every rank's, and the next
+        :meth:`state_dict` includes it. Collective over the replica's ranks (call it on all);
+        its bytes are in no ledger (checkpoint traffic)."""
+        self._owner_state = None
+        if self.shard is None or self.shard.replica_size == 1:
+            return
+        params = self._current_params()
+        owners, me = self.shard.owners(params), self.shard.local_rank
+        transport = self.shard.transport
+        ledger, transport.ledger = transport.ledger, ByteLedger()
+        try:
+            mine = {str(i): {k: [list(v.shape), str(v.dtype).removeprefix("torch.")]
+                             for k, v in self.state[p].items() if torch.is_tensor(v)} for i, p in enumerate(params)}
+            everyone = gather_json(transport, mine)
+            # each rank's ledger too: they count different shares of the parameters
+            ledgers = gather_json(transport, {k: v.tolist() if torch.is_tensor(v) else v
+                                              for k, v in self.ledger.state_dict().items()})
+            owner_keys, received = {}, {}
+            for i, p in enumerate(params):
+                j = owners[i]
+                others = {k for r, keys in enumerate(everyone) if r != j for k in keys[str(i)]}
+                keys = sorted(set(everyone[j][str(i)]) - others)
+                owner_keys[str(i)] = keys
+                for k in keys:
+                    shape, dtype = everyone[j][str(i)][k]
+                    t = self.state[p][k] if j == me else torch.empty(shape, dtype=getattr(torch, dtype),
+                                                                       device=p.device)
+                    transport.broadcast_(t, src=j, op="checkpoint_state")
+                    if j != me:
+                        received.setdefault(i, {})[k] = t
+        finally:
+            transport.ledger = ledger
+        self._owner_state = ({"keys": owner_keys, "ledgers": ledgers}, received)
+
+    def drop_collected_state(self) -> None:
+        """Forget what :meth:`collect_replica_state` received (a rank whose state was not saved)."""
+        self._owner_state = None
+
     def _extra_state(self) -> dict[str, Any]:
         return {}
 
@@ -332,6 +375,12 @@ class LowcommOptimizer(torch.optim.Optimizer):
     def state_dict(self) -> dict[str, Any]:
         sd = super().state_dict()
         sd["lowcomm"] = {"settings": self._record, "ledger": self.ledger.state_dict(), **self._extra_state()}
+        owner_state, self._owner_state = self._owner_state, None
+        if owner_state is not None:  # collect_replica_state(): the other ranks' owned state, and which keys
+            owner_keys, received = owner_state
+            for i, tensors in received.items():
+                sd["state"][i] = {**sd["state"].get(i, {}), **tensors}
+            sd["lowcomm"]["owner_state"] = owner_keys
         return sd
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
@@ -344,7 +393,22 @@ class LowcommOptimizer(torch.optim.Optimizer):
             raise ValueError("checkpoint was saved with other lowcomm settings: "
                              + settings_differences(saved, mine, "saved", "now"))
         load_preserving_dtypes(self, state_dict)
-        self.ledger.load_state_dict(lowcomm["ledger"])
+        owner_state = lowcomm.get("owner_state")
+        ledger = lowcomm["ledger"]
+        if owner_state is not None and self.shard is not None:
+            # every rank loaded the replica's one file: each keeps only its own parameters' owned
+            # state, and takes its own ledger
+            params = self._current_params()
+            owned = {id(p) for p in self._owned(params)}
+            for i, keys in owner_state["keys"].items():
+                p = params[int(i)]
+                if id(p) not in owned:
+                    for k in keys:
+                        self.state[p].pop(k, None)
+            ledger = dict(owner_state["ledgers"][self.shard.local_rank])
+            for k in ("step_sent", "step_received"):
+                ledger[k] = torch.tensor(ledger[k], dtype=torch.int64)
+        self.ledger.load_state_dict(ledger)
         self._load_extra_state(lowcomm)
 
 
