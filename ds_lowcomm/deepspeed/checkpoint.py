@@ -14,7 +14,11 @@ Layout of ``engine.save_checkpoint(dir)`` (tag ``T``)::
 Why one DeepSpeed checkpoint per replica: DeepSpeed's data-parallel group is one replica, so it
 writes the files of data-parallel rank 0 (ZeRO 0) or of each data-parallel rank (ZeRO 1/2/3) of
 *its* group under the same names in every replica: the replicas would overwrite each other and
-every rank's method state (momenta, residuals, anchors) but one replica's would be lost.
+every rank's method state (momenta, residuals, anchors) but one replica's would be lost. At ZeRO 0
+with several ranks a replica, each rank syncs (and alone holds the method state of) its share of
+the parameters: before the save, that state and each rank's ledger are sent to the replica's other
+ranks (``collect_replica_state``), so the replica's one file holds all of it, and a load gives
+each rank its own back.
 
 Why ``dir/T/`` is replica 0: it makes ``dir`` a DeepSpeed checkpoint for DeepSpeed's own tools
 (``zero_to_fp32``, a plain engine's ``load_checkpoint(dir, load_module_only=True)``), which know
