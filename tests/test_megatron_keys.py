@@ -115,3 +115,13 @@ def test_the_sign_recipe_runs_with_megatrons_optimizer_as_its_inner_one():
         _config({**SIGN_OUTER, "inner_optimizer": "muon", "inner_impl": "apex"})
     with pytest.raises(ConfigError, match="lowcomm.inner_muon_lr"):
         _config({**SIGN_OUTER, "inner_muon_lr": 0.05})
+
+
+def test_a_resharded_checkpoint_with_server_error_buffers_is_found():
+    """The compressed all-reduce's server error (lowcomm.server_error in the method's state) is found
+    anywhere in a saved skeleton, so problem_with refuses resharding such a checkpoint by name (the
+    buffers are chunks of each rank's flat tensors at the saved layout)."""
+    from megatron_patches.sharded_state import _holds_key
+
+    assert _holds_key({"state": {"outer": [{"lowcomm": {"server_error": {"0,1": "t0"}}}]}}, "server_error")
+    assert not _holds_key({"state": {"outer": [{"lowcomm": {"settings": {"exchange": "all_gather"}}}]}}, "server_error")
