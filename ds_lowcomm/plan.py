@@ -44,9 +44,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .codec import FLOAT_DTYPES, SparseSpec, ValueFormat
+from .codec import FLOAT_DTYPES, CodecSettings, SparseSpec, ValueFormat
 from .optim.mtdao import MTDAOSettings
-from .optim.outer import ALL_REDUCE_AUTO_FORMATS
+from .optim.outer import resolve_exchange
 from .optim.recipes import RECIPES
 from .optim.registry import METHODS, LowcommConfig
 from .settings import ConfigError
@@ -237,17 +237,12 @@ def sparse_message(op: str, shapes, codec: dict) -> Message:
 
 def outer_exchange(settings: dict, replicas: int) -> str:
     """"all_gather" or "all_reduce": how dct_diloco / sparseloco exchange at ``replicas`` workers,
-    by the rule of :func:`ds_lowcomm.optim.outer.resolve_exchange` (auto: the compressed all-reduce
-    at 3+ replicas for a dense sign / 2-bit payload in a fixed group)."""
-    exchange = settings.get("exchange", "auto")
-    if exchange != "auto":
-        return exchange
-    if settings.get("subset_fraction", 1.0) < 1.0:  # the subset moves every sync: the all-gather
-        return "all_gather"
-    dense = settings.get("transform", "dct") == "none" and settings["topk"] == settings["chunk"] ** 2
-    fits = dense and settings["value_dtype"] in ALL_REDUCE_AUTO_FORMATS and replicas >= 3 \
-        and not settings.get("fault_tolerance")
-    return "all_reduce" if fits else "all_gather"
+    by :func:`ds_lowcomm.optim.outer.resolve_exchange` itself (auto: the compressed all-reduce at 3+
+    replicas for a dense sign / 2-bit payload in a fixed group, every element sent)."""
+    codec = CodecSettings.from_flat(settings, where="plan")
+    return resolve_exchange(settings.get("exchange", "auto"), codec, replicas,
+                            fixed_group=not settings.get("fault_tolerance"),
+                            subset_fraction=settings.get("subset_fraction", 1.0))
 
 
 def compressed_all_reduce_messages(op: str, shapes, value_dtype: str, replicas: int) -> list[Message]:

@@ -204,11 +204,15 @@ def _check_below_one_bit(where: str, settings) -> None:
                           f"subset_fraction 1 (got {f})")
 
 
-def resolve_exchange(exchange: str, codec: CodecSettings, world_size: int, fixed_group: bool = True) -> str:
+def resolve_exchange(exchange: str, codec: CodecSettings, world_size: int, fixed_group: bool = True,
+                     subset_fraction: float = 1.0) -> str:
     """``exchange`` setting -> "all_gather" or "all_reduce" for this group (``fixed_group`` False:
-    its members change between syncs (fault tolerance), where auto keeps the all-gather)."""
+    its members change between syncs (fault tolerance), where auto keeps the all-gather; a random
+    subset (``subset_fraction`` < 1) moves every sync, where auto keeps it too)."""
     if exchange != "auto":
         return exchange
+    if subset_fraction < 1.0:
+        return "all_gather"
     dense = codec.transform == "none" and codec.topk == codec.chunk * codec.chunk
     fits = dense and codec.value_dtype in ALL_REDUCE_AUTO_FORMATS and world_size >= 3 and fixed_group
     return "all_reduce" if fits else "all_gather"
@@ -591,9 +595,7 @@ class DCTDiLoCo(OuterLoop):
                               "factors change inside a sync's tries); use low_rank 0 (subset_fraction runs there)")
         # "all_gather" or "all_reduce": the record (and so a checkpoint) holds what the syncs do
         self.exchange = resolve_exchange(self.settings.exchange, self.settings.codec, self.transport.world_size,
-                                         fixed_group)
-        if self.settings.subset_fraction < 1.0:  # the server error is per position; the subset moves
-            self.exchange = "all_gather"
+                                         fixed_group, self.settings.subset_fraction)
         self._record["exchange"] = self.exchange
         self._all_reduces: dict[tuple[int, ...], CompressedAllReduce] = {}
         # exchange all_reduce: this rank's server error buffer per sync (its chunk of the flat
@@ -691,7 +693,7 @@ class DCTDiLoCo(OuterLoop):
         """``low_rank``: each matrix's residual M (rows x rest) as PowerSGD's rank-r power step, the
         other tensors through the codec, both started now; wait() runs the second all-reduce."""
         mats = [i for i, r in enumerate(residuals) if r.dim() >= 2]
-        rest = [i for i in range(len(params)) if i not in set(mats)]
+        rest = sorted(set(range(len(params))) - set(mats))
         views, local_p = [], []
         for i, position in zip(mats, self._positions([params[i] for i in mats])):
             m = residuals[i].view(residuals[i].shape[0], -1)
