@@ -241,7 +241,6 @@ def outer_exchange(settings: dict, replicas: int) -> str:
     replicas for a dense sign / 2-bit payload in a fixed group, every element sent)."""
     codec = CodecSettings.from_flat(settings, where="plan")
     return resolve_exchange(settings.get("exchange", "auto"), codec, replicas,
-                            fixed_group=not settings.get("fault_tolerance"),
                             subset_fraction=settings.get("subset_fraction", 1.0))
 
 

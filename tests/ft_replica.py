@@ -46,6 +46,7 @@ def main() -> None:
     ap.add_argument("--start-file", default=None, help="before the first quorum, wait for this file to exist")
     ap.add_argument("--join-file", default=None,
                     help="before joining at all (its torchft manager heartbeats from then on), wait for this file")
+    ap.add_argument("--exchange", default="auto", help="dct_diloco_sign's exchange")
     ap.add_argument("--exit-in-exchange", type=int, default=None,
                     help="in the sync of this step, exit (code 3) as its all-gather would start")
     args = ap.parse_args()
@@ -65,22 +66,29 @@ def main() -> None:
     else:
         inner = torch.optim.AdamW(model.parameters(), lr=1e-2)
         extra = {"topk": 8, "chunk": 8} if args.method in ("dct_diloco", "sparseloco") else {}
-        opt = METHOD_CLASSES[args.method](inner, transport=ft.transport, sync_every=args.sync_every,
-                                          fragments=args.fragments, **extra)
+        method = args.method
+        if method == "dct_diloco_sign":  # every element one sign bit: exchange auto, each quorum's by its size
+            method, extra = "dct_diloco", {"topk": 64, "chunk": 8, "transform": "none", "value_dtype": "sign",
+                                           "outer_lr": 1.0, "outer_momentum": 0.0, "decay": 0.95,  # the recipe's
+                                           "exchange": args.exchange}
+        opt = METHOD_CLASSES[method](inner, transport=ft.transport, sync_every=args.sync_every,
+                                     fragments=args.fragments, **extra)
     out = open(args.out, "a")
     out.write(json.dumps({"event": "start", "time": time.time()}) + "\n")
     out.flush()
     while args.start_file and not Path(args.start_file).exists():  # all replicas up before the first quorum
         time.sleep(0.05)
     if args.exit_in_exchange is not None:  # dies in an exchange its peers have started
-        first = ft.transport._all_gather
+        def then_exit(first):
+            def collective(*a):
+                if ft.step == args.exit_in_exchange:  # the step counts from its start (a sync ends it)
+                    os._exit(3)
+                return first(*a)
+            return collective
 
-        def all_gather_then_exit(send, out):
-            if ft.step == args.exit_in_exchange:  # the step counts from its start (a sync ends it)
-                os._exit(3)
-            return first(send, out)
-
-        ft.transport._all_gather = all_gather_then_exit
+        # the all-gather's, or the compressed all-reduce's first phase
+        ft.transport._all_gather = then_exit(ft.transport._all_gather)
+        ft.transport._all_to_all = then_exit(ft.transport._all_to_all)
     # a decaying schedule, stepped after the optimizer: a joining replica heals its position
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1 / (1 + 0.02 * s))
     ft.attach(opt, sched, after_step=(sched.step,))  # a joining replica heals here
@@ -111,7 +119,7 @@ def main() -> None:
                               "digest": params_digest(model), **ft.report(), "torchft_step": ft.manager.current_step(),
                               "anchors": tensors_digest(opt.replica_tensors()), "batch": batch,
                               "heal_bytes": opt.ledger.by_op.get("heal", [0, 0, 0])[2],
-                              "sent": opt.ledger.sent, "time": time.time()}) + "\n")
+                              "sent": opt.ledger.sent, "ops": sorted(opt.ledger.by_op), "time": time.time()}) + "\n")
         out.flush()
         time.sleep(args.step_sleep)
     out.write(json.dumps({"event": "done", "time": time.time()}) + "\n")

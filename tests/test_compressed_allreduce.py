@@ -235,7 +235,6 @@ def test_the_recipe_at_eight_replicas_stays_identical_and_resumes_exactly(result
 def test_exchange_is_chosen_where_it_sends_fewer_bytes_and_refused_by_name():
     codec = DCTDiLoCoSettings.from_flat({k: v for k, v in SIGN_OUTER.items() if k != "method"}).codec
     assert [resolve_exchange("auto", codec, n) for n in (1, 2, 3, 8)] == ["all_gather"] * 2 + ["all_reduce"] * 2
-    assert resolve_exchange("auto", codec, 8, fixed_group=False) == "all_gather"  # fault tolerance
     assert resolve_exchange("all_reduce", codec, 2) == "all_reduce"
     assert resolve_exchange("all_gather", codec, 8) == "all_gather"
     sparse = SparseLoCoSettings().codec  # 64 of 4096 kept: not dense
@@ -250,5 +249,4 @@ def test_exchange_is_chosen_where_it_sends_fewer_bytes_and_refused_by_name():
         SparseLoCoSettings.from_flat({"exchange": "all_reduce"})
     from ds_lowcomm.optim.fault_tolerance import check_method
 
-    with pytest.raises(ConfigError, match=r"lowcomm.exchange all_reduce is not supported with lowcomm.fault_tolerance"):
-        check_method({"method": "dct_diloco", "exchange": "all_reduce"})
+    check_method({"method": "dct_diloco", "exchange": "all_reduce"})  # each quorum cuts its own chunks

@@ -158,7 +158,8 @@ RESUMED = {("own_muon_sign", 1, False): ({**SIGN, "inner_optimizer": "muon", "in
            # below one bit a parameter a sync: a random quarter of each partition, the low-rank factors
            ("own_muon_subset", 2, True): ({**SIGN, "inner_optimizer": "muon", "inner_muon_lr": 0.02,
                                             "subset_fraction": 0.25}, ADAMW),
-           ("deepspeed_muon_low_rank", 0, False): ({**SIGN, "low_rank": 2}, MUON)}
+           # (its biases and norms through the compressed all-reduce: each rank of a replica serves its own)
+           ("deepspeed_muon_low_rank", 0, False): ({**SIGN, "low_rank": 2, "exchange": "all_reduce"}, MUON)}
 
 
 def _worker(rank, world, workdir):

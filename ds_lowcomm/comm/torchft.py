@@ -144,6 +144,12 @@ class TorchftTransport(Transport):
             return lambda: None
         return self._run(lambda: self.pg.allgather([list(out.unbind(0))], [send], c10d.AllgatherOptions()))
 
+    def _all_to_all(self, send, out, send_splits, recv_splits):
+        if self.world_size == 1:
+            out.copy_(send)
+            return lambda: None
+        return self._run(lambda: self.pg.alltoall_base(out, send, recv_splits, send_splits, c10d.AllToAllOptions()))
+
     def _all_reduce_sum(self, buf):
         opts = c10d.AllreduceOptions()
         opts.reduceOp = c10d.ReduceOp.SUM

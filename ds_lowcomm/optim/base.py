@@ -358,9 +358,22 @@ class LowcommOptimizer(torch.optim.Optimizer):
                     transport.broadcast_(t, src=j, op="checkpoint_state")
                     if j != me:
                         received.setdefault(i, {})[k] = t
+            # and each rank's own tensors beside the parameters' (the compressed all-reduce's server
+            # error: a chunk of the parameters that rank syncs), under names no other rank holds
+            names = gather_json(transport, {k: [list(v.shape), str(v.dtype).removeprefix("torch.")]
+                                            for k, v in self._replica_extra().items()})
+            extra = {}
+            for j, held in enumerate(names):
+                for k in sorted(held):
+                    shape, dtype = held[k]
+                    t = (self._replica_extra()[k].to(transport.device, copy=True) if j == me
+                         else torch.empty(shape, dtype=getattr(torch, dtype), device=transport.device))
+                    transport.broadcast_(t, src=j, op="checkpoint_state")
+                    if j != me:
+                        extra[k] = t.clone()
         finally:
             transport.ledger = ledger
-        self._owner_state = ({"keys": owner_keys, "ledgers": ledgers}, received)
+        self._owner_state = ({"keys": owner_keys, "ledgers": ledgers}, received, extra)
 
     def drop_collected_state(self) -> None:
         """Forget what :meth:`collect_replica_state` received (a rank whose state was not saved)."""
@@ -368,6 +381,15 @@ class LowcommOptimizer(torch.optim.Optimizer):
 
     def _extra_state(self) -> dict[str, Any]:
         return {}
+
+    def _replica_extra(self) -> dict[str, torch.Tensor]:
+        """This rank's tensors outside the parameters' state that only it holds (by names unique
+        to it among its replica's ranks), which :meth:`collect_replica_state` sends into the
+        replica's one file at ZeRO 0; :meth:`_with_replica_extra` puts the others' into it."""
+        return {}
+
+    def _with_replica_extra(self, extra: dict[str, Any], received: dict[str, torch.Tensor]) -> None:
+        pass
 
     def _load_extra_state(self, extra: dict[str, Any]) -> None:
         pass
@@ -377,9 +399,10 @@ class LowcommOptimizer(torch.optim.Optimizer):
         sd["lowcomm"] = {"settings": self._record, "ledger": self.ledger.state_dict(), **self._extra_state()}
         owner_state, self._owner_state = self._owner_state, None
         if owner_state is not None:  # collect_replica_state(): the other ranks' owned state, and which keys
-            owner_keys, received = owner_state
+            owner_keys, received, extra = owner_state
             for i, tensors in received.items():
                 sd["state"][i] = {**sd["state"].get(i, {}), **tensors}
+            self._with_replica_extra(sd["lowcomm"], extra)
             sd["lowcomm"]["owner_state"] = owner_keys
         return sd
 

@@ -191,10 +191,6 @@ def check_method(effective: Mapping[str, Any], where: str = "lowcomm") -> None:
     if method == "mtdao" and effective.get("switch_step", 0):
         raise ConfigError(f"{where}.switch_step must be 0 with {where}.fault_tolerance (mtdao's warm start, a gradient "
                           f"all-reduce every step, does not run in torchft's quorums yet); got {effective['switch_step']}")
-    if effective.get("exchange") == "all_reduce":
-        raise ConfigError(f"{where}.exchange all_reduce is not supported with {where}.fault_tolerance yet (its server "
-                          "error buffers belong to a fixed set of replicas); use all_gather or auto (the all-gather "
-                          "there)")
     if effective.get("transport", "torch") != "torch":
         raise ConfigError(f"{where}.transport must be torch with {where}.fault_tolerance (the exchange runs over "
                           f"torchft's process group); got {effective.get('transport')!r}")
@@ -362,6 +358,8 @@ class FaultTolerance:
             if self.commit():
                 return landed
             for t, before in zip(changes, kept):
+                if t.shape != before.shape:  # a buffer sized by the quorum's (the all-reduce's server error)
+                    t.resize_(before.shape)
                 t.copy_(before)
             if not self.retry():
                 return None

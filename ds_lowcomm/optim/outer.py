@@ -204,17 +204,17 @@ def _check_below_one_bit(where: str, settings) -> None:
                           f"subset_fraction 1 (got {f})")
 
 
-def resolve_exchange(exchange: str, codec: CodecSettings, world_size: int, fixed_group: bool = True,
-                     subset_fraction: float = 1.0) -> str:
-    """``exchange`` setting -> "all_gather" or "all_reduce" for this group (``fixed_group`` False:
-    its members change between syncs (fault tolerance), where auto keeps the all-gather; a random
-    subset (``subset_fraction`` < 1) moves every sync, where auto keeps it too)."""
+def resolve_exchange(exchange: str, codec: CodecSettings, world_size: int, subset_fraction: float = 1.0) -> str:
+    """``exchange`` setting -> "all_gather" or "all_reduce" for a sync among ``world_size``
+    replicas (auto: the compressed all-reduce at 3 or more, for a dense sign / 2-bit payload; a
+    random subset (``subset_fraction`` < 1) moves every sync, where auto keeps the all-gather).
+    A fixed group decides once; under fault tolerance each quorum decides by its own size."""
     if exchange != "auto":
         return exchange
     if subset_fraction < 1.0:
         return "all_gather"
     dense = codec.transform == "none" and codec.topk == codec.chunk * codec.chunk
-    fits = dense and codec.value_dtype in ALL_REDUCE_AUTO_FORMATS and world_size >= 3 and fixed_group
+    fits = dense and codec.value_dtype in ALL_REDUCE_AUTO_FORMATS and world_size >= 3
     return "all_reduce" if fits else "all_gather"
 
 
@@ -586,27 +586,28 @@ class DCTDiLoCo(OuterLoop):
 
     def __init__(self, inner, **kwargs):
         super().__init__(inner, **kwargs)
-        fixed_group = getattr(self.transport, "checks_at_start", True)  # torchft's: members change
-        if self.settings.exchange == "all_reduce" and not fixed_group:
-            raise ConfigError("lowcomm.exchange all_reduce is not supported with lowcomm.fault_tolerance yet (its "
-                              "server error buffers belong to a fixed set of replicas); use all_gather or auto")
-        if self.settings.low_rank and not fixed_group:
+        self._fixed_group = getattr(self.transport, "checks_at_start", True)  # torchft's: members change
+        if self.settings.low_rank and not self._fixed_group:
             raise ConfigError("lowcomm.low_rank is not supported with lowcomm.fault_tolerance yet (its warm-started "
                               "factors change inside a sync's tries); use low_rank 0 (subset_fraction runs there)")
-        # "all_gather" or "all_reduce": the record (and so a checkpoint) holds what the syncs do
-        self.exchange = resolve_exchange(self.settings.exchange, self.settings.codec, self.transport.world_size,
-                                         fixed_group, self.settings.subset_fraction)
+        # "all_gather" or "all_reduce" in a fixed group: the record (and so a checkpoint) holds what
+        # the syncs do. Under fault tolerance, auto stays "auto": each quorum picks by its own size.
+        self.exchange = self.settings.exchange if not self._fixed_group else resolve_exchange(
+            self.settings.exchange, self.settings.codec, self.transport.world_size, self.settings.subset_fraction)
         self._record["exchange"] = self.exchange
         self._all_reduces: dict[tuple[int, ...], CompressedAllReduce] = {}
-        # exchange all_reduce: this rank's server error buffer per sync (its chunk of the flat
-        # pseudo-gradients), keyed by the positions of the sync's tensors among the optimizer's
+        # The compressed all-reduce's server error buffer per sync (this rank's chunk of the flat
+        # pseudo-gradients), keyed by the positions of the sync's tensors among the optimizer's, and
+        # beside it the chunk it holds, as (replicas, rank): (0, -1) before the first sync. Both
+        # change in place (a fault-tolerance driver keeps them for a try that fails).
         self._server_error: dict[str, torch.Tensor] = {}
+        self._server_chunk: dict[str, torch.Tensor] = {}
 
     def set_routes(self, routes):
         if self.settings.subset_fraction < 1.0 or self.settings.low_rank:
             raise ConfigError("lowcomm.subset_fraction < 1 and lowcomm.low_rank are not supported with replicas of "
                               "different shapes (each route's tensors differ); use subset_fraction 1 and low_rank 0")
-        if self.exchange == "all_reduce":
+        if self.exchange != "all_gather":
             if self.settings.exchange == "all_reduce":
                 raise ConfigError("lowcomm.exchange all_reduce is not supported with replicas of different shapes "
                                   "(each route's chunks would differ); use all_gather or auto")
@@ -627,10 +628,24 @@ class DCTDiLoCo(OuterLoop):
     def _server_key(self, params) -> str:
         return ",".join(str(i) for i in self._positions(params))
 
+    def _exchange_now(self) -> str:
+        """This sync's exchange: the fixed group's, or (fault tolerance, auto) this quorum's."""
+        if self.exchange != "auto":
+            return self.exchange
+        return resolve_exchange("auto", self.settings.codec, self.transport.world_size, self.settings.subset_fraction)
+
     def _exchanged(self, params):
-        # decayed, added to and sent from by each sync; with the all-reduce, the server error too
-        server = self._server_error.get(self._server_key(params)) if self.exchange == "all_reduce" else None
-        return [self._residual(p) for p in params] + ([server] if server is not None else [])
+        # decayed, added to and sent from by each sync; where the all-reduce may run, the server
+        # error and the chunk it holds too (made here, empty, before the first sync: a driver keeps
+        # what exists before a try)
+        residuals = [self._residual(p) for p in params]
+        if self.exchange == "all_gather" or not params:
+            return residuals
+        name = self._server_key(params)
+        if name not in self._server_error:
+            self._server_error[name] = torch.zeros(0, dtype=torch.float32, device=residuals[0].device)
+            self._server_chunk[name] = torch.tensor([0, -1], dtype=torch.int64, device=residuals[0].device)
+        return residuals + [self._server_error[name], self._server_chunk[name]]
 
     def _residual(self, p: torch.Tensor) -> torch.Tensor:
         state = self.state[p]
@@ -657,7 +672,7 @@ class DCTDiLoCo(OuterLoop):
         """The codec's exchange of these residuals: sent components leave them now; the means arrive on wait()."""
         if not params:
             return Pending(lambda: [], None)
-        if self.exchange == "all_reduce":
+        if self._exchange_now() == "all_reduce":
             return self._start_all_reduce(params, residuals, healthy)
         return self._sync_for(params, "outer_sparse_all_gather").start(residuals, healthy)
 
@@ -727,38 +742,67 @@ class DCTDiLoCo(OuterLoop):
         return Pending(finish, None)
 
     def _start_all_reduce(self, params, residuals, healthy: bool) -> Pending:
-        if self.exchange_driver is not None:
-            raise ConfigError("lowcomm.exchange all_reduce is not supported with lowcomm.fault_tolerance yet")
-        key = tuple(id(p) for p in params)
+        n, rank = self.transport.world_size, self.transport.rank
+        key = (*(id(p) for p in params), n)  # a quorum of another size cuts other chunks
         sync = self._all_reduces.get(key)
         if sync is None:
             layouts = [self._pieces.get(id(p), p.shape) for p in params]
             sync = CompressedAllReduce(layouts, value_dtype=self.settings.codec.value_dtype, transport=self.transport,
                                        op="outer_compressed_all_reduce")
             self._all_reduces[key] = sync
+        self._exchanged(params)  # the buffers exist
         name = self._server_key(params)
-        server = self._server_error.get(name)
-        if server is None:
-            server = torch.zeros(sync.server_error_numel, dtype=torch.float32, device=residuals[0].device)
-            self._server_error[name] = server
-        elif server.numel() != sync.server_error_numel:
-            raise ValueError(f"the checkpoint's server error buffer {name!r} holds {server.numel()} elements; this "
-                             f"rank's chunk has {sync.server_error_numel} (saved at another number of replicas or "
-                             "another sharding: resharding the all-reduce's server error is not supported)")
+        server, chunk = self._server_error[name], self._server_chunk[name]
+        held = tuple(int(v) for v in chunk)
+        fits = held == (n, rank) and server.numel() == sync.server_error_numel
+        if not fits and held != (0, -1) and self._fixed_group:
+            raise ValueError(f"the checkpoint's server error buffer {name!r} is rank {held[1]}'s chunk of {held[0]} "
+                             f"replicas, {server.numel()} elements; this is rank {rank} of {n}, whose chunk has "
+                             f"{sync.server_error_numel} (saved at another number of replicas or another sharding: "
+                             "resharding the all-reduce's server error is not supported)")
+        if not fits:
+            # The first sync, or (fault tolerance) a quorum that cuts other chunks: what this rank
+            # held is another chunk's error, and the chunk it serves now starts at zero (its mean
+            # goes out without its last rounding's rest: one sync's, at a membership change).
+            server.resize_(sync.server_error_numel).zero_()
+            chunk.copy_(torch.tensor([n, rank]))
         return sync.start(residuals, server, healthy)
 
     def _extra_state(self):
         extra = super()._extra_state()
-        if self._server_error:  # absent with the all-gather: its checkpoints keep their form
-            extra["server_error"] = {k: v.clone() for k, v in self._server_error.items()}
+        held = [k for k, chunk in self._server_chunk.items() if int(chunk[1]) >= 0]
+        if held:  # absent with the all-gather: its checkpoints keep their form
+            extra["server_error"] = {k: self._server_error[k].clone() for k in held}
+            extra["server_chunk"] = {k: [int(v) for v in self._server_chunk[k]] for k in held}
         return extra
+
+    def _replica_extra(self):
+        held = [k for k, chunk in self._server_chunk.items() if int(chunk[1]) >= 0]
+        return {**{f"server_error/{k}": self._server_error[k] for k in held},
+                **{f"server_chunk/{k}": self._server_chunk[k] for k in held}}
+
+    def _with_replica_extra(self, extra, received):
+        for name, t in received.items():
+            kind, key = name.split("/", 1)
+            if kind == "server_error":
+                extra.setdefault("server_error", {})[key] = t
+            else:
+                extra.setdefault("server_chunk", {})[key] = [int(v) for v in t]
 
     def _load_extra_state(self, extra):
         super()._load_extra_state(extra)
         params = self._current_params()
         device = params[0].device if params else torch.device("cpu")
-        self._server_error = {k: v.to(device=device, dtype=torch.float32, copy=True)
-                              for k, v in extra.get("server_error", {}).items()}
+        # ZeRO 0 with several ranks a replica: the file holds every rank's; each keeps its own syncs'
+        mine = {str(i) for i in self._positions(self._owned(params))}
+        saved = {k: v for k, v in extra.get("server_error", {}).items() if set(k.split(",")) <= mine}
+        self._server_error = {k: v.to(device=device, dtype=torch.float32, copy=True) for k, v in saved.items()}
+        # saved before the chunk was recorded: in a fixed group, this rank's chunk at this size (a
+        # length that does not fit is refused at the next sync)
+        now = [self.transport.world_size, self.transport.rank]
+        chunks = extra.get("server_chunk", {})
+        self._server_chunk = {k: torch.tensor(chunks.get(k, now), dtype=torch.int64, device=device)
+                              for k in self._server_error}
 
     def load_state_dict(self, state_dict):
         lowcomm = state_dict.get("lowcomm") if isinstance(state_dict, dict) else None
