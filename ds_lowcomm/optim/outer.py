@@ -592,8 +592,12 @@ class DCTDiLoCo(OuterLoop):
                               "factors change inside a sync's tries); use low_rank 0 (subset_fraction runs there)")
         # "all_gather" or "all_reduce" in a fixed group: the record (and so a checkpoint) holds what
         # the syncs do. Under fault tolerance, auto stays "auto": each quorum picks by its own size.
-        self.exchange = self.settings.exchange if not self._fixed_group else resolve_exchange(
-            self.settings.exchange, self.settings.codec, self.transport.world_size, self.settings.subset_fraction)
+        # (a format auto never sends through the all-reduce is "all_gather" there too).
+        many = self.transport.world_size if self._fixed_group else 3
+        self.exchange = resolve_exchange(self.settings.exchange, self.settings.codec, many,
+                                         self.settings.subset_fraction)
+        if not self._fixed_group and self.settings.exchange == "auto" and self.exchange == "all_reduce":
+            self.exchange = "auto"
         self._record["exchange"] = self.exchange
         self._all_reduces: dict[tuple[int, ...], CompressedAllReduce] = {}
         # The compressed all-reduce's server error buffer per sync (this rank's chunk of the flat
