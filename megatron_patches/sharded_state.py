@@ -360,10 +360,10 @@ def problem_with(saved: dict | None, method: str | None) -> str | None:
         return (f"the checkpoint's ds_lowcomm state was written with layout {then} in ds_lowcomm's first format (the "
                 f"method's state per rank); this run has {now}: resume it with the same sizes")
     if any(_holds_key(r["skeleton"], "server_error") for r in saved["ranks"]):
-        return (f"the checkpoint holds the compressed all-reduce's server error buffers (lowcomm.exchange all_reduce, "
-                f"which auto picks at 3 or more replicas): each is a chunk of its rank's flat tensors at the saved "
-                f"layout {then} and does not follow another ({now}) yet. Resume it with that layout, or reshard a "
-                "checkpoint saved with exchange all_gather")
+        return (f"the checkpoint holds the compressed all-reduce's server error buffers as chunks of each rank's flat "
+                f"tensors (lowcomm.exchange all_reduce, which auto picks at 3 or more replicas; written by a ds_lowcomm "
+                f"before they were saved whole, as per-parameter state): they do not follow another layout than the "
+                f"saved {then} (this run has {now}). Resume it with that layout; its next checkpoint reshards")
     bound = sorted({path for r in saved["ranks"] for path in r["layout_bound"]})
     if bound:
         return (f"the checkpoint's ds_lowcomm state has per-parameter state it could not tie to parameters "

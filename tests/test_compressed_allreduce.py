@@ -100,18 +100,26 @@ def _worker(rank, world_size):
     opt = _recipe_optimizer(model, transport)
     _train(model, opt, rank, range(RECIPE_SAVE_AT))
     saved = copy.deepcopy((model.state_dict(), opt.state_dict()))
+    opt.spread_server_error()  # the server error whole, as per-parameter state (what Megatron's checkpoints hold)
+    spread = copy.deepcopy(opt.state_dict())
+    opt.drop_spread_server_error()
     _train(model, opt, rank, range(RECIPE_SAVE_AT, RECIPE_STEPS))
-    resumed_model = _model(seed=1)  # other starting values: all of it must come from the checkpoint
-    resumed = _recipe_optimizer(resumed_model, TorchDistTransport(ledger=ByteLedger()))
-    resumed_model.load_state_dict(saved[0])
-    resumed.load_state_dict(saved[1])
-    _train(resumed_model, resumed, rank, range(RECIPE_SAVE_AT, RECIPE_STEPS))
+    resumed = {}
+    for name, state in (("chunks", saved[1]), ("whole", spread)):
+        resumed_model = _model(seed=1)  # other starting values: all of it must come from the checkpoint
+        resumed[name] = _recipe_optimizer(resumed_model, TorchDistTransport(ledger=ByteLedger()))
+        resumed_model.load_state_dict(saved[0])
+        resumed[name].load_state_dict(state)
+        _train(resumed_model, resumed[name], rank, range(RECIPE_SAVE_AT, RECIPE_STEPS))
+        resumed[name] = (resumed_model, resumed[name])
     out["recipe"] = {
         "exchange": opt.exchange, "record": opt._record["exchange"],
         "anchors": [a.clone() for a in opt.synced_values()], "params": [p.detach().clone() for p in model.parameters()],
         "server": dict(opt._server_error), "saved_server": saved[1]["lowcomm"]["server_error"],
-        "resumed_params": [p.detach().clone() for p in resumed_model.parameters()],
-        "resumed_server": dict(resumed._server_error),
+        "resumed_params": {k: [p.detach().clone() for p in m.parameters()] for k, (m, _) in resumed.items()},
+        "resumed_server": {k: dict(o._server_error) for k, (_, o) in resumed.items()},
+        "whole": [spread["state"][i]["whole_server_error"] for i in range(len(list(model.parameters())))],
+        "spread_extra": sorted(spread["lowcomm"]),
         "steps_sent": list(opt.ledger._step_sent), "steps_received": list(opt.ledger._step_received),
         "by_op": {op: list(row) for op, row in opt.ledger.by_op.items()},
     }
@@ -218,10 +226,19 @@ def test_the_recipe_at_eight_replicas_stays_identical_and_resumes_exactly(result
     servers = [r["server"] for r in recipes]
     assert list(servers[0]) == ["0,1,2,3"] and any(s["0,1,2,3"].abs().sum() > 0 for s in servers)
     for r in recipes:
-        for a, b in zip(r["resumed_params"], r["params"]):
-            assert torch.equal(a, b)  # the resumed run is the uninterrupted one, bit for bit
-        assert torch.equal(r["resumed_server"]["0,1,2,3"], r["server"]["0,1,2,3"])
+        for how in ("chunks", "whole"):  # from each rank's chunk, or from the whole (each rank cuts its chunk again)
+            for a, b in zip(r["resumed_params"][how], r["params"]):
+                assert torch.equal(a, b), how  # the resumed run is the uninterrupted one, bit for bit
+            assert torch.equal(r["resumed_server"][how]["0,1,2,3"], r["server"]["0,1,2,3"]), how
         assert not torch.equal(r["saved_server"]["0,1,2,3"], r["server"]["0,1,2,3"])  # it moved after the save
+    # the whole server error: the 8 chunks end to end, cut into the parameters' shapes, equal on every rank;
+    # in place of the chunks
+    flat = torch.cat([r["saved_server"]["0,1,2,3"] for r in recipes])
+    whole = recipes[0]["whole"]
+    assert [tuple(w.shape) for w in whole] == [tuple(p.shape) for p in _model().parameters()]
+    assert torch.equal(torch.cat([w.reshape(-1) for w in whole]), flat)
+    assert all(torch.equal(a, b) for r in recipes[1:] for a, b in zip(r["whole"], whole))
+    assert "server_error" not in recipes[0]["spread_extra"] and "server_chunk" not in recipes[0]["spread_extra"]
     # bytes of each sync: the ledger's steps with a sync, against the formula
     numel = sum(p.numel() for p in _model().parameters())
     cb = _chunk_bytes("sign", math.ceil(numel / WORLD))

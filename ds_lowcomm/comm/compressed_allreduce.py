@@ -138,6 +138,23 @@ class CompressedAllReduce:
         self.transport.ledger.add_time("codec", settled_seconds(start, received.device))
         return out
 
+    def gather_server_error(self, server_error: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+        """Every rank's server error chunk, put together: one fp32 tensor per buffer (shaped as
+        ``like``'s), equal on every rank. Collective (an all-gather of one chunk each)."""
+        mine = torch.zeros(self.chunk, dtype=torch.float32, device=server_error.device)
+        mine[: server_error.numel()] = server_error
+        gathered = self.transport.start_all_gather_bytes(mine.view(torch.uint8), op=f"{self.op}_server_error").wait()
+        rows = gathered.reshape(self.transport.world_size, -1)
+        whole = torch.cat([rows[j].view(torch.float32)[: self.chunk_numel(j)] for j in range(self.transport.world_size)])
+        return self._split(whole, like)
+
+    def server_error_chunk(self, whole: Sequence[torch.Tensor]) -> torch.Tensor:
+        """This rank's chunk of a server error given whole (one tensor per buffer, as
+        :meth:`gather_server_error` returns them, at any number of ranks)."""
+        flat = torch.cat([v.reshape(-1).float() for layout, t in zip(self.layouts, whole) for v in _piece_views(layout, t)])
+        start = self.transport.rank * self.chunk
+        return flat[start : start + self.server_error_numel].clone()
+
     def _split(self, mean: torch.Tensor, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The flat mean -> one tensor per buffer (a :class:`Pieces` buffer's padding gets zero)."""
         out, offset = [], 0

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..codec import CodecSettings, orthonormal_columns, shared_randn, shared_subset
-from ..comm import (CompressedAllReduce, Pending, ReplicaShard, SparseAllGather, Transport, all_finite,
+from ..comm import (ByteLedger, CompressedAllReduce, Pending, ReplicaShard, SparseAllGather, Transport, all_finite,
                     start_all_reduce_mean_)
 from ..settings import (ConfigError, Settings, check_bool, check_choice, check_fraction, check_int, check_nonnegative,
                         check_positive, check_unit)
@@ -202,6 +202,10 @@ def _check_below_one_bit(where: str, settings) -> None:
         raise ConfigError(f"{where}.exchange all_reduce does not take subset_fraction < 1 (its server error is kept per "
                           f"position, and the subset moves every sync); use exchange all_gather or auto, or "
                           f"subset_fraction 1 (got {f})")
+
+
+# Per-parameter state a checkpoint holds in place of the server error chunks (spread_server_error).
+WHOLE_SERVER_ERROR = "whole_server_error"
 
 
 def resolve_exchange(exchange: str, codec: CodecSettings, world_size: int, subset_fraction: float = 1.0) -> str:
@@ -606,6 +610,7 @@ class DCTDiLoCo(OuterLoop):
         # change in place (a fault-tolerance driver keeps them for a try that fails).
         self._server_error: dict[str, torch.Tensor] = {}
         self._server_chunk: dict[str, torch.Tensor] = {}
+        self._spread = False  # spread_server_error(): the state holds the whole server error instead
 
     def set_routes(self, routes):
         if self.settings.subset_fraction < 1.0 or self.settings.low_rank:
@@ -768,14 +773,50 @@ class DCTDiLoCo(OuterLoop):
             # The first sync, or (fault tolerance) a quorum that cuts other chunks: what this rank
             # held is another chunk's error, and the chunk it serves now starts at zero (its mean
             # goes out without its last rounding's rest: one sync's, at a membership change).
+            # After a load of the whole server error (spread_server_error()), its chunk of it.
             server.resize_(sync.server_error_numel).zero_()
+            whole = [self.state[p].pop(WHOLE_SERVER_ERROR, None) for p in params]
+            if held == (0, -1) and all(w is not None for w in whole):
+                server.copy_(sync.server_error_chunk([w.to(server.device) for w in whole]))
             chunk.copy_(torch.tensor([n, rank]))
         return sync.start(residuals, server, healthy)
 
+    def spread_server_error(self) -> None:
+        """Before a checkpoint that reshards the parameters' state (Megatron-Core's distributed
+        checkpoints): each sync's server error, put together from the chunks its replicas hold,
+        as per-parameter state (``whole_server_error``: the parameter's shape, fp32, equal on
+        every replica), which the next :meth:`state_dict` holds in place of this rank's chunk. It
+        then follows any new sharding or replica count as the anchors do, and the first sync after
+        a load cuts its chunk from it. Collective over the replicas (call it on every rank); its
+        bytes go to no ledger (checkpoint traffic). :meth:`drop_spread_server_error` after the save."""
+        params = self._current_params()
+        ledger, self.transport.ledger = self.transport.ledger, ByteLedger()
+        try:
+            for name in sorted(self._server_error):  # the same syncs on every replica
+                if int(self._server_chunk[name][1]) < 0:
+                    continue
+                mine = [params[int(i)] for i in name.split(",")]
+                key = (*(id(p) for p in mine), self.transport.world_size)
+                sync = self._all_reduces.get(key) or CompressedAllReduce(
+                    [self._pieces.get(id(p), p.shape) for p in mine], value_dtype=self.settings.codec.value_dtype,
+                    transport=self.transport, op="outer_compressed_all_reduce")
+                whole = sync.gather_server_error(self._server_error[name], [self._residual(p) for p in mine])
+                for p, w in zip(mine, whole):
+                    self.state[p][WHOLE_SERVER_ERROR] = w.to(p.device, copy=True)
+        finally:
+            self.transport.ledger = ledger
+        self._spread = True
+
+    def drop_spread_server_error(self) -> None:
+        """After the checkpoint :meth:`spread_server_error` was for: the chunks alone again."""
+        self._spread = False
+        for p in self._current_params():
+            self.state[p].pop(WHOLE_SERVER_ERROR, None)
+
     def _extra_state(self):
         extra = super()._extra_state()
-        held = [k for k, chunk in self._server_chunk.items() if int(chunk[1]) >= 0]
-        if held:  # absent with the all-gather: its checkpoints keep their form
+        held = [k for k, chunk in self._server_chunk.items() if int(chunk[1]) >= 0 and not self._spread]
+        if held:  # absent with the all-gather (and where spread): its checkpoints keep their form
             extra["server_error"] = {k: self._server_error[k].clone() for k in held}
             extra["server_chunk"] = {k: [int(v) for v in self._server_chunk[k]] for k in held}
         return extra
