@@ -34,7 +34,11 @@ def _stalling_worker(rank, world, store_dir, where, timeout_s):
     torch.set_num_threads(1)
     model = tiny_model()
     torch.optim.SGD(model.parameters(), lr=0.1)  # torch's first optimizer imports torch._dynamo (seconds): untimed
-    cfg = LowcommConfig.from_dict({"method": "demo", "timeout_s": timeout_s, "topk": 4, "chunk": 8})
+    method = {"method": "demo", "topk": 4, "chunk": 8}
+    if where == "all_reduce":  # one sign bit an element through the compressed all-reduce, a sync every step
+        where, method = "step", {"method": "dct_diloco", "sync_every": 1, "topk": 64, "chunk": 8, "transform": "none",
+                                 "value_dtype": "sign", "exchange": "all_reduce"}
+    cfg = LowcommConfig.from_dict({**method, "timeout_s": timeout_s})
     result = {"error": None, "steps": 0}
     start = time.monotonic()
     try:
@@ -88,6 +92,7 @@ def _run_with_a_stopped_peer(where: str, timeout_s: float, deadline_s: float = 1
 
 @pytest.mark.parametrize("where, timeout_s, steps, op", [
     ("step", 5.0, STALL_STEP, "sparse_all_gather"),  # DeMo's exchange at step 3
+    ("all_reduce", 3.0, STALL_STEP, "outer_compressed_all_reduce_scatter"),  # its first phase, an all-to-all
     ("build", 3.0, 0, "setup"),  # build_optimizer's check that every rank has the same settings
     ("shard", 3.0, STALL_STEP, "replica_broadcast"),  # the owners' broadcast inside a replica
 ])
