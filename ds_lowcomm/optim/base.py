@@ -16,7 +16,7 @@ from typing import Any, ClassVar
 import torch
 
 from ..codec import FLOAT_DTYPES
-from ..comm import (ByteLedger, NonFiniteError, Pending, Pieces, ReplicaShard, Routes, SparseAllGather, TorchDistTransport,
+from ..comm import (ByteLedger, Pending, Pieces, ReplicaShard, Routes, SparseAllGather, TorchDistTransport,
                     Transport, all_finite, assert_same_across_ranks, start_all_reduce_mean_)
 from ..comm.consistency import gather_json, settings_differences
 from ..settings import Settings, check_choice
