@@ -238,7 +238,8 @@ def sparse_message(op: str, shapes, codec: dict) -> Message:
 def outer_exchange(settings: dict, replicas: int) -> str:
     """"all_gather" or "all_reduce": how dct_diloco / sparseloco exchange at ``replicas`` workers,
     by :func:`ds_lowcomm.optim.outer.resolve_exchange` itself (auto: the compressed all-reduce at 3+
-    replicas for a dense sign / 2-bit payload in a fixed group, every element sent)."""
+    replicas for a dense sign / 2-bit payload, every element sent; under fault tolerance, a quorum
+    of ``replicas``)."""
     codec = CodecSettings.from_flat(settings, where="plan")
     return resolve_exchange(settings.get("exchange", "auto"), codec, replicas,
                             subset_fraction=settings.get("subset_fraction", 1.0))
