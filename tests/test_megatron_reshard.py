@@ -110,10 +110,12 @@ def _reshard_worker(rank, world, directory):
         if v1:
             saved["state"] = _state_tensors(opt)
             opt.sharded_state_dict = lambda model_sd, is_loading=False, metadata=None: _save_v1(opt, metadata)
+        if case == "dct_diloco":  # each rank's server error chunk, keyed by the sync's parameter positions
+            saved["server_error"] = {k: v.clone() for k, v in opt.outer._server_error.items()}
         save_dist(path, steps, [model], opt)
         ps.destroy_model_parallel()
         out[case] = {"saved": saved}
-        for tp, pp in ((1, 1),) + TARGETS if v1 else TARGETS:
+        for tp, pp in ((1, 1),) + TARGETS if v1 or case == "dct_diloco" else TARGETS:
             _init(tp, pp)
             got = {}
 
@@ -127,6 +129,10 @@ def _reshard_worker(rank, world, directory):
                 got["exp_avg"] = whole_tensors(model, _adam_moments(opt, model))
                 if v1:
                     got["state"] = _state_tensors(opt)
+                if case == "dct_diloco":  # the whole server error, as loaded, end to end in each sync's order
+                    params = opt.outer._current_params()
+                    got["whole"] = {k: torch.cat([opt.outer.state[params[int(i)]]["whole_server_error"].reshape(-1)
+                                                  for i in k.split(",")]) for k in saved.get("server_error", {})}
 
             try:  # after the load, one more step at the new layout (the loaded state steps)
                 _, _, losses, _ = train(lowcomm, 1, micro=2 if pp > 1 else 1, bf16=bf16, after_apply=load)
@@ -204,6 +210,23 @@ def test_error_feedback_cannot_follow_a_new_replica_count(results, case, state):
             assert state in why and "cannot follow a new replica count (1)" in why, why
             # the all-reduce's server error, equal on both replicas, is not what stops it
             assert "server_error" not in why and "server error" not in why, why
+
+
+def test_the_server_error_is_saved_whole_and_loads_as_the_chunks_it_was(results):
+    """dct_diloco through the compressed all-reduce: its server error (each rank's chunk of the
+    flat pseudo-gradients) is saved whole, as per-parameter state; loaded at the same layout, each
+    rank's chunk of it is the chunk that rank saved, bit for bit (the first sync cuts it so)."""
+    chunks = [r["dct_diloco"]["saved"]["server_error"] for r in results]
+    assert chunks[0] and list(chunks[0]) == list(chunks[1])
+    for rank, r in enumerate(results):
+        got = r["dct_diloco"][(1, 1)]
+        assert "refused" not in got and "error" not in got, got.get("refused") or got.get("error")
+        assert list(got["whole"]) == list(chunks[0])
+        for key, whole in got["whole"].items():
+            size = chunks[0][key].numel()  # rank 0's chunk: the longer one
+            assert torch.equal(whole, torch.cat([c[key] for c in chunks])), key  # equal on both ranks
+            assert torch.equal(whole[rank * size : rank * size + chunks[rank][key].numel()], chunks[rank][key])
+            assert chunks[rank][key].abs().sum() > 0
 
 
 def test_first_format_loads_at_its_own_layout_only(results):
