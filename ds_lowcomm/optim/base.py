@@ -338,9 +338,20 @@ class LowcommOptimizer(torch.optim.Optimizer):
         owners, me = self.shard.owners(params), self.shard.local_rank
         transport = self.shard.transport
         ledger, transport.ledger = transport.ledger, ByteLedger()
+
+        def spec(t: torch.Tensor) -> list:
+            return [list(t.shape), str(t.dtype).removeprefix("torch.")]
+
+        def from_rank(j: int, mine: torch.Tensor | None, shape_dtype: list, device) -> torch.Tensor:
+            """Rank j's tensor (``mine`` on rank j), on every rank of the replica."""
+            shape, dtype = shape_dtype
+            t = mine.to(device) if j == me else torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            transport.broadcast_(t, src=j, op="checkpoint_state")
+            return t
+
         try:
-            mine = {str(i): {k: [list(v.shape), str(v.dtype).removeprefix("torch.")]
-                             for k, v in self.state[p].items() if torch.is_tensor(v)} for i, p in enumerate(params)}
+            mine = {str(i): {k: spec(v) for k, v in self.state[p].items() if torch.is_tensor(v)}
+                    for i, p in enumerate(params)}
             everyone = gather_json(transport, mine)
             # each rank's ledger too: they count different shares of the parameters
             ledgers = gather_json(transport, {k: v.tolist() if torch.is_tensor(v) else v
@@ -352,25 +363,18 @@ class LowcommOptimizer(torch.optim.Optimizer):
                 keys = sorted(set(everyone[j][str(i)]) - others)
                 owner_keys[str(i)] = keys
                 for k in keys:
-                    shape, dtype = everyone[j][str(i)][k]
-                    t = self.state[p][k] if j == me else torch.empty(shape, dtype=getattr(torch, dtype),
-                                                                       device=p.device)
-                    transport.broadcast_(t, src=j, op="checkpoint_state")
+                    t = from_rank(j, self.state[p].get(k), everyone[j][str(i)][k], p.device)
                     if j != me:
                         received.setdefault(i, {})[k] = t
             # and each rank's own tensors beside the parameters' (the compressed all-reduce's server
             # error: a chunk of the parameters that rank syncs), under names no other rank holds
-            names = gather_json(transport, {k: [list(v.shape), str(v.dtype).removeprefix("torch.")]
-                                            for k, v in self._replica_extra().items()})
+            own = self._replica_extra()
             extra = {}
-            for j, held in enumerate(names):
+            for j, held in enumerate(gather_json(transport, {k: spec(v) for k, v in own.items()})):
                 for k in sorted(held):
-                    shape, dtype = held[k]
-                    t = (self._replica_extra()[k].to(transport.device, copy=True) if j == me
-                         else torch.empty(shape, dtype=getattr(torch, dtype), device=transport.device))
-                    transport.broadcast_(t, src=j, op="checkpoint_state")
+                    t = from_rank(j, own.get(k), held[k], transport.device)
                     if j != me:
-                        extra[k] = t.clone()
+                        extra[k] = t
         finally:
             transport.ledger = ledger
         self._owner_state = ({"keys": owner_keys, "ledgers": ledgers}, received, extra)

@@ -650,11 +650,30 @@ class DCTDiLoCo(OuterLoop):
         residuals = [self._residual(p) for p in params]
         if self.exchange == "all_gather" or not params:
             return residuals
+        return residuals + list(self._server_buffers(params))
+
+    def _server_buffers(self, params) -> tuple[torch.Tensor, torch.Tensor]:
+        """This sync's server error buffer and the chunk it holds (a CPU tensor: read every sync
+        without a device sync), made empty and (0, -1) before the first sync."""
         name = self._server_key(params)
         if name not in self._server_error:
-            self._server_error[name] = torch.zeros(0, dtype=torch.float32, device=residuals[0].device)
-            self._server_chunk[name] = torch.tensor([0, -1], dtype=torch.int64, device=residuals[0].device)
-        return residuals + [self._server_error[name], self._server_chunk[name]]
+            self._server_error[name] = torch.zeros(0, dtype=torch.float32, device=self._residual(params[0]).device)
+            self._server_chunk[name] = torch.tensor([0, -1], dtype=torch.int64)
+        return self._server_error[name], self._server_chunk[name]
+
+    def _held_servers(self) -> list[str]:
+        """The syncs whose server error holds a chunk (not just made)."""
+        return [k for k, chunk in self._server_chunk.items() if int(chunk[1]) >= 0]
+
+    def _all_reduce_for(self, params) -> CompressedAllReduce:
+        """The compressed all-reduce of these parameters among this group's (quorum's) ranks."""
+        key = (*(id(p) for p in params), self.transport.world_size)  # another size cuts other chunks
+        sync = self._all_reduces.get(key)
+        if sync is None:
+            sync = self._all_reduces[key] = CompressedAllReduce(
+                [self._pieces.get(id(p), p.shape) for p in params], value_dtype=self.settings.codec.value_dtype,
+                transport=self.transport, op="outer_compressed_all_reduce")
+        return sync
 
     def _residual(self, p: torch.Tensor) -> torch.Tensor:
         state = self.state[p]
@@ -752,16 +771,9 @@ class DCTDiLoCo(OuterLoop):
 
     def _start_all_reduce(self, params, residuals, healthy: bool) -> Pending:
         n, rank = self.transport.world_size, self.transport.rank
-        key = (*(id(p) for p in params), n)  # a quorum of another size cuts other chunks
-        sync = self._all_reduces.get(key)
-        if sync is None:
-            layouts = [self._pieces.get(id(p), p.shape) for p in params]
-            sync = CompressedAllReduce(layouts, value_dtype=self.settings.codec.value_dtype, transport=self.transport,
-                                       op="outer_compressed_all_reduce")
-            self._all_reduces[key] = sync
-        self._exchanged(params)  # the buffers exist
+        sync = self._all_reduce_for(params)
         name = self._server_key(params)
-        server, chunk = self._server_error[name], self._server_chunk[name]
+        server, chunk = self._server_buffers(params)
         held = tuple(int(v) for v in chunk)
         fits = held == (n, rank) and server.numel() == sync.server_error_numel
         if not fits and held != (0, -1) and self._fixed_group:
@@ -792,15 +804,9 @@ class DCTDiLoCo(OuterLoop):
         params = self._current_params()
         ledger, self.transport.ledger = self.transport.ledger, ByteLedger()
         try:
-            for name in sorted(self._server_error):  # the same syncs on every replica
-                if int(self._server_chunk[name][1]) < 0:
-                    continue
+            for name in sorted(self._held_servers()):  # the same syncs on every replica
                 mine = [params[int(i)] for i in name.split(",")]
-                key = (*(id(p) for p in mine), self.transport.world_size)
-                sync = self._all_reduces.get(key) or CompressedAllReduce(
-                    [self._pieces.get(id(p), p.shape) for p in mine], value_dtype=self.settings.codec.value_dtype,
-                    transport=self.transport, op="outer_compressed_all_reduce")
-                whole = sync.gather_server_error(self._server_error[name], [self._residual(p) for p in mine])
+                whole = self._all_reduce_for(mine).gather_server_error(self._server_error[name], [self._residual(p) for p in mine])
                 for p, w in zip(mine, whole):
                     self.state[p][WHOLE_SERVER_ERROR] = w.to(p.device, copy=True)
         finally:
@@ -815,14 +821,14 @@ class DCTDiLoCo(OuterLoop):
 
     def _extra_state(self):
         extra = super()._extra_state()
-        held = [k for k, chunk in self._server_chunk.items() if int(chunk[1]) >= 0 and not self._spread]
+        held = [] if self._spread else self._held_servers()
         if held:  # absent with the all-gather (and where spread): its checkpoints keep their form
             extra["server_error"] = {k: self._server_error[k].clone() for k in held}
             extra["server_chunk"] = {k: [int(v) for v in self._server_chunk[k]] for k in held}
         return extra
 
     def _replica_extra(self):
-        held = [k for k, chunk in self._server_chunk.items() if int(chunk[1]) >= 0]
+        held = self._held_servers()
         return {**{f"server_error/{k}": self._server_error[k] for k in held},
                 **{f"server_chunk/{k}": self._server_chunk[k] for k in held}}
 
@@ -846,8 +852,7 @@ class DCTDiLoCo(OuterLoop):
         # length that does not fit is refused at the next sync)
         now = [self.transport.world_size, self.transport.rank]
         chunks = extra.get("server_chunk", {})
-        self._server_chunk = {k: torch.tensor(chunks.get(k, now), dtype=torch.int64, device=device)
-                              for k in self._server_error}
+        self._server_chunk = {k: torch.tensor(chunks.get(k, now), dtype=torch.int64) for k in self._server_error}
 
     def load_state_dict(self, state_dict):
         lowcomm = state_dict.get("lowcomm") if isinstance(state_dict, dict) else None
