@@ -9,7 +9,7 @@ import sys
 BENCHMARKS = {name: name for name in ("network", "peers", "codec", "scaling", "vision", "streaming", "hetero", "gpu_check",
                                       "megatron", "demo_sign", "overlap", "time_to_loss", "sweep", "faults", "ft_memory", "hf",
                                       "plan_check", "plan_scale", "muon_memory", "mtdao",
-                                      "muon_directions", "replica_bytes", "measured", "absent", "scale", "long_h", "figures")}
+                                      "muon_directions", "replica_bytes", "measured", "absent", "scale", "long_h", "exits", "figures")}
 
 
 def main() -> None:
