@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import csv
+import functools
 import json
 import os
 import re
@@ -59,6 +60,11 @@ def table(head: list[str], rows: list[list[str]]) -> list[str]:
             *("| " + " | ".join(r) + " |" for r in rows)]
 
 
+def captioned(head: list[str], rows: list[list[str]], caption: str) -> str:
+    """A block's text: the table, then its caption (what was measured, the CSV it came from)."""
+    return "\n".join([*table(head, rows), "", caption]) + "\n"
+
+
 def times(x: float) -> str:
     """A ratio as the pages write it: two decimals under 10, whole above."""
     return f"{x:.2f}x" if x < 10 else f"{x:.0f}x"
@@ -88,14 +94,19 @@ def _ttl(rows: list[dict], link: str, entry: str) -> dict:
     return next(r for r in rows if r["link"] == link and r["entry"] == entry)
 
 
-# The one-bit recipe's entries of the time-to-loss run: the situation each is for, and its config
+# The one-bit recipe's entries of the time-to-loss runs: the situation each is for, its config, and
+# the run that measured it (the overlapped sync: the run evaluated every step, which looks at a
+# blocking and an overlapped sync alike)
 TTL_ROWS = (
     ("You train with Muon over a slow link: the default", "muloco_sign", "H 5",
      "[muloco_sign.json](configs/muloco_sign.json) (ds_lowcomm's Muon; set any ZeRO stage, bf16) or "
-     "[muloco_sign_zero2_bf16.json](configs/muloco_sign_zero2_bf16.json) (DeepSpeed's Muon section, ZeRO 1-3, bf16)"),
-    ("Fewer bytes still, a few more steps", "muloco_sign_h10", "H 10", "the same with `sync_every` 10"),
-    ("A link so slow that a sync takes longer than a step", "muloco_sign_overlap", "H 5, sync overlapped by 2 steps",
-     "[muloco_sign_overlap.json](configs/muloco_sign_overlap.json)"),
+     "[muloco_sign_zero2_bf16.json](configs/muloco_sign_zero2_bf16.json) (DeepSpeed's Muon section, ZeRO 1-3, bf16)",
+     committed.MUON_RECIPES_TTL),
+    ("Fewer bytes still, a few more steps", "muloco_sign_h10", "H 10", "the same with `sync_every` 10",
+     committed.MUON_RECIPES_TTL),
+    ("A link so slow that a sync takes longer than a step", "muloco_sign_overlap_d1",
+     "H 5, sync overlapped by 1 step (evaluated every step)", "[muloco_sign_overlap.json](configs/muloco_sign_overlap.json)",
+     committed.MUON_EVERY_STEP_TTL),
 )
 
 
@@ -104,23 +115,21 @@ def _config_links(page: Path, text: str) -> str:
 
 
 def render_recipes(page: Path) -> str:
-    ttl = _rows(committed.MUON_RECIPES_TTL)
     scale = _rows(committed.SCALE_SUMMARY) if (BENCH / committed.SCALE_SUMMARY).exists() else []
-    dense = _ttl(ttl, "unshaped", "muon_bf16")
-    seeds = dense["seeds"]
     head = ("| your situation | use | steps to the target, vs the same optimizer dense | bytes per worker, fewer than "
             "dense | time to the target vs dense, 10 / 3 Mbit/s | evidence |\n| --- | --- | --- | --- | --- | --- |\n")
     lines = []
-    for situation, entry, settings, config in TTL_ROWS:
-        r = _ttl(ttl, "unshaped", entry)
+    for situation, entry, settings, config, rel in TTL_ROWS:
+        ttl = _rows(rel)
+        dense, r = _ttl(ttl, "unshaped", "muon_bf16"), _ttl(ttl, "unshaped", entry)
         steps, dense_steps = int(r["steps_to_target"]), int(dense["steps_to_target"])
         fewer = float(dense["bytes_sent_per_worker"]) / float(r["bytes_sent_per_worker"])
         faster = [float(_ttl(ttl, link, entry)["speedup_vs_dense"]) for link in ("10mbit", "3mbit")]
         lines.append(f"| {situation} | {_config_links(page, config)}: {settings} | {steps} vs {dense_steps} "
                      f"({times(steps / dense_steps)}) | {times(fewer)} (DDP + Muon, bf16 gradients) | "
                      f"{times(faster[0])} / {times(faster[1])} faster | reference GPT "
-                     f"({_params(reference_parameters())}), 2 replicas, {seeds} seeds "
-                     f"({csv_link(page, committed.MUON_RECIPES_TTL, 'time to loss')}) |")
+                     f"({_params(reference_parameters())}), 2 replicas, {dense['seeds']} seeds "
+                     f"({csv_link(page, rel, 'time to loss')}) |")
     for size in sorted({int(r["parameters"]) for r in scale}):
         for form, entry, situation, config in (
                 ("muon", "muloco_sign", f"Muon: H against model size (here {_params(size)} parameters)", "muloco_sign"),
@@ -225,11 +234,10 @@ def render_replica_steps(page: Path) -> str:
         label = exchange.replace("_", "-") + (" (auto)" if wire["exchange_used"] == exchange and wire["exchange"] == "auto"
                                               else "")
         body.append([str(n), label, f"{median} ({spread})", vs, f"{median / h * float(wire['wire_bytes_per_sync']) / 1e6:.2f}"])
-    out = table(["replicas", "exchange", "steps to the target, median (range), seeds 1-3", "vs the all-gather",
-                 "MB per worker to the target (median steps / H x the wire's bytes a sync)"], body)
-    out += ["", f"(the recipe at H {h}; 2 replicas: the time-to-loss run; "
-                f"{csv_link(page, committed.ONE_BIT_STEPS, 'steps')}, {csv_link(page, committed.ONE_BIT_BYTES_PER_SYNC, 'bytes')})"]
-    return "\n".join(out) + "\n"
+    return captioned(["replicas", "exchange", "steps to the target, median (range), seeds 1-3", "vs the all-gather",
+                 "MB per worker to the target (median steps / H x the wire's bytes a sync)"], body,
+                     f"(the recipe at H {h}; 2 replicas: the time-to-loss run; "
+                f"{csv_link(page, committed.ONE_BIT_STEPS, 'steps')}, {csv_link(page, committed.ONE_BIT_BYTES_PER_SYNC, 'bytes')})")
 
 
 # The methods' entries at their bench settings, by the exchange their bytes grow with
@@ -252,11 +260,10 @@ def render_replica_methods(page: Path) -> str:
         body.append([label, *(f"{step[n] / 1e3:.1f}" for n in counts),
                      *(times(ddp[n] / step[n]) for n in (counts[0], counts[-1]))])
     measured = sorted({n for (_, n), r in rows.items() if r["measured"] == "True"})
-    out = table(["entry", *(f"kB per worker per step, {n} replicas" for n in counts),
-                 f"fewer than DDP + Muon bf16, {counts[0]} replicas", f"at {counts[-1]}"], body)
-    out += ["", f"(reference GPT, 446k parameters; measured on {' and '.join(map(str, measured))} test hosts (veth "
-                f"counters), the planner's formula beyond; {csv_link(page, committed.BYTES_PER_STEP_BY_METHOD)})"]
-    return "\n".join(out) + "\n"
+    return captioned(["entry", *(f"kB per worker per step, {n} replicas" for n in counts),
+                 f"fewer than DDP + Muon bf16, {counts[0]} replicas", f"at {counts[-1]}"], body,
+                     f"(reference GPT, 446k parameters; measured on {' and '.join(map(str, measured))} test hosts (veth "
+                f"counters), the planner's formula beyond; {csv_link(page, committed.BYTES_PER_STEP_BY_METHOD)})")
 
 
 def render_sharded_replicas(page: Path) -> str:
@@ -264,9 +271,8 @@ def render_sharded_replicas(page: Path) -> str:
     body = [[r["replica_size"], r["world"], f"{float(r['cross_replica_bytes_per_rank']) / 1e6:.3f}",
              f"{float(r['cross_replica_bytes_per_replica']) / 1e6:.3f}", "yes" if r["replicas_identical"] == "True" else "no"]
             for r in rows]
-    out = table(["ranks per replica", "world", "MB across replicas per rank", "per replica", "replicas identical"], body)
-    out += ["", f"(DeepSpeed engines, ZeRO 0, dct_diloco, 2 replicas; {csv_link(page, committed.SHARDED_REPLICA_BYTES)})"]
-    return "\n".join(out) + "\n"
+    return captioned(["ranks per replica", "world", "MB across replicas per rank", "per replica", "replicas identical"], body,
+                     f"(DeepSpeed engines, ZeRO 0, dct_diloco, 2 replicas; {csv_link(page, committed.SHARDED_REPLICA_BYTES)})")
 
 
 # -- slow links -----------------------------------------------------------------------------------
@@ -304,56 +310,44 @@ def ttl_table(page: Path, rel: str, entries: tuple[tuple[str, str], ...], links:
         body.append(cells)
     baselines = ", ".join(f"{LINK_NAMES[link]} {at[(link, entries[0][0])][base]}" for link in links)
     seeds = rows[0]["seeds"]
-    out = table(head, body)
-    out += ["", f"(2 test hosts; steps and bytes from {seeds} seeds on the unshaped link, seconds from each link's "
+    return captioned(head, body,
+                     f"(2 test hosts; steps and bytes from {seeds} seeds on the unshaped link, seconds from each link's "
                 f"timing run at each seed's steps, medians; the dense baseline on each link: {baselines}; "
-                f"{csv_link(page, rel)})"]
-    return "\n".join(out) + "\n"
+                f"{csv_link(page, rel)})")
 
 
 MUON_LINKS = ("unshaped", "10mbit", "3mbit")
-
-
-def render_ttl_muon(page: Path) -> str:
-    return ttl_table(page, committed.MUON_RECIPES_TTL, (
+# Each time-to-loss table: its run, the entries it shows (as labelled), its links, the entry whose
+# bytes the others are set against
+TTL_TABLES = {
+    "ttl_muon": (committed.MUON_RECIPES_TTL, (
         ("muon_bf16", "DDP + Muon, bf16 gradients"), ("muloco_sparse", "MuLoCo's design (top-k 1024 of 4096, 2-bit, H 10)"),
         ("muloco_dct", "muloco_dct (DCT top-8 of 64, 2-bit, H 5)"), ("muloco_dct_overlap", "muloco_dct, overlapped"),
         ("muloco_sign", "**muloco_sign** (H 5)"), ("muloco_sign_h10", "muloco_sign, H 10"),
-        ("muloco_sign_overlap", "muloco_sign, sync overlapped by 2 steps")), MUON_LINKS, bytes_vs="muon_bf16")
-
-
-def render_ttl_muon_every_step(page: Path) -> str:
-    return ttl_table(page, committed.MUON_EVERY_STEP_TTL, (
+        ("muloco_sign_overlap", "muloco_sign, sync overlapped by 2 steps")), MUON_LINKS, "muon_bf16"),
+    "ttl_muon_every_step": (committed.MUON_EVERY_STEP_TTL, (
         ("muon_bf16", "DDP + Muon, bf16 gradients"), ("muloco_sparse", "MuLoCo's design"),
         ("muloco_sign", "muloco_sign (blocking, H 5)"), ("muloco_sign_overlap", "muloco_sign, overlapped by 2 steps"),
-        ("muloco_sign_overlap_d1", "**muloco_sign, overlapped by 1 step**")), MUON_LINKS, bytes_vs="muon_bf16")
-
-
-def render_ttl_muon_peers(page: Path) -> str:
-    return ttl_table(page, committed.MUON_PEERS_TTL, (
+        ("muloco_sign_overlap_d1", "**muloco_sign, overlapped by 1 step**")), MUON_LINKS, "muon_bf16"),
+    "ttl_muon_peers": (committed.MUON_PEERS_TTL, (
         ("muon", "DDP + Muon, fp32 gradients"), ("muon_bf16", "DDP + Muon, bf16 gradients"),
         ("demo_muon", "demo with Muon's step"), ("muloco", "MuLoCo uncompressed (diloco + Muon, H 10)"),
         ("muloco_sparse", "MuLoCo's design (top-k 1024 of 4096, 2-bit, H 10)"),
         ("muloco_dct", "muloco_dct (DCT top-8 of 64, 2-bit, H 5)"),
-        ("torchft_streaming_diloco_muon", "torchft Streaming DiLoCo + Muon (H 20)")), MUON_LINKS, bytes_vs="muon_bf16")
-
-
-def render_ttl_adamw(page: Path) -> str:
-    return ttl_table(page, committed.ADAMW_TTL, (
+        ("torchft_streaming_diloco_muon", "torchft Streaming DiLoCo + Muon (H 20)")), MUON_LINKS, "muon_bf16"),
+    "ttl_adamw": (committed.ADAMW_TTL, (
         ("adamw", "adamw (blocking fp32 all-reduce)"), ("adamw_overlap", "DDP, fp32, overlapped"),
         ("adamw_overlap_bf16", "DDP, bf16 hook"), ("demo", "demo, tuned alike"),
         ("demo_recipe", "demo's recipe (tuned before, outside the equal budget)"),
         ("powersgd_r8", "DDP + PowerSGD (rank 16 from step 30)"), ("torchft_diloco", "torchft DiLoCo (H 20)"),
         ("torchft_streaming_diloco", "torchft Streaming DiLoCo (H 20, 4 fragments)")),
-        ("unshaped", "100mbit", "25mbit", "10mbit", "3mbit"))
-
-
-def render_ttl_demo_muon(page: Path) -> str:
-    return ttl_table(page, committed.DEMO_MUON_TTL, (
+        ("unshaped", "100mbit", "25mbit", "10mbit", "3mbit"), None),
+    "ttl_demo_muon": (committed.DEMO_MUON_TTL, (
         ("adamw", "adamw (tuned)"), ("adamw_overlap_bf16", "DDP, bf16 hook"),
         ("demo_recipe", "demo (sign step; its recipe)"), ("demo_muon", "**demo_muon** (Muon's step)"),
         ("demo_muon_c16", "**demo_muon_c16** (Muon's step, 2 of 256)"),
-        ("torchft_streaming_diloco", "torchft Streaming DiLoCo (tuned)")), MUON_LINKS, bytes_vs="adamw_overlap_bf16")
+        ("torchft_streaming_diloco", "torchft Streaming DiLoCo (tuned)")), MUON_LINKS, "adamw_overlap_bf16"),
+}
 
 
 def render_streaming(page: Path) -> str:
@@ -367,10 +361,9 @@ def render_streaming(page: Path) -> str:
             body.append([LINK_NAMES[link], variant,
                          f"{med['median_step_s']:.3f}", f"{med['sync_step_s']:.3f}", f"{med['stall_per_sync_s']:.3f}",
                          f"{med['comm_blocked_s']:.2f}", f"{med['wall_s']:.1f}", f"{med['final_val_loss']:.4f}"])
-    out = table(["link", "variant", "ordinary step, s", "step where a sync lands, s", "stall per sync, s",
-                 "blocked in comm over the run, s", "wall, s", "held-out loss"], body)
-    out += ["", f"(2 test hosts, a 3.2M-parameter GPT, 60 steps, medians of 3; {csv_link(page, committed.STREAMING)})"]
-    return "\n".join(out) + "\n"
+    return captioned(["link", "variant", "ordinary step, s", "step where a sync lands, s", "stall per sync, s",
+                 "blocked in comm over the run, s", "wall, s", "held-out loss"], body,
+                     f"(2 test hosts, a 3.2M-parameter GPT, 60 steps, medians of 3; {csv_link(page, committed.STREAMING)})")
 
 
 # -- model size -----------------------------------------------------------------------------------
@@ -386,30 +379,27 @@ def render_scale(page: Path) -> str:
                      times(float(r["ratio_to_dense"])) if r["ratio_to_dense"] else
                      f"missed on {steps.count('missed')} of {len(r['steps'].split(','))} seeds",
                      times(float(r["bytes_ratio_to_dense"]))])
-    out = table(["parameters", "form", "entry", "H", "steps to the target, seeds 1-3", "median", "vs dense",
-                 "bytes to the target, fewer than dense"], body)
-    out += ["", f"(2 workers, CPU; the recipe's inner settings the dense run's tuned ones; {csv_link(page, committed.SCALE)}, "
-                f"{csv_link(page, committed.SCALE_SUMMARY, 'medians')})"]
-    return "\n".join(out) + "\n"
+    return captioned(["parameters", "form", "entry", "H", "steps to the target, seeds 1-3", "median", "vs dense",
+                 "bytes to the target, fewer than dense"], body,
+                     f"(2 workers, CPU; the recipe's inner settings the dense run's tuned ones; {csv_link(page, committed.SCALE)}, "
+                f"{csv_link(page, committed.SCALE_SUMMARY, 'medians')})")
 
 
 def render_cnn(page: Path) -> str:
     rows = _rows(committed.CNN)
     body = [[r["method"], f"{float(r['held_out_accuracy']):.1%}", f"{float(r['held_out_loss']):.3f}",
              f"{float(r['mb_sent_per_worker']):.2f}", times(float(r["compression_vs_adamw"]))] for r in rows]
-    out = table(["method", "held-out accuracy", "held-out loss", "MB sent per worker", "fewer than adamw"], body)
-    out += ["", f"(a 9.9k-parameter CNN on scikit-learn's digits, 2 workers, 300 steps, first-try recipes; "
-                f"{csv_link(page, committed.CNN)})"]
-    return "\n".join(out) + "\n"
+    return captioned(["method", "held-out accuracy", "held-out loss", "MB sent per worker", "fewer than adamw"], body,
+                     f"(a 9.9k-parameter CNN on scikit-learn's digits, 2 workers, 300 steps, first-try recipes; "
+                f"{csv_link(page, committed.CNN)})")
 
 
 def render_cnn_ablation(page: Path) -> str:
     rows = _rows(committed.CNN_ABLATION)
     body = [[r["variant"], f"{float(r['held_out_accuracy']):.1%}", f"{float(r['held_out_loss']):.3f}",
              f"{float(r['mb_sent_per_worker']):.3f}"] for r in rows]
-    out = table(["dct_diloco, one change at a time", "held-out accuracy", "held-out loss", "MB sent per worker"], body)
-    out += ["", f"(one seed, 16 CPU cores; {csv_link(page, committed.CNN_ABLATION)})"]
-    return "\n".join(out) + "\n"
+    return captioned(["dct_diloco, one change at a time", "held-out accuracy", "held-out loss", "MB sent per worker"], body,
+                     f"(one seed, 16 CPU cores; {csv_link(page, committed.CNN_ABLATION)})")
 
 
 # -- fault tolerance ------------------------------------------------------------------------------
@@ -427,11 +417,10 @@ def render_faults(page: Path) -> str:
     body = [["diloco (full heal)", *_faults_cells(heals["diloco"], _heal(heals["diloco"]))],
             ["diloco, `heal_inner_state: false`", *_faults_cells(heals["diloco_lean"], _heal(heals["diloco_lean"]))],
             ["demo", *_faults_cells(demo, _heal(demo))]]
-    out = table(["entry", "kills", "steps/s, faults / no faults", "ratio", "s to the target", "held-out loss, faults "
-                 "(vs no faults)", "MB healed per kill"], body)
-    out += ["", f"(3 replicas on 10 Mbit/s, a kill every 30 s, alone on the machine; "
-                f"{csv_link(page, committed.FAULTS_HEALS, 'diloco')}, {csv_link(page, committed.FAULTS_DEMO, 'demo')})"]
-    return "\n".join(out) + "\n"
+    return captioned(["entry", "kills", "steps/s, faults / no faults", "ratio", "s to the target", "held-out loss, faults "
+                 "(vs no faults)", "MB healed per kill"], body,
+                     f"(3 replicas on 10 Mbit/s, a kill every 30 s, alone on the machine; "
+                f"{csv_link(page, committed.FAULTS_HEALS, 'diloco')}, {csv_link(page, committed.FAULTS_DEMO, 'demo')})")
 
 
 def _heal(r: dict) -> str:
@@ -446,11 +435,10 @@ def render_faults_peers(page: Path) -> str:
     rows = {r["entry"]: r for r in _rows(committed.FAULTS_PEERS)}
     body = [[label, *_faults_cells(rows[e], f"{float(rows[e]['heal_bytes']) / 1e6:.1f}")[:-1],
              f"{float(rows[e]['heal_bytes']) / 1e6:.1f}"] for e, label in FAULTS_PEERS]
-    out = table(["entry", "kills", "steps/s, faults / no faults", "ratio", "s to the target",
-                 "held-out loss, faults (vs no faults)", "MB healed, all kills"], body)
-    out += ["", f"(the first run, before the retries, the background heal and the lean heal; "
-                f"{csv_link(page, committed.FAULTS_PEERS)})"]
-    return "\n".join(out) + "\n"
+    return captioned(["entry", "kills", "steps/s, faults / no faults", "ratio", "s to the target",
+                 "held-out loss, faults (vs no faults)", "MB healed, all kills"], body,
+                     f"(the first run, before the retries, the background heal and the lean heal; "
+                f"{csv_link(page, committed.FAULTS_PEERS)})")
 
 
 def render_absent(page: Path) -> str:
@@ -469,51 +457,49 @@ def render_absent(page: Path) -> str:
         loss = float(r["final_val_loss"])
         body.append([label(r["absent"]), f"{loss:.4f}", "" if r["absent"] == "none" else _pct(loss / none - 1),
                      f"{faults:.4f} ({_pct(faults / loss - 1)} over this)" if r["absent"] == two_kills else ""])
-    out = table(["replicas left out of the syncs", "held-out loss after 300 steps", "vs none",
-                 "the faults run with these syncs missed (diloco, 2 kills)"], body)
-    out += ["", f"(diloco, 3 replicas, no fault at all: a replica sits the sync out; "
-                f"{csv_link(page, committed.ABSENT)})"]
-    return "\n".join(out) + "\n"
+    return captioned(["replicas left out of the syncs", "held-out loss after 300 steps", "vs none",
+                 "the faults run with these syncs missed (diloco, 2 kills)"], body,
+                     f"(diloco, 3 replicas, no fault at all: a replica sits the sync out; "
+                f"{csv_link(page, committed.ABSENT)})")
 
 
 # -- codec ----------------------------------------------------------------------------------------
-def _codec_table(page: Path, rel: str, chunks: tuple[int, ...] | None = None) -> list[str]:
+def _codec_rows(rel: str) -> list[list[str]]:
+    """Each case of a codec run: ds_lowcomm's time beside the per-parameter reference's."""
     rows = _rows(rel)
     pairs: dict[tuple, dict] = {}
     for r in rows:
         pairs.setdefault((r["case"], r["shape"], r["chunk"]), {})[r["implementation"]] = r
     body = []
     for (case, shape, chunk), p in pairs.items():
-        if chunks and int(chunk) not in chunks:
-            continue
         ours, ref = p["ds_lowcomm"], p["reference"]
         name = "reference model, 28 tensors" if case == "model" else ("vector of " + shape if "x" not in shape
                                                                       else shape.replace("x", "×"))
         body.append([name, chunk, f"{float(ours['median_s']) * 1e3:.2f} ms ({float(ours['gbps']):.2f} GB/s)",
                      f"{float(ref['median_s']) * 1e3:.2f} ms ({float(ref['gbps']):.2f} GB/s)",
                      times(float(ref["median_s"]) / float(ours["median_s"]))])
-    return table(["tensor", "chunk", "ds_lowcomm", "per-parameter reference", "speed-up"], body)
+    return body
+
+
+CODEC_HEAD = ["tensor", "chunk", "ds_lowcomm", "per-parameter reference", "speed-up"]
 
 
 def render_codec_cpu(page: Path) -> str:
-    out = _codec_table(page, committed.CODEC_CPU)
-    out += ["", f"(one CPU thread, fp32, density 1/128, medians of 5; {csv_link(page, committed.CODEC_CPU)})"]
-    return "\n".join(out) + "\n"
+    return captioned(CODEC_HEAD, _codec_rows(committed.CODEC_CPU),
+                     f"(one CPU thread, fp32, density 1/128, medians of 5; {csv_link(page, committed.CODEC_CPU)})")
 
 
 def render_codec_h100(page: Path) -> str:
-    out = _codec_table(page, committed.CODEC_H100)
-    out += ["", f"(one NVIDIA H100 80GB, fp32, density 1/128, medians of 20; {csv_link(page, committed.CODEC_H100)})"]
-    return "\n".join(out) + "\n"
+    return captioned(CODEC_HEAD, _codec_rows(committed.CODEC_H100),
+                     f"(one NVIDIA H100 80GB, fp32, density 1/128, medians of 20; {csv_link(page, committed.CODEC_H100)})")
 
 
 def render_codec_share(page: Path) -> str:
     rows = _rows(committed.CODEC_SHARE)
     body = [[r["method"], r["syncs"], f"{float(r['codec_s_per_sync']) * 1e3:.1f}", f"{float(r['step_s']) * 1e3:.1f}",
              f"{float(r['codec_share']):.1%}"] for r in rows]
-    out = table(["method", "syncs in 60 steps", "codec ms per sync", "ms per step", "codec share of the step"], body)
-    out += ["", f"(reference GPT, 2 workers, CPU, the recipes of compare; {csv_link(page, committed.CODEC_SHARE)})"]
-    return "\n".join(out) + "\n"
+    return captioned(["method", "syncs in 60 steps", "codec ms per sync", "ms per step", "codec share of the step"], body,
+                     f"(reference GPT, 2 workers, CPU, the recipes of compare; {csv_link(page, committed.CODEC_SHARE)})")
 
 
 # -- frameworks -----------------------------------------------------------------------------------
@@ -529,11 +515,10 @@ def render_megatron(page: Path) -> str:
             cells += [f"{int(r['bytes_per_step_per_worker']):,}", times(float(r["x_fewer_than_stock"])),
                       f"{float(r['val_loss']):.4f}"]
         body.append(cells)
-    out = table(["method", "bytes per iteration per worker, TP 1", "fewer than stock", "held-out loss",
-                 "bytes, TP 2 (4 ranks)", "fewer than stock", "held-out loss"], body)
-    out += ["", f"(a 137k-parameter GPTModel, 2 data-parallel replicas, 200 iterations, one seed; "
-                f"{csv_link(page, committed.MEGATRON)})"]
-    return "\n".join(out) + "\n"
+    return captioned(["method", "bytes per iteration per worker, TP 1", "fewer than stock", "held-out loss",
+                 "bytes, TP 2 (4 ranks)", "fewer than stock", "held-out loss"], body,
+                     f"(a 137k-parameter GPTModel, 2 data-parallel replicas, 200 iterations, one seed; "
+                f"{csv_link(page, committed.MEGATRON)})")
 
 
 def render_hf_trainer(page: Path) -> str:
@@ -551,11 +536,10 @@ def render_hf_trainer(page: Path) -> str:
         sent = float(r["bytes_sent_per_worker"])
         body.append([name, f"{float(r['held_out_loss']):.4f}", _mb(sent), times(plain / sent), f"{float(r['step_s']):.3f}",
                      f"{float(shaped['step_s']):.3f}" if shaped else "-"])
-    out = table(["entry", "held-out loss", "MB sent per worker", "fewer than plain DeepSpeed", "s a step, unshaped",
-                 "s a step, 10 Mbit/s"], body)
-    out += ["", f"(transformers' Llama, 390k parameters, 2 test hosts, 200 steps, one seed, the methods at their "
-                f"compare recipes; {csv_link(page, committed.HF_TRAINER)})"]
-    return "\n".join(out) + "\n"
+    return captioned(["entry", "held-out loss", "MB sent per worker", "fewer than plain DeepSpeed", "s a step, unshaped",
+                 "s a step, 10 Mbit/s"], body,
+                     f"(transformers' Llama, 390k parameters, 2 test hosts, 200 steps, one seed, the methods at their "
+                f"compare recipes; {csv_link(page, committed.HF_TRAINER)})")
 
 
 def render_hf_one_bit(page: Path) -> str:
@@ -567,12 +551,11 @@ def render_hf_one_bit(page: Path) -> str:
         return [label, *(f"{float(at[(entry, lr)]['held_out_loss']):.4f}" for lr in lrs)]
     dense = float(at[("deepspeed_muon", lrs[0])]["bytes_sent_per_worker"])
     recipe = float(at[("muloco_sign", lrs[0])]["bytes_sent_per_worker"])
-    out = table(["Muon lr", *(f"{lr:g}" for lr in lrs)], [
+    return captioned(["Muon lr", *(f"{lr:g}" for lr in lrs)], [
         line("deepspeed_muon", f"DeepSpeed's Muon, ZeRO 0 ({dense / 1e6:.0f} MB per worker)"),
-        line("muloco_sign", f"muloco_sign at the same settings ({recipe / 1e6:.2f} MB, {times(dense / recipe)} fewer)")])
-    out += ["", f"(the same Llama through the Trainer, 200 steps, one seed, loopback, Adam half's lr 0.024; "
-                f"{csv_link(page, committed.HF_ONE_BIT)})"]
-    return "\n".join(out) + "\n"
+        line("muloco_sign", f"muloco_sign at the same settings ({recipe / 1e6:.2f} MB, {times(dense / recipe)} fewer)")],
+                     f"(the same Llama through the Trainer, 200 steps, one seed, loopback, Adam half's lr 0.024; "
+                f"{csv_link(page, committed.HF_ONE_BIT)})")
 
 
 def render_pipeline_activations(page: Path) -> str:
@@ -582,22 +565,20 @@ def render_pipeline_activations(page: Path) -> str:
              times(int(none["bytes_per_microbatch_per_boundary"]) / int(r["bytes_per_microbatch_per_boundary"])),
              r["held_out_loss"], "-" if r is none else _pct(float(r["held_out_loss"]) / float(none["held_out_loss"]) - 1)]
             for r in rows]
-    out = table(["codec (forward = backward)", "bytes per micro-batch per boundary", "fewer than none",
-                 "held-out loss, 300 steps", "vs none"], body)
-    out += ["", f"(the reference GPT as a 2-stage DeepSpeed pipeline, adamw, one seed; "
-                f"{csv_link(page, committed.PIPELINE_ACTIVATIONS)})"]
-    return "\n".join(out) + "\n"
+    return captioned(["codec (forward = backward)", "bytes per micro-batch per boundary", "fewer than none",
+                 "held-out loss, 300 steps", "vs none"], body,
+                     f"(the reference GPT as a 2-stage DeepSpeed pipeline, adamw, one seed; "
+                f"{csv_link(page, committed.PIPELINE_ACTIVATIONS)})")
 
 
 def render_mixed_replicas(page: Path) -> str:
     rows = _rows(committed.MIXED_REPLICAS)
     body = [[r["layout"], r["replicas"], r["held_out_loss"], r["method_mb_per_worker"], r["activation_mb_per_worker"],
              f"{r['loop_s_run1']} / {r['loop_s_run2']}"] for r in rows]
-    out = table(["layout", "replicas", "held-out loss", "MB across replicas per worker", "MB between stages per worker",
-                 "loop s (two runs)"], body)
-    out += ["", f"(3 test hosts at 100 Mbit/s, sparseloco's recipe, 300 steps, one seed; "
-                f"{csv_link(page, committed.MIXED_REPLICAS)})"]
-    return "\n".join(out) + "\n"
+    return captioned(["layout", "replicas", "held-out loss", "MB across replicas per worker", "MB between stages per worker",
+                 "loop s (two runs)"], body,
+                     f"(3 test hosts at 100 Mbit/s, sparseloco's recipe, 300 steps, one seed; "
+                f"{csv_link(page, committed.MIXED_REPLICAS)})")
 
 
 # -- peers ----------------------------------------------------------------------------------------
@@ -617,18 +598,17 @@ def render_mtdao(page: Path) -> str:
         body.append([label, ", ".join(f"{float(r['lr']):g}" for r in tuning),
                      f"{float(best['final_val_loss']):.4f} (lr {float(best['lr']):g})", f"{float(ran):g}",
                      *(loss.get(s, "-") for s in ("0", "1", "2")), f"{float(mine[0]['bytes_sent_per_worker']) / 1e6:.0f}"])
-    out = table(["entry", "lrs tried on seed 0", "seed 0, best of them", "lr of the seeds", "held-out loss, seed 0",
-                 "seed 1", "seed 2", "MB sent per worker"], body)
-    out += ["", f"(reference task, 2 workers, 3000 steps; {csv_link(page, committed.MTDAO)})"]
-    return "\n".join(out) + "\n"
+    return captioned(["entry", "lrs tried on seed 0", "seed 0, best of them", "lr of the seeds", "held-out loss, seed 0",
+                 "seed 1", "seed 2", "MB sent per worker"], body,
+                     f"(reference task, 2 workers, 3000 steps; {csv_link(page, committed.MTDAO)})")
 
 
 RENDER = {
     "recipes": render_recipes, "compare": render_compare,
     "replica_bytes": render_replica_bytes, "replica_steps": render_replica_steps,
     "replica_methods": render_replica_methods, "sharded_replicas": render_sharded_replicas,
-    "ttl_muon": render_ttl_muon, "ttl_muon_every_step": render_ttl_muon_every_step,
-    "ttl_muon_peers": render_ttl_muon_peers, "ttl_adamw": render_ttl_adamw, "ttl_demo_muon": render_ttl_demo_muon,
+    **{name: functools.partial(ttl_table, rel=rel, entries=entries, links=links, bytes_vs=bytes_vs)
+       for name, (rel, entries, links, bytes_vs) in TTL_TABLES.items()},
     "streaming": render_streaming,
     "scale": render_scale, "cnn": render_cnn, "cnn_ablation": render_cnn_ablation,
     "faults": render_faults, "faults_peers": render_faults_peers, "absent": render_absent,
