@@ -5,8 +5,9 @@ README.md's Results and every page of docs/results/ hold their figures between m
 here from committed CSVs under docs/bench/ (:mod:`lowcomm_bench.committed` names them), so a
 figure cannot drift from its evidence. With no option every block of every page is checked, and
 the prose around the blocks for figures of its own (:func:`prose_figures`; tests/test_docs_figures.py
-runs the same checks); ``--write`` rewrites the blocks from the CSVs. A block renders for the page it is on: its links
-are relative to that page, so one block (``recipes``, say) may stand on several pages.
+runs the same checks); ``--write`` rewrites the blocks from the CSVs. A block renders for the page
+it is on: its links are relative to that page, so one block (``recipes``, say) may stand on
+several pages.
 
 A new figure is a renderer here (a function of the page, returning the block's text), its name in
 :data:`RENDER`, and the block on the page; a new CSV gets its name in :mod:`lowcomm_bench.committed`.
@@ -671,10 +672,10 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{path.relative_to(ROOT)}: {', '.join(blocks(text)) or 'no blocks'} rewritten from their CSVs")
             continue
         drifted, loose = stale(path), prose_figures(path)
-        failed |= bool(drifted or loose)
-        print(f"{path.relative_to(ROOT)}: " + ("; ".join(
-            ([f"stale: {', '.join(drifted)}"] if drifted else []) + ([f"figures outside a block: {', '.join(loose)}"] if loose else []))
-            or "every block matches its CSVs"))
+        problems = ([f"stale: {', '.join(drifted)}"] if drifted else []) + \
+                   ([f"figures outside a block: {', '.join(loose)}"] if loose else [])
+        failed |= bool(problems)
+        print(f"{path.relative_to(ROOT)}: {'; '.join(problems) or 'every block matches its CSVs'}")
     return 1 if failed else 0
 
 
