@@ -236,8 +236,9 @@ def test_the_cpu_codec_default_follows_the_model_size():
 
     from lowcomm_bench.measured import cpu_codec_entry
 
-    bench = Path(__file__).resolve().parents[1] / "docs" / "bench"
-    rows = list(csv.DictReader(open(bench / "plan_scale.csv")))
+    from lowcomm_bench.committed import BENCH, PLAN_SCALE
+
+    rows = list(csv.DictReader(open(BENCH / PLAN_SCALE)))
     ns = {int(r["parameters"]): float(r["codec_ns_per_element"]) for r in rows if r["method"] == "demo"}
     assert len(ns) >= 2
     entry = cpu_codec_entry(rows, "plan_scale.csv")
@@ -258,33 +259,37 @@ def test_the_cpu_codec_default_follows_the_model_size():
 # Step times the planner misses by more than 15% (docs/planning.md says why): the 4-host runs share
 # 2 cores (adamw's unshaped step, its compute, is slower than its 1 Gbit/s step), and the 2-host
 # network runs (2026-11-23) coded with the codec before 2026-11-24's, 2.8x slower than today's default
-# (demo's same row re-measured with today's codec, network-2h-2026-11-27.json, is within 1%).
-KNOWN_MISSES = {("network-4h.json", "4h-1gbit-5ms", "adamw"), ("network-4h.json", "4h-100mbit-20ms", "sparseloco"),
-                ("network-2h.json", "2h-1gbit-5ms", "demo")}
+# (demo's same row re-measured with today's codec, 2026-11-27-cpu-network-2hosts-adamw-demo.json, is within 1%).
+KNOWN_MISSES = {("2026-11-23-cpu-network-4hosts.json", "4h-1gbit-5ms", "adamw"),
+                ("2026-11-23-cpu-network-4hosts.json", "4h-100mbit-20ms", "sparseloco"),
+                ("2026-11-23-cpu-network-2hosts.json", "2h-1gbit-5ms", "demo")}
 
 
 def test_the_planner_predicts_the_measured_steps():
     """bench plan_check over the committed measurements (docs/bench): every shaped-link run of the
-    network, fair time-to-loss and streaming benchmarks and issue 41's overlap and sign runs, predicted from
+    network, fair time-to-loss and streaming benchmarks and the runs against dense Muon (the top-k formats
+    overlapped, the one-bit recipes), predicted from
     the compute of the entry's own unshaped run (less its timed codec seconds) with the planner's own
     codec and link model: within 15% of the measured step but for the misses docs/planning.md names,
     and those within 35%. The overlapped outer syncs (sync_delay, carried) are planned as hidden: their
     steps are within 5% of the measured, as are the blocking ones'."""
-    from lowcomm_bench.plan_check import STEP_WITHIN, TUNED_OUTER_ENTRIES, step_rows
+    from lowcomm_bench.committed import BENCH
+    from lowcomm_bench.plan_check import STEP_WITHIN, TUNED_OUTER_ENTRIES, TUNED_OUTER_RUNS, step_rows
 
-    rows = step_rows(Path(__file__).resolve().parents[1] / "docs" / "bench")
+    rows = step_rows(BENCH)
     assert len(rows) == 64
     off = {(r["source"], r["setting"], r["method"]): r["predicted_step_s"] / r["measured_step_s"] - 1 for r in rows}
     assert {k for k, v in off.items() if abs(v) > STEP_WITHIN} == KNOWN_MISSES
     assert max(abs(v) for v in off.values()) < 0.35
-    outer = [r for r in rows if r["source"] == "issue41/overlap"]
-    assert {r["method"] for r in rows if r["source"] == "issue41/sign"} == set(TUNED_OUTER_ENTRIES["sign"])
+    source = {run: Path(name).with_suffix(".json").name for run, name in TUNED_OUTER_RUNS.items()}
+    outer = [r for r in rows if r["source"] == source["overlap"]]
+    assert {r["method"] for r in rows if r["source"] == source["sign"]} == set(TUNED_OUTER_ENTRIES["sign"])
     assert {r["method"] for r in outer} == set(TUNED_OUTER_ENTRIES["overlap"]) and len(outer) == 8
     assert all(abs(off[(r["source"], r["setting"], r["method"])]) < 0.05 for r in outer)
 
 
 def test_the_predicted_speed_up_does_not_flatter():
-    """The fair benchmark's measured speed-ups in time to the target (docs/bench/time_to_loss.csv:
+    """The fair benchmark's measured speed-ups in time to the target (committed.ADAMW_TTL:
     demo's recipe over ds_lowcomm's adamw, DDP and DDP bf16, at 100, 25, 10 and 3 Mbit/s on 2 hosts)
     against plan()'s, given what a user would measure: the baseline's step on the unshaped link (its
     compute), demo's codec throughput from its unshaped run, the measured steps ratio. The planner
@@ -294,9 +299,11 @@ def test_the_predicted_speed_up_does_not_flatter():
     from lowcomm_bench.netns import rate_bits
     from lowcomm_bench.runs import LINKS
 
-    bench = Path(__file__).resolve().parents[1] / "docs" / "bench"
-    timing = {k: v["timing"] for k, v in json.loads((bench / "time_to_loss.json").read_text())["results"].items()}
-    measured = {(r["link"], r["entry"]): r for r in csv.DictReader(open(bench / "time_to_loss.csv"))}
+    from lowcomm_bench.committed import ADAMW_TTL, BENCH
+
+    path = BENCH / ADAMW_TTL
+    timing = {k: v["timing"] for k, v in json.loads(path.with_suffix(".json").read_text())["results"].items()}
+    measured = {(r["link"], r["entry"]): r for r in csv.DictReader(open(path))}
     demo = timing["2@unshaped@demo_recipe"]
     elements = sum(math.prod(s) for s in planner.model_shapes("reference"))
     codec_gbps = elements * 4 / (demo["codec_s"] / demo["history"][-1]["step"]) / 1e9
@@ -336,7 +343,7 @@ def test_the_hf_benchmark_configs_and_verdict():
 
 
 def test_the_replica_bytes_are_the_planners_at_every_measured_count():
-    """bench replica_bytes (docs/bench/replica_bytes.csv, issue 56): the one-bit recipe measured on
+    """bench replica_bytes (committed.ONE_BIT_BYTES_PER_SYNC): the one-bit recipe measured on
     2, 4 and 8 test hosts with its exchange chosen by auto (the compressed all-reduce from 3) and
     with the all-gather. Each row's formula is the planner's now (and plan() prices the same at
     that replica count); the workers' ledgers received exactly the formula's bytes per sync (the
@@ -349,7 +356,9 @@ def test_the_replica_bytes_are_the_planners_at_every_measured_count():
     from lowcomm_bench.replica_bytes import planned
     from lowcomm_bench.time_to_loss import entry_spec
 
-    rows = [r for r in csv.DictReader(open(Path(__file__).resolve().parents[1] / "docs/bench/replica_bytes.csv"))
+    from lowcomm_bench.committed import BENCH, ONE_BIT_BYTES_PER_SYNC
+
+    rows = [r for r in csv.DictReader(open(BENCH / ONE_BIT_BYTES_PER_SYNC))
             if r["entry"] == "muloco_sign"]
     model = {"n_layer": 2, "n_embd": 128, "seq_len": 128}  # the bench's reference model
     spec, _ = entry_spec("muloco_sign", 8, 8, model)

@@ -16,7 +16,9 @@ def main() -> None:
     if len(sys.argv) < 2 or sys.argv[1] not in BENCHMARKS:
         raise SystemExit(f"usage: python -m lowcomm_bench <name> [options]; names: {', '.join(BENCHMARKS)}")
     module = importlib.import_module(f"lowcomm_bench.{BENCHMARKS[sys.argv[1]]}")
-    module.main(sys.argv[2:])
+    result = module.main(sys.argv[2:])
+    if isinstance(result, int) and not isinstance(result, bool):  # a check's exit status (figures)
+        raise SystemExit(result)
 
 
 if __name__ == "__main__":

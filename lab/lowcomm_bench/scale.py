@@ -203,9 +203,14 @@ def read_csv(path: str | Path) -> list[dict]:
     return out
 
 
+def summary_path(out: str | Path) -> Path:
+    """Where :func:`collect` writes the summary of ``out``: beside it, ``<stem>-summary.csv``."""
+    return Path(out).with_name(f"{Path(out).stem}-summary.csv")
+
+
 def collect(out: str | Path, sources: list[str]) -> list[dict]:
     """Every run's rows of ``sources`` (scale.csv files: CPU sizes, a GPU check's -scale.csv) into
-    ``out`` (docs/bench/scale.csv), and their summary beside it (``scale_summary.csv``); a row that
+    ``out`` (docs/bench/model-size/steps-to-target.csv), and their summary beside it (:func:`summary_path`); a row that
     ``out`` already holds (same entry, size, device, role, seed, H, settings) is replaced."""
     key = ("entry", "parameters", "device", "role", "seed", "H", "settings")
     rows = {}
@@ -216,7 +221,7 @@ def collect(out: str | Path, sources: list[str]) -> list[dict]:
                                                 r["seed"], r["entry"] != DENSE_ENTRY[r["form"]], r["H"]))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     write_csv(Path(out), rows, COLUMNS)
-    write_csv(Path(out).with_name("scale_summary.csv"), summarize(rows), SUMMARY_COLUMNS)
+    write_csv(summary_path(out), summarize(rows), SUMMARY_COLUMNS)
     return rows
 
 
