@@ -110,6 +110,10 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
     if replicas and (lowcomm.effective().get("low_rank") or lowcomm.effective().get("subset_fraction", 1.0) < 1.0):
         raise ConfigError("lowcomm.replicas (replicas of different shapes): not with lowcomm.low_rank or "
                           "lowcomm.subset_fraction < 1 yet (each route's tensors differ); use replica_size")
+    if replicas and lowcomm.effective().get("sync_every_schedule"):
+        raise ConfigError("lowcomm.sync_every_schedule is not supported with lowcomm.replicas (replicas of different "
+                          "shapes run a fixed number of steps per sync, their inner_steps or sync_every); set "
+                          "sync_every_schedule to [] there")
     fragments = lowcomm.effective().get("fragments", 1)
     if stage >= 1 and fragments > 1:
         raise ConfigError(f"lowcomm.fragments must be 1 with zero_optimization.stage {stage} (ZeRO 1-3 hand the "
