@@ -4,8 +4,6 @@ DiLoCo's landings, H growing during training (sync_every_schedule), and eager up
 2502.12996) with plain diloco and with dct_diloco's one-bit compressed all-reduce; each resumed
 from a checkpoint taken with a sync in flight."""
 
-import math
-
 import numpy as np
 import pytest
 import torch
@@ -279,19 +277,14 @@ def _eager_replay(world, sync_every, fragments, delay, steps, outer_lr, outer_mo
     return [[p.detach().double().numpy() for p in ps] for ps in params]
 
 
-def _sign(x):
-    """One-bit code of the compressed all-reduce: the sign, at the mean magnitude."""
-    scale = x.abs().mean()
-    return torch.where(x < 0, -scale, scale)
-
-
 def _sign_eager_replay(world):
     """dct_diloco with eager updates over the one-bit compressed all-reduce, 2 replicas in one
-    process (fp32, as it runs): at a send each replica adds Delta_r to its decayed buffer, cuts
-    the fragment's flat buffer into M chunks and sends each as signs at their mean magnitude (what
-    it sends leaves its buffer: its share, own_r); chunk j's mean over replicas plus its server
-    error is sent again as signs (the rest stays in the server error). Each replica's anchor steps
-    along mean_prev + (own_r - own_r,prev) / M at once; the mean lands a step later."""
+    process (fp32, as it runs): at a send each replica adds Delta_r to its decayed buffer; each
+    tensor of it travels as its signs and its scale (the mean magnitude); the mean is the
+    replicas' mean scale times the mean of their signs, and what a replica's signs stood for (that
+    shared scale times its sign) leaves its buffer. Each replica's anchor steps at once along
+    mean_prev + (Delta_r - Delta_r,prev) / M (the local outer gradient, as without error
+    feedback); the mean lands a step later."""
     c = SIGN_EAGER
     sends = _sends_by_definition(c["sync_every"], (), c["fragments"], SIGN_STEPS)
     models = [tiny_model() for _ in range(world)]
@@ -301,43 +294,27 @@ def _sign_eager_replay(world):
     residual = [[torch.zeros_like(a) for a in anchors] for anchors in anchor]
     own_prev = [[torch.zeros_like(a) for a in anchors] for anchors in anchor]
     mean_prev = [torch.zeros_like(a) for a in anchor[0]]
-    server = {f: [None] * world for f in range(len(FRAGMENTS))}
     pending = {}
-
-    def split(flat, members):
-        out, at = {}, 0
-        for i in members:
-            out[i] = flat[at : at + anchor[0][i].numel()].view_as(anchor[0][i])
-            at += anchor[0][i].numel()
-        return out
-
     for s in range(SIGN_STEPS):
         t = s + 1
         replay_sgd_step(models, s, LR)
         for f, members in enumerate(FRAGMENTS):
             if t in sends[f]:
-                sent = []
+                own = [{i: anchor[r][i] - params[r][i].detach() for i in members} for r in range(world)]
+                means = {}
+                for i in members:
+                    for r in range(world):
+                        residual[r][i].mul_(c["decay"]).add_(own[r][i])
+                    shared = sum(residual[r][i].abs().sum() / residual[r][i].numel() for r in range(world)) / world
+                    signs = [torch.where(residual[r][i] < 0, -1.0, 1.0) for r in range(world)]
+                    means[i] = shared * sum(signs) / world
+                    for r in range(world):
+                        residual[r][i].sub_(shared * signs[r])
+                pending[f] = (t, means)
                 for r in range(world):
                     for i in members:
-                        residual[r][i].mul_(c["decay"]).add_(anchor[r][i] - params[r][i].detach())
-                    flat = torch.cat([residual[r][i].reshape(-1) for i in members])
-                    chunk = math.ceil(flat.numel() / world)
-                    sent.append(torch.cat([_sign(flat[j * chunk : (j + 1) * chunk]) for j in range(world)]))
-                    for i, part in split(sent[r], members).items():
-                        residual[r][i].sub_(part)
-                means = []
-                for j in range(world):
-                    versions = [x[j * chunk : (j + 1) * chunk] for x in sent]
-                    if server[f][j] is None:
-                        server[f][j] = torch.zeros_like(versions[0])
-                    compensated = sum(versions[1:], versions[0].clone()) / world + server[f][j]
-                    means.append(_sign(compensated))
-                    server[f][j] = compensated - means[-1]
-                pending[f] = (t, split(torch.cat(means), members))
-                for r in range(world):
-                    for i, own in split(sent[r], members).items():
-                        g = mean_prev[i] + (own - own_prev[r][i]) / world
-                        own_prev[r][i] = own
+                        g = mean_prev[i] + (own[r][i] - own_prev[r][i]) / world
+                        own_prev[r][i] = own[r][i]
                         momentum[r][i].mul_(c["outer_momentum"]).add_(g)
                         anchor[r][i].add_(g.add(momentum[r][i], alpha=c["outer_momentum"]), alpha=-c["outer_lr"])
                         with torch.no_grad():
