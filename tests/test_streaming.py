@@ -243,59 +243,24 @@ def test_growing_h_syncs_where_its_definition_says_and_resumes_exactly(runs):
         assert same_bits(res["resumed"], res["final"]), r
 
 
-def _eager_replay(world, sync_every, fragments, delay, steps, outer_lr, outer_momentum, **_):
-    """Eager updates from the paper, 2 replicas in one process (float64): at a fragment's send each
-    replica r steps its own anchor (Nesterov SGD, its own momentum) along
-    mean_prev + (Delta_r - Delta_r,prev) / M, Delta_r = its anchor - its parameters, and restarts
-    from it; the mean of the Delta_r lands ``delay`` steps later and is the next send's mean_prev."""
-    sends = _sends_by_definition(sync_every, (), fragments, steps)
-    models = [tiny_model() for _ in range(world)]
-    params = [list(m.parameters()) for m in models]
-    anchor = [[p.detach().double().numpy().copy() for p in ps] for ps in params]
-    momentum = [[np.zeros_like(a) for a in anchors] for anchors in anchor]
-    own_prev = [[np.zeros_like(a) for a in anchors] for anchors in anchor]
-    mean_prev = [np.zeros_like(a) for a in anchor[0]]
-    pending = {}
-    for s in range(steps):
-        t = s + 1
-        replay_sgd_step(models, s, LR)
-        for f, members in enumerate(FRAGMENTS):
-            if t in sends[f]:
-                own = [{i: anchor[r][i] - params[r][i].detach().double().numpy() for i in members} for r in range(world)]
-                pending[f] = (t, {i: sum(own[r][i] for r in range(world)) / world for i in members})
-                for r in range(world):
-                    for i in members:
-                        g = mean_prev[i] + (own[r][i] - own_prev[r][i]) / world
-                        own_prev[r][i] = own[r][i]
-                        momentum[r][i] = outer_momentum * momentum[r][i] + g
-                        anchor[r][i] = anchor[r][i] - outer_lr * (g + outer_momentum * momentum[r][i])
-                        with torch.no_grad():
-                            params[r][i].copy_(torch.as_tensor(anchor[r][i]))
-            if f in pending and pending[f][0] == t - delay:
-                for i, mean in pending.pop(f)[1].items():
-                    mean_prev[i] = mean
-    return [[p.detach().double().numpy() for p in ps] for ps in params]
-
-
-def _sign_eager_replay(world):
-    """dct_diloco with eager updates over the one-bit compressed all-reduce, 2 replicas in one
-    process (fp32, as it runs): at a send each replica adds Delta_r to its decayed buffer; each
-    tensor of it travels as its signs and its scale (the mean magnitude); the mean is the
-    replicas' mean scale times the mean of their signs, and what a replica's signs stood for (that
-    shared scale times its sign) leaves its buffer. Each replica's anchor steps at once along
-    mean_prev + (Delta_r - Delta_r,prev) / M (the local outer gradient, as without error
-    feedback); the mean lands a step later."""
-    c = SIGN_EAGER
-    sends = _sends_by_definition(c["sync_every"], (), c["fragments"], SIGN_STEPS)
+def _eager_replay(world, settings, steps, outer_momentum, outer_lr, decay=None, **_):
+    """Eager updates from the paper, the replicas in one process (fp32, as they run): at a
+    fragment's send each replica r steps its own anchor (Nesterov SGD, its own momentum) along
+    mean_prev + (Delta_r - Delta_r,prev) / M, Delta_r = its anchor - its parameters (the local
+    outer gradient), and restarts from it; the sync's mean lands ``sync_delay`` steps later and is
+    the next send's mean_prev. The mean: of the Delta_r; or (``decay``: dct_diloco's one-bit
+    compressed all-reduce) each replica adds Delta_r to its decayed buffer, each tensor of which
+    travels as its signs and its scale (the mean magnitude): the mean is the replicas' mean scale
+    times the mean of their signs, and what a replica's signs stood for (that shared scale times
+    its sign) leaves its buffer."""
+    sends = _sends_by_definition(settings["sync_every"], (), settings["fragments"], steps)
     models = [tiny_model() for _ in range(world)]
     params = [list(m.parameters()) for m in models]
     anchor = [[p.detach().clone() for p in ps] for ps in params]
-    momentum = [[torch.zeros_like(a) for a in anchors] for anchors in anchor]
-    residual = [[torch.zeros_like(a) for a in anchors] for anchors in anchor]
-    own_prev = [[torch.zeros_like(a) for a in anchors] for anchors in anchor]
+    momentum, residual, own_prev = ([[torch.zeros_like(a) for a in anchors] for anchors in anchor] for _ in range(3))
     mean_prev = [torch.zeros_like(a) for a in anchor[0]]
     pending = {}
-    for s in range(SIGN_STEPS):
+    for s in range(steps):
         t = s + 1
         replay_sgd_step(models, s, LR)
         for f, members in enumerate(FRAGMENTS):
@@ -303,8 +268,11 @@ def _sign_eager_replay(world):
                 own = [{i: anchor[r][i] - params[r][i].detach() for i in members} for r in range(world)]
                 means = {}
                 for i in members:
+                    if decay is None:
+                        means[i] = sum(own[r][i] for r in range(world)) / world
+                        continue
                     for r in range(world):
-                        residual[r][i].mul_(c["decay"]).add_(own[r][i])
+                        residual[r][i].mul_(decay).add_(own[r][i])
                     shared = sum(residual[r][i].abs().sum() / residual[r][i].numel() for r in range(world)) / world
                     signs = [torch.where(residual[r][i] < 0, -1.0, 1.0) for r in range(world)]
                     means[i] = shared * sum(signs) / world
@@ -315,11 +283,11 @@ def _sign_eager_replay(world):
                     for i in members:
                         g = mean_prev[i] + (own[r][i] - own_prev[r][i]) / world
                         own_prev[r][i] = own[r][i]
-                        momentum[r][i].mul_(c["outer_momentum"]).add_(g)
-                        anchor[r][i].add_(g.add(momentum[r][i], alpha=c["outer_momentum"]), alpha=-c["outer_lr"])
+                        momentum[r][i].mul_(outer_momentum).add_(g)
+                        anchor[r][i].add_(g.add(momentum[r][i], alpha=outer_momentum), alpha=-outer_lr)
                         with torch.no_grad():
                             params[r][i].copy_(anchor[r][i])
-            if f in pending and pending[f][0] == t - c["sync_delay"]:
+            if f in pending and pending[f][0] == t - settings["sync_delay"]:
                 for i, mean in pending.pop(f)[1].items():
                     mean_prev[i] = mean
     return [[p.detach() for p in ps] for ps in params]
@@ -327,12 +295,8 @@ def _sign_eager_replay(world):
 
 @pytest.mark.parametrize("case", ["eager", "eager_sign"])
 def test_eager_updates_match_the_papers_method_and_resume_exactly(case, runs):
-    settings = EAGER if case == "eager" else SIGN_EAGER
-    steps = EAGER_STEPS if case == "eager" else SIGN_STEPS
-    if case == "eager":
-        replay = _eager_replay(2, steps=steps, delay=EAGER["sync_delay"], **EAGER, **OUTER)
-    else:
-        replay = [[p.double().numpy() for p in ps] for ps in _sign_eager_replay(2)]
+    settings, steps = (EAGER, EAGER_STEPS) if case == "eager" else (SIGN_EAGER, SIGN_STEPS)
+    replay = _eager_replay(2, settings, steps, **(OUTER if case == "eager" else SIGN_EAGER))
     sends = _sends_by_definition(settings["sync_every"], (), 2, steps)
     sending = set(sends[0] + sends[1])
     if case == "eager_sign":  # the compressed all-reduce's second phase runs at the landing
@@ -340,7 +304,7 @@ def test_eager_updates_match_the_papers_method_and_resume_exactly(case, runs):
     results = runs[case]
     for r, res in enumerate(results):
         for got, want in zip(res["final"], replay[r]):
-            np.testing.assert_allclose(got.double().numpy(), want, atol=1e-5 if case == "eager_sign" else 2e-6)
+            torch.testing.assert_close(got, want, atol=1e-5 if case == "eager_sign" else 2e-6, rtol=0)
         assert {t for t in range(1, steps + 1) if res["sent"][t - 1] > 0} == sending
         # an outer step at each send, where the parameters move (the first parameter is fragment 0's)
         assert res["outer_steps"] == len(sends[0])
