@@ -184,15 +184,6 @@ class OuterSettings(StatefulSettings):
             object.__setattr__(self, "sync_every_schedule", tuple(tuple(e) for e in schedule))
 
     # -- the sync schedule: a pure function of the step (nothing to checkpoint) ------------------
-    def interval_at(self, step: int) -> int:
-        """H at local step ``step``: the last schedule entry's with from_step <= step, else sync_every."""
-        h = self.sync_every
-        for start, every in self.sync_every_schedule:
-            if start > step:
-                break
-            h = every
-        return h
-
     def smallest_interval(self) -> int:
         return min([self.sync_every, *(h for _, h in self.sync_every_schedule)])
 
