@@ -45,6 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from .codec import FLOAT_DTYPES, CodecSettings, SparseSpec, ValueFormat
+from .comm import phase_bytes
 from .optim.mtdao import MTDAOSettings
 from .optim.outer import resolve_exchange
 from .optim.recipes import RECIPES
@@ -237,25 +238,21 @@ def sparse_message(op: str, shapes, codec: dict) -> Message:
 
 def outer_exchange(settings: dict, replicas: int) -> str:
     """"all_gather" or "all_reduce": how dct_diloco / sparseloco exchange at ``replicas`` workers,
-    by :func:`ds_lowcomm.optim.outer.resolve_exchange` itself (auto: the compressed all-reduce at 3+
-    replicas for a dense sign / 2-bit payload, every element sent; under fault tolerance, a quorum
-    of ``replicas``)."""
+    by :func:`ds_lowcomm.optim.outer.resolve_exchange` itself (auto: the compressed all-reduce from 4
+    replicas for a dense sign payload, every element sent)."""
     codec = CodecSettings.from_flat(settings, where="plan")
-    return resolve_exchange(settings.get("exchange", "auto"), codec, replicas,
-                            subset_fraction=settings.get("subset_fraction", 1.0))
+    return resolve_exchange(settings.get("exchange", "auto"), codec, replicas)
 
 
-def compressed_all_reduce_messages(op: str, shapes, value_dtype: str, replicas: int) -> list[Message]:
+def compressed_all_reduce_messages(op: str, shapes, replicas: int) -> list[Message]:
     """The two collectives of :class:`ds_lowcomm.comm.compressed_allreduce.CompressedAllReduce` at
-    ``replicas`` = n workers, as its ledger books them: the flat tensor of E elements cut into n
-    chunks of c = ceil(E / n) elements, each travelling as b = the format's bytes of c (shorter ones
-    padded); phase 1 an all-to-all of one chunk plus a health byte to each other rank ((n - 1)(b + 1)
-    sent and received), phase 2 an all-gather of this rank's re-quantised chunk (b)."""
-    n = max(2, replicas)
+    ``replicas`` = n workers, as its ledger books them (its own count, :func:`phase_bytes`: the most
+    any rank sends): phase 1 an all-to-all of each chunk's sign bits and scales to its owner, phase 2
+    an all-gather of each owner's counts."""
+    phases = phase_bytes([tuple(s) for s in shapes], max(2, replicas))
     elements = sum(math.prod(s) for s in shapes)
-    chunk_bytes = ValueFormat(value_dtype).nbytes(math.ceil(elements / n))
-    return [Message(f"{op}_scatter", "all_to_all", (n - 1) * (chunk_bytes + 1), elements),
-            Message(f"{op}_gather", "all_gather", chunk_bytes, elements)]
+    return [Message(f"{op}_scatter", "all_to_all", phases["scatter"][0], elements),
+            Message(f"{op}_gather", "all_gather", phases["gather"][0], elements)]
 
 
 def dense_messages(op: str, elements: int, nbytes_per: int) -> list[Message]:
@@ -368,23 +365,10 @@ def sync_messages(method: str, settings: dict, shapes, grad_bytes: int = 4, para
     state = _state_bytes(settings)
     if method == "diloco":
         return settings["sync_every"], dense_messages("outer_all_reduce", elements, state)
-    if method in ("dct_diloco", "sparseloco") and settings.get("low_rank"):
-        # each matrix's rank-r factors P (rows x r) then Q (rest x r), fp32 dense means; the rest the codec's
-        r = settings["low_rank"]
-        mats = [(s[0], math.prod(s[1:])) for s in shapes if len(s) >= 2]
-        rest = [s for s in shapes if len(s) < 2]
-        codec = sync_messages(method, {**settings, "low_rank": 0}, rest, replicas=replicas)[1] if rest else []
-        return settings["sync_every"], [
-            *dense_messages("outer_low_rank_p", sum(rows * min(r, rows, cols) for rows, cols in mats), 4),
-            *dense_messages("outer_low_rank_q", sum(cols * min(r, rows, cols) for rows, cols in mats), 4), *codec]
-    if method in ("dct_diloco", "sparseloco") and settings.get("subset_fraction", 1.0) < 1.0:
-        # ceil(f n) of each tensor's n elements, coded as a vector of that length; no index
-        picked = [(math.ceil(settings["subset_fraction"] * math.prod(s)),) for s in shapes]
-        return settings["sync_every"], [sparse_message("outer_subset_all_gather", picked, settings)]
     if method in ("dct_diloco", "sparseloco"):
         if outer_exchange(settings, replicas) == "all_reduce":
             return settings["sync_every"], compressed_all_reduce_messages("outer_compressed_all_reduce", shapes,
-                                                                          settings["value_dtype"], replicas)
+                                                                          replicas)
         return settings["sync_every"], [sparse_message("outer_sparse_all_gather", shapes, settings)]
     if method == "mtdao":
         periods = MTDAOSettings.from_flat(settings, where="plan").periods()  # the method's own schedule
@@ -431,9 +415,6 @@ def state_bytes_per_element(method: str, settings: dict, param_bytes: int = 4, s
     outer = settings.get("outer_optimizer", "sgd")
     outer_state = (state if settings.get("outer_momentum", 0.0) else 0) if outer == "sgd" else 2 * state
     residual = state if method in ("dct_diloco", "sparseloco") else 0
-    if settings.get("low_rank") and shapes is not None:  # each matrix's warm-started Q (rest x r), fp32
-        residual += 4 * sum(math.prod(s[1:]) * min(settings["low_rank"], s[0], math.prod(s[1:]))
-                            for s in shapes if len(s) >= 2) / sum(math.prod(s) for s in shapes)
     inner = 2 * param_bytes  # AdamW's two moments; Muon keeps one momentum buffer on the matrices
     if settings.get("inner_optimizer") == "muon":
         inner = (param_bytes * on_matrices + 2 * param_bytes * (elements - on_matrices)) / elements

@@ -216,14 +216,14 @@ def test_the_wire_bytes_are_what_gloo_writes_to_its_sockets():
     for r in rows:
         assert abs(r["predicted_socket_bytes_per_sync"] / r["socket_bytes_per_sync"] - 1) <= 0.001, r
         assert r["socket_bytes_per_sync"] > 1.3 * r["ledger_bytes_per_sync"], r
-    # the one-bit payload both ways (issue 56): the compressed all-reduce (auto at 3 workers) and the
-    # all-gather; each receives what it sends, so the ledger's received column is the wire's bytes
+    # the one-bit payload both ways: the compressed all-reduce and the all-gather; each receives
+    # what it sends, so the ledger's received column is the wire's bytes. At 3 workers they are as
+    # many: 2/3 x (1 + 2) bits an element against 2 x 1 bit (auto keeps the all-gather there)
     sign = {r["method"]: r for r in rows if r["method"] in WIRE_VARIANTS}
     for r in sign.values():
         assert r["ledger_received_bytes_per_sync"] == r["predicted_wire_bytes_per_sync"], r
-    reduce, gather = sign["dct_diloco_sign_auto"], sign["dct_diloco_sign_all_gather"]
-    assert reduce["predicted_wire_bytes_per_sync"] < 0.7 * gather["predicted_wire_bytes_per_sync"]  # 4/3 P against 2 P
-    assert reduce["socket_bytes_per_sync"] < gather["socket_bytes_per_sync"]
+    reduce, gather = sign["dct_diloco_sign_all_reduce"], sign["dct_diloco_sign_all_gather"]
+    assert reduce["predicted_wire_bytes_per_sync"] == pytest.approx(gather["predicted_wire_bytes_per_sync"], rel=0.03)
 
 
 def test_the_cpu_codec_default_follows_the_model_size():
