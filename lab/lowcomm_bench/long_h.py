@@ -56,6 +56,15 @@ DEFAULT_MUON_GRID = '{"peer.muon_lr": [0.02, 0.03, 0.05], "lr": [0.008]}'
 # loop's), three configurations each (dense Muon's tuning budget).
 CANDIDATES: dict[str, dict] = {
     "recipe": {"sync_every": [20, 30, 50]},
+    # H growing during training: H 5 for 100 steps, reaching 30 / 50 / 80 before mid-budget (of
+    # 3000); 101 / 84 / 76 syncs to step 2000 (H 20 throughout: 100), so the bytes can reach 400x
+    # DDP's (a ramp that stays short until step 1500 syncs about 160 times there)
+    "growing": {"sync_every": [5], "sync_every_schedule": [[[100, 10], [300, 20], [600, 30]],
+                                                           [[100, 10], [300, 25], [800, 50]],
+                                                           [[100, 10], [300, 30], [1000, 80]]]},
+    # eager updates at long H: the outer step at the send, the others' shares one sync late. The
+    # result does not depend on sync_delay (>= 1 only says when the sync is waited for), so H varies.
+    "eager": {"sync_every": [20, 30, 50], "sync_delay": [1], "eager": [True]},
 }
 
 
