@@ -54,8 +54,18 @@ DENSE = "muon"
 DEFAULT_MUON_GRID = '{"peer.muon_lr": [0.02, 0.03, 0.05], "lr": [0.008]}'
 # Each candidate: a grid of lowcomm settings over the recipe (sign_recipe's keys and the outer
 # loop's), three configurations each (dense Muon's tuning budget).
-CANDIDATES: dict[str, dict] = {
+CANDIDATES: dict[str, dict | list] = {
     "recipe": {"sync_every": [20, 30, 50]},
+    # DiLoCo's outer Nesterov momentum (outer lr 0.7, momentum 0.9) and around it: the same
+    # momentum at a smaller lr (0.2: about the recipe's step in a steady direction), a lighter one
+    "nesterov": [{"sync_every": 30, "outer_lr": 0.7, "outer_momentum": 0.9},
+                 {"sync_every": 30, "outer_lr": 0.2, "outer_momentum": 0.9},
+                 {"sync_every": 30, "outer_lr": 0.6, "outer_momentum": 0.5}],
+    # two bits an element (a 4-level lookup per tensor): twice the bytes a sync, so H twice as long
+    "two_bit": {"value_dtype": ["2bit"], "sync_every": [40, 60, 80]},
+    # Streaming DiLoCo: each sync carries one of the fragments in turn, landing a step later, mixed
+    # half and half with the local fragment (the paper's alpha 0.5)
+    "streaming": {"sync_every": [30], "fragments": [2, 3, 5], "sync_delay": [1], "fragment_mix": [0.5]},
     # H growing during training: H 5 for 100 steps, reaching 30 / 50 / 80 before mid-budget (of
     # 3000); 101 / 84 / 76 syncs to step 2000 (H 20 throughout: 100), so the bytes can reach 400x
     # DDP's (a ramp that stays short until step 1500 syncs about 160 times there)
@@ -95,6 +105,11 @@ class Runner:
         tmp.write_text(json.dumps(result))
         tmp.replace(path)
         return result
+
+
+def configs_of(candidate: dict | list) -> list[dict]:
+    """A candidate's configurations: its grid's product, or its list of configurations as given."""
+    return [dict(c) for c in candidate] if isinstance(candidate, list) else parse_grid(json.dumps(candidate))
 
 
 def train_one_bytes(rank: int, world: int, spec, peer) -> dict:
@@ -249,7 +264,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         dense_grid = parse_grid(args.muon_grid)
     if args.budget_configs is not None and not tuned_from:
-        sizes = {"muon": len(dense_grid), **{c: len(parse_grid(json.dumps(grids[c]))) for c in names}}
+        sizes = {"muon": len(dense_grid), **{c: len(configs_of(grids[c])) for c in names}}
         wrong = {k: v for k, v in sizes.items() if v != args.budget_configs}
         if wrong:
             raise SystemExit(f"--budget-configs {args.budget_configs}: these grids differ: {wrong}")
@@ -285,7 +300,7 @@ def main(argv: list[str] | None = None) -> dict:
             chosen[name] = json.loads(best_rows[0]["settings"])
             continue
         cand_rows = []
-        for combo in parse_grid(json.dumps(grids[name])):
+        for combo in configs_of(grids[name]):
             settings = recipe_settings(dense_best, combo)
             run = recipe_run(settings, 0, name)
             cand_rows.append(row_of(name, run, target, "tune", 0, settings, common))
