@@ -232,6 +232,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--within", type=float, default=1.10, help="a candidate's pick: fewest bytes within this x dense")
     ap.add_argument("--budget-configs", type=int, default=None, help="refuse a grid of another size")
     ap.add_argument("--seeds", default="1,2,3", help="the measuring seeds (tuning is on seed 0)")
+    ap.add_argument("--seed-candidates", default=None,
+                    help="comma list: only these candidates run the measuring seeds (default: every one); the "
+                         "others stop at their tuning (dropped on their seed-0 numbers)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--backend", default="gloo")
@@ -320,6 +323,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(row_of(DENSE, dense_seed_run, target, "seed", seed, dense_best, common))
         log(f"seed {seed} muon: steps {rows[-1]['steps_to_target']}")
         for name, settings in chosen.items():
+            if args.seed_candidates is not None and name not in args.seed_candidates.split(","):
+                continue
             rows.append(row_of(name, recipe_run(settings, seed, name), target, "seed", seed, settings, common))
             log(f"seed {seed} {name}: steps {rows[-1]['steps_to_target']}")
     summary = summarize(rows)
