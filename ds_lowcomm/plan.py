@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .codec import FLOAT_DTYPES, CodecSettings, SparseSpec, ValueFormat
+from .codec import FLOAT_DTYPES, CodecSettings, SparseSpec
 from .comm import phase_bytes
 from .optim.mtdao import MTDAOSettings
 from .optim.outer import resolve_exchange

@@ -9,7 +9,7 @@ SIGABRT, pytorch/pytorch#190489): ds_lowcomm's transports keep their last operat
 
 import pytest
 
-from lowcomm_bench.exits import SCRIPT, launch
+from lowcomm_bench.exits import launch
 RUNS = 3  # launches per exchange here; the 30-launch check is python -m lowcomm_bench exits
 
 

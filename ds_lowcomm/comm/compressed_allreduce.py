@@ -100,8 +100,8 @@ class CompressedAllReduce:
         return packed_nbytes(hi - lo, self.width) + (SCALE_BYTES + self.count_bytes) * len(_segments(starts, lo, hi))
 
     def ledger_bytes(self) -> dict[str, tuple[int, int]]:
-        """What one exchange records in this rank's ledger, per op: (sent, received)."""
-        n, me = self.transport.world_size, self.transport.rank
+        """What one exchange records in the ledger, per op: (sent, received), the same on every rank."""
+        n = self.transport.world_size
         return {f"{self.op}_scatter": ((n - 1) * self.phase1_bytes, (n - 1) * self.phase1_bytes),
                 f"{self.op}_gather": (self.phase2_bytes, (n - 1) * self.phase2_bytes)}
 
@@ -240,19 +240,18 @@ class CompressedAllReduce:
 
 
 class _Place:
-    """Where a rank stands among ``world_size``: all :class:`CompressedAllReduce` needs to lay out
-    its chunks and count its bytes (the planner prices an exchange without running one)."""
+    """A rank among ``world_size``: all :class:`CompressedAllReduce` needs to lay out its chunks and
+    count its bytes (the planner prices an exchange without running one)."""
 
     def __init__(self, world_size: int, rank: int):
         self.world_size, self.rank = world_size, rank
 
 
 def phase_bytes(layouts: Sequence[Layout], world_size: int) -> dict[str, tuple[int, int]]:
-    """Per phase (op suffix ``scatter``, ``gather``), the most any of ``world_size`` ranks sends and
+    """Per phase (op suffix ``scatter``, ``gather``), what each of ``world_size`` ranks sends and
     receives in one exchange of ``layouts``: what the planner prices."""
-    per_rank = [CompressedAllReduce(layouts, transport=_Place(world_size, r)).ledger_bytes() for r in range(world_size)]
-    return {op.rsplit("_", 1)[1]: (max(b[op][0] for b in per_rank), max(b[op][1] for b in per_rank))
-            for op in per_rank[0]}
+    ledger = CompressedAllReduce(layouts, transport=_Place(world_size, 0)).ledger_bytes()
+    return {op.rsplit("_", 1)[1]: sizes for op, sizes in ledger.items()}
 
 
 def _as_float32(data: torch.Tensor) -> torch.Tensor:

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..codec import CodecSettings
-from ..comm import CompressedAllReduce, Pending, ReplicaShard, Transport, all_finite, start_all_reduce_mean_
+from ..comm import CompressedAllReduce, Pending, ReplicaShard, Transport, all_finite
 from ..settings import (ConfigError, Settings, check_bool, check_choice, check_fraction, check_int, check_nonnegative,
                         check_positive, check_unit)
 from .base import LowcommOptimizer, StatefulSettings, ordered_params

@@ -27,7 +27,6 @@ left out of the key, so a new field does not void old runs): a stopped invocatio
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import hashlib
 import json
@@ -38,7 +37,7 @@ from ds_lowcomm.optim.recipes import sign_recipe
 from lowcomm_task.spec import TrainSpec
 from lowcomm_task.workers import run_local_workers
 
-from .codec import write_csv
+from .codec import read_typed_csv, write_csv
 from .runs import at_target
 from .scale import loss_at_step, parameters_of
 from .sweep import parse_grid, train_one
@@ -164,18 +163,10 @@ def recipe_settings(dense_settings: dict, candidate: dict) -> dict:
 
 
 def read_csv(path: str | Path) -> list[dict]:
-    ints = ("parameters", "replicas", "budget", "seed", "H", "steps_to_target", "last_step")
-    floats = ("bytes_sent_per_worker", "bytes_received_per_worker", "target_loss", "steps_interpolated",
-              "final_val_loss", "vs_ddp_bf16")
-    out = []
-    with open(path, newline="") as f:
-        for r in csv.DictReader(f):
-            for k in ints:
-                r[k] = int(r[k]) if r.get(k) not in (None, "") else None
-            for k in floats:
-                r[k] = float(r[k]) if r.get(k) not in (None, "") else None
-            out.append(r)
-    return out
+    """A long_h.csv's rows, typed as the benchmark writes them."""
+    return read_typed_csv(path, ("parameters", "replicas", "budget", "seed", "H", "steps_to_target", "last_step"),
+                          ("bytes_sent_per_worker", "bytes_received_per_worker", "target_loss", "steps_interpolated",
+                           "final_val_loss", "vs_ddp_bf16"))
 
 
 def summarize(rows: list[dict]) -> list[dict]:

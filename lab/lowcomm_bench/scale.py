@@ -26,7 +26,6 @@ so an interrupted invocation resumes where it stopped.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import hashlib
 import json
@@ -36,7 +35,7 @@ from pathlib import Path
 from ds_lowcomm.optim.recipes import DENSE_FORMS, sign_recipe
 from lowcomm_task.workers import run_local_workers
 
-from .codec import write_csv
+from .codec import read_typed_csv, write_csv
 from .runs import at_target
 from .sweep import parse_grid, train_one
 from .time_to_loss import bytes_to_target, entry_spec, steps_to_target
@@ -190,17 +189,8 @@ def largest_h_within(summary: list[dict], form: str, ratio: float, parameters=No
 
 def read_csv(path: str | Path) -> list[dict]:
     """A scale.csv's rows, typed as the benchmark writes them."""
-    ints, floats = ("parameters", "seed", "H", "steps_to_target", "last_step", "budget"), \
-        ("steps_interpolated", "target_loss", "bytes_sent_per_worker", "final_val_loss")
-    out = []
-    with open(path, newline="") as f:
-        for r in csv.DictReader(f):
-            for k in ints:
-                r[k] = int(r[k]) if r.get(k) not in (None, "") else None
-            for k in floats:
-                r[k] = float(r[k]) if r.get(k) not in (None, "") else None
-            out.append(r)
-    return out
+    return read_typed_csv(path, ("parameters", "seed", "H", "steps_to_target", "last_step", "budget"),
+                          ("steps_interpolated", "target_loss", "bytes_sent_per_worker", "final_val_loss"))
 
 
 def summary_path(out: str | Path) -> Path:
