@@ -2,9 +2,11 @@
 model, one of whose layers the forward pass never uses, ds_lowcomm's one-bit outer loop from
 build_optimizer (EXCHANGE: auto, all_gather or all_reduce), a few steps, then the process group
 destroyed and nothing else: no clean-up step of its own. Prints, on rank 0, how far the unused
-layer moved."""
+layer moved and how many gloo worker threads are left once the group is destroyed (none: nothing
+of a finished sync outlives it, so none can run into interpreter shutdown)."""
 
 import json
+import os
 import sys
 
 import torch
@@ -39,6 +41,8 @@ for step in range(8):
     loss.backward()
     opt.step()
 moved = max((p - b).abs().max().item() for p, b in zip(model.unused.parameters(), before))
-if rank == 0:
-    print(json.dumps({"exchange": opt.exchange, "unused_moved": moved}), flush=True)
 dist.destroy_process_group()
+threads = [open(f"/proc/self/task/{t}/comm").read().strip() for t in os.listdir("/proc/self/task")]
+if rank == 0:
+    print(json.dumps({"exchange": opt.exchange, "unused_moved": moved,
+                      "gloo_threads_left": threads.count("pt_gloo_runloop")}), flush=True)

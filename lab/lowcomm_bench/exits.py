@@ -15,7 +15,7 @@ from pathlib import Path
 from .codec import write_csv
 
 SCRIPT = Path(__file__).with_name("exit_script.py")
-COLUMNS = ["exchange", "ranks", "runs", "exited_0", "aborted", "max_unused_moved"]
+COLUMNS = ["exchange", "ranks", "runs", "exited_0", "aborted", "max_unused_moved", "max_gloo_threads_left"]
 
 
 def launch(exchange: str, ranks: int) -> dict:
@@ -37,10 +37,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for exchange in args.exchanges.split(","):
         launches = [launch(exchange, args.ranks) for _ in range(args.runs)]
+        Path(args.out).mkdir(parents=True, exist_ok=True)
+        for i, d in enumerate(launches):  # what a failed launch printed, for the record
+            if d["returncode"] != 0 or d["aborted"]:
+                (Path(args.out) / f"{exchange}-{i}.stderr").write_text(d["stderr"])
         rows.append({"exchange": exchange, "ranks": args.ranks, "runs": args.runs,
                      "exited_0": sum(d["returncode"] == 0 for d in launches),
                      "aborted": sum(d["aborted"] for d in launches),
-                     "max_unused_moved": max(d["result"]["unused_moved"] for d in launches if d["result"])})
+                     "max_unused_moved": max(d["result"]["unused_moved"] for d in launches if d["result"]),
+                     "max_gloo_threads_left": max(d["result"]["gloo_threads_left"] for d in launches if d["result"])})
         print(json.dumps(rows[-1]), flush=True)
     Path(args.out).mkdir(parents=True, exist_ok=True)
     write_csv(Path(args.out) / "exits.csv", rows, COLUMNS)
