@@ -15,8 +15,9 @@ import torch
 import torch.distributed as dist
 
 from ds_lowcomm import plan as planner
-from ds_lowcomm.optim.recipes import RECIPES
-from ds_lowcomm.optim.registry import LowcommConfig, build_optimizer, model_param_groups
+from ds_lowcomm.optim.recipes import PLANNED, RECIPES, RECOMMENDED, SIGN_OUTER
+from ds_lowcomm.optim.registry import (LowcommConfig, build_optimizer, model_param_groups, planned_ledger,
+                                       planned_state_bytes, planned_wire)
 from ds_lowcomm.settings import ConfigError
 from lowcomm_task.model import GPT, GPTConfig
 
@@ -49,12 +50,17 @@ def test_the_llama_shapes_are_transformers():
     ("mtdao", {"sync_codec": "topk", "topk": 8, "chunk": 8}), ("mtdao", {"outer_optimizer": "sgd", "switch_step": 1}),
     ("mtdao", {"momentum_betas": [0.9, 0.999], "momentum_weights": [0.5, 0.3], "switch_step": 2}),
     ("dion", {}), ("dion", {"value_dtype": "bf16"}), ("diloco", {"inner_optimizer": "muon"}),
-    ("sparseloco", {"inner_optimizer": "muon"}), ("dct_diloco", {"sync_delay": 1, "carry_local_steps": True})])
+    ("sparseloco", {"inner_optimizer": "muon"}), ("dct_diloco", {"sync_delay": 1, "carry_local_steps": True}),
+    ("demo", {"update": "adam"}), ("demo", {"mean_momentum": 0.9, "overlap": True}),
+    ("dct_diloco", {"outer_optimizer": "adam", "state_dtype": "bf16"}),
+    ("dct_diloco", {**SIGN_OUTER, "inner_optimizer": "muon"})])
 def test_the_memory_figure_is_the_optimizer_state(one_rank_group, method, extra):
-    """The planner's state bytes per element x the model's elements = the tensors the method holds
-    after a sync (its own state and, for the outer methods, the inner AdamW's and the outer
-    optimizer's), step counters left out; and its schedule is the ledger's: the same ops, called as
-    often (the bytes: at the socket, test_the_wire_bytes_are_what_gloo_writes_to_its_sockets)."""
+    """What each method declares it holds (``planned_state_bytes``) = the tensors it holds after a
+    sync (its own state and, for the outer methods, the inner AdamW's or Muon's and the outer
+    optimizer's), step counters left out; and what it declares it sends (``planned_wire``) is its
+    ledger: the same ops, called as often, with the same bytes (one rank: an all-gather and an
+    all-reduce book their payload; at the socket with more workers:
+    test_the_wire_bytes_are_what_gloo_writes_to_its_sockets)."""
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_embd=32, seq_len=32))
     raw = {**RECIPES[method]["lowcomm"], **extra, "method": method}
@@ -76,13 +82,11 @@ def test_the_memory_figure_is_the_optimizer_state(one_rank_group, method, extra)
         for per_param in state.values():
             held += sum(t.numel() * t.element_size() for t in dict(per_param).values()
                         if isinstance(t, torch.Tensor) and t.dim() > 0)
-    elements = sum(p.numel() for p in model.parameters())
     shapes = [tuple(p.shape) for p in model.parameters()]
     matrices = planner.hidden_matrices("reference", shapes)  # the GPT's: its embeddings lead
-    assert planner.state_bytes_per_element(method, cfg.effective(), 4, shapes, matrices) * elements == pytest.approx(held)
-    counted = {op: calls for op, (calls, _, _) in opt.ledger.by_op.items() if op != "setup"}
-    planned = planner.planned_ledger(method, cfg.effective(), shapes, steps=steps, matrices=matrices)
-    assert counted == {op: calls for op, (calls, _) in planned.items()}
+    assert planned_state_bytes(cfg, shapes, matrices=matrices) == pytest.approx(held)
+    counted = {op: (calls, sent) for op, (calls, sent, _) in opt.ledger.by_op.items() if op != "setup"}
+    assert counted == planned_ledger(cfg, shapes, steps, matrices=matrices)
 
 
 def test_bad_inputs_name_the_field():
@@ -113,7 +117,7 @@ def test_the_plan_command_writes_its_table_and_json(tmp_path, capsys):
     assert "llama-8b" in out and "overlapped with the backward pass" in out and "after the backward pass" in out
     overlapped, plain = (json.loads((tmp_path / f).read_text()) for f in ("plan.json", "plain.json"))
     adamw, alone = overlapped["rows"][0], plain["rows"][0]
-    assert {r["method"] for r in overlapped["rows"]} == set(RECIPES)
+    assert {r["method"] for r in overlapped["rows"]} == set(PLANNED) and adamw["method"] == "adamw"
     assert alone["step_s"] == pytest.approx(1.995 + alone["comm_s_per_step"])
     # the overlap hides at most the backward pass (2/3 of the compute; and the health flag's 3 latency
     # rounds, which DDP does not send), and most of it here (the all-reduce is longer than it)
@@ -125,10 +129,11 @@ def test_the_plan_command_writes_its_table_and_json(tmp_path, capsys):
 
 
 def test_the_plan_takes_a_shipped_deepspeed_config(tmp_path, capsys):
-    """--config: a DeepSpeed config users copy plans its method at exactly its settings (the overlapped
-    muloco_dct: its sync, 3 x the compute after its send, waits for nothing at 3 Mbit/s; the same
-    without the delay waits for all of it); {method: settings} still goes over the recipes; anything
-    else is refused by name, not a traceback."""
+    """--config: a DeepSpeed config users copy is priced at exactly its settings, as a row of its own
+    (the overlapped muloco_dct: its sync, 3 x the compute after its send, waits for nothing at 3
+    Mbit/s; the same without the delay waits for all of it), against dense Muon (its inner optimizer),
+    and says that no measured recipe runs its settings; {name: settings} still goes over the named
+    entries; anything else is refused by name, not a traceback."""
     from ds_lowcomm.cli import main
 
     root = Path(__file__).resolve().parents[1]
@@ -136,12 +141,14 @@ def test_the_plan_takes_a_shipped_deepspeed_config(tmp_path, capsys):
             "--compute-s", "0.084", "--methods", "adamw,dct_diloco"]
     for name, path in (("overlap", root / "configs/muloco_dct_overlap.json"), ("blocking", root / "configs/muloco_dct.json")):
         assert main([*link, "--config", str(path), "--json", str(tmp_path / f"{name}.json")]) == 0
-    overlap, plain = (json.loads((tmp_path / f"{n}.json").read_text())["rows"][1] for n in ("overlap", "blocking"))
+    overlap, plain = ({r["method"]: r for r in json.loads((tmp_path / f"{n}.json").read_text())["rows"]}[stem]
+                      for n, stem in (("overlap", "muloco_dct_overlap"), ("blocking", "muloco_dct")))
     assert overlap["settings"]["sync_delay"] == 3 and overlap["settings"]["topk"] == 8  # the file's, not the recipe's
     assert overlap["settings"]["carry_local_steps"] and overlap["sync_every"] == 5
     assert 0 < overlap["comm_s_per_step"] * 5 < 3 * 0.084 and overlap["exposed_comm_s_per_step"] == 0
     assert plain["exposed_comm_s_per_step"] == pytest.approx(plain["comm_s_per_step"])
-    assert "steps x is its compare recipe's measured ratio" in capsys.readouterr().out
+    assert overlap["baseline"] == "muon" and overlap["recipe"] is None and overlap["steps_ratio"] is None
+    assert "no measured recipe runs these settings: steps x and speed-up not predicted" in capsys.readouterr().out
     # the config's ZeRO stage and bf16 gradients, unless a flag says otherwise
     bf16 = root / "configs/zero2_bf16_demo_muon.json"
     assert main([*link, "--config", str(bf16), "--json", str(tmp_path / "bf16.json")]) == 0
@@ -152,7 +159,8 @@ def test_the_plan_takes_a_shipped_deepspeed_config(tmp_path, capsys):
     hetero = json.loads((root / "configs/hetero_sparseloco.json").read_text())
     for bad, match in (({"lowcomm": {"topk": 8}}, "lowcomm section must be an object with a method"),
                        (hetero, "lowcomm.replicas \\(replicas of different shapes\\) is not planned"),
-                       ({"dct_diloco": 5}, "must be a DeepSpeed config with a \"lowcomm\" section")):
+                       ({"dct_diloco": 5}, "must be a DeepSpeed config with a \"lowcomm\" section"),
+                       ({"lamb": {"topk": 8}}, "lamb name no entry; allowed: adamw, demo")):
         (tmp_path / "bad.json").write_text(json.dumps(bad))
         with pytest.raises(ConfigError, match=match):
             planner.config_methods(bad)
@@ -179,7 +187,7 @@ def test_a_streaming_sync_hides_only_behind_its_delay(delay):
     settings = {"method": "diloco", "sync_every": 20, "fragments": 4, "sync_delay": delay}
     inputs = planner.PlanInputs(model="gpt-125m", replicas=2, compute_s=1.0, methods={"diloco": settings})
     row = planner.plan_method("diloco", inputs)
-    fragments = planner.fragment_messages("diloco", row["settings"], planner.model_shapes("gpt-125m"))
+    fragments = planned_wire(row["settings"], planner.model_shapes("gpt-125m")).fragments
     seconds = [sum(planner.message_seconds(m, 2, 10e9, 1e-3) for m in part) for part in fragments]
     # a link for which each fragment takes 1.5 steps of compute
     rate = 10e9 * max(seconds) / 1.5
@@ -309,7 +317,7 @@ def test_the_predicted_speed_up_does_not_flatter():
                 compute_s=compute, device="cpu", codec_gbps=codec_gbps, grad_bytes=grad_bytes, overlap_backward=overlap,
                 methods={"demo": RECIPES["demo"]["lowcomm"]},
                 steps_ratio={"demo": int(d["steps_to_target"]) / int(b["steps_to_target"])}))
-            predicted = result["rows"][1]["speedup_vs_adamw"]
+            predicted = result["rows"][1]["speedup_vs_baseline"]
             actual = float(b["time_to_target_s"]) / float(d["time_to_target_s"])
             assert 0.7 * actual <= predicted <= actual, (base, link, predicted, actual)
 
@@ -346,6 +354,7 @@ def test_the_replica_bytes_are_the_planners_at_every_measured_count():
     import csv
     import dataclasses
 
+    from ds_lowcomm.optim.outer import resolve_exchange
     from lowcomm_bench.replica_bytes import planned
     from lowcomm_bench.time_to_loss import entry_spec
 
@@ -359,8 +368,8 @@ def test_the_replica_bytes_are_the_planners_at_every_measured_count():
         variant = {**spec.lowcomm, "exchange": r["exchange"], "sync_every": 1}
         wire = planned("muloco_sign", dataclasses.replace(spec, lowcomm=variant), None, model, n)[2]
         assert float(r["wire_bytes_per_sync"]) == pytest.approx(wire, rel=1e-9), r
-        settings = LowcommConfig.from_dict({**variant, "method": "dct_diloco"}).effective()
-        assert r["exchange_used"] == planner.outer_exchange(settings, n)
+        settings = LowcommConfig.from_dict({**variant, "method": "dct_diloco"}).settings
+        assert r["exchange_used"] == resolve_exchange(settings.exchange, settings.codec, n)
         row = planner.plan_method("dct_diloco", planner.PlanInputs(model="reference", replicas=n,
                                                                    methods={"dct_diloco": variant}))
         assert row["wire_bytes_per_sync"] == pytest.approx(wire, rel=1e-9)
