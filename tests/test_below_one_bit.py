@@ -11,7 +11,6 @@ import math
 import pytest
 import torch
 
-from ds_lowcomm.plan import planned_ledger
 from ds_lowcomm.optim.outer import DCTDiLoCo, DCTDiLoCoSettings
 from ds_lowcomm.optim.recipes import SIGN_OUTER
 from ds_lowcomm.settings import ConfigError
@@ -159,13 +158,6 @@ def test_bytes_of_each_sync_are_below_one_bit_a_parameter(results):
     assert ops["outer_low_rank_q"] == {"calls": syncs, "sent": syncs * 4 * q_floats, "received": syncs * 4 * q_floats}
     assert ops["outer_low_rank_p_health"]["sent"] == ops["outer_low_rank_q_health"]["sent"] == syncs
     assert ops["outer_sparse_all_gather"]["sent"] == syncs * (4 + 4 + 4 + 1 + 1)
-    # the planner prices both from the same wire format
-    for case in CASES:
-        settings = {**DCTDiLoCoSettings.from_flat({**SIGN_OUTER, "sync_every": H, **CASES[case]}).flat(),
-                    "method": "dct_diloco"}
-        planned = planned_ledger("dct_diloco", settings, shapes, STEPS, replicas=WORLD)
-        booked = {op: (row["calls"], row["sent"]) for op, row in results[0][case]["by_op"].items() if op != "setup"}
-        assert planned == booked, case
 
 
 def test_settings_refused_by_name():

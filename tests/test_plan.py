@@ -1,8 +1,9 @@
-"""The planner (ds_lowcomm/plan.py) against independent references: its shapes are the models'
-(transformers' Llama, the reference GPT), its memory figure the optimizer state the methods really
-hold, its op schedule the ledger's, its wire bytes what gloo writes to its sockets, its bucket
-DDP's own bucket assignment, its step times and speed-ups the committed measurements of the
-benchmarks (docs/bench), its inputs checked."""
+"""The planner (ds_lowcomm/plan/) and the methods' declarations it prices against independent
+references: its shapes are the models' (transformers' Llama, the reference GPT), each method's
+declared state the optimizer state it really holds, its declared messages its ledger, op by op and
+byte by byte, its wire bytes what gloo writes to its sockets, its bucket DDP's own bucket
+assignment, its step times and speed-ups the committed measurements of the benchmarks
+(docs/bench), its recipes' steps ratios the scale benchmark's, its inputs checked."""
 
 from __future__ import annotations
 
@@ -382,3 +383,161 @@ def test_the_replica_bytes_are_the_planners_at_every_measured_count():
     assert {n for _, n in measured} == {2, 4, 8}
     assert measured[("auto", 8)] <= 2 * measured[("auto", 2)]
     assert measured[("all_gather", 8)] == pytest.approx(7 * measured[("auto", 2)], rel=0.01)
+
+
+def _summary_ratio(name: str, parameters: int) -> float:
+    """The recipe's steps over its dense baseline's at its H, as the scale benchmark wrote them."""
+    import csv
+
+    h = RECOMMENDED[name]["lowcomm"]["sync_every"]
+    rows = csv.DictReader(open(Path(__file__).resolve().parents[1] / "docs/bench/scale_summary.csv"))
+    return next(float(r["ratio_to_dense"]) for r in rows
+                if r["entry"] == name and int(r["H"]) == h and int(r["parameters"]) == parameters)
+
+
+def test_the_measured_ratios_are_the_scale_benchmarks():
+    """The recommended recipes' steps ratios in ds_lowcomm/measured.json are what `python -m
+    lowcomm_bench measured --scale-summary-csv` derives from the committed scale summary, each
+    against the baseline recipes.RECOMMENDED names; no figure typed by hand."""
+    import csv
+
+    from lowcomm_bench.measured import recipe_ratio_entries
+
+    measured = planner.load_measured()["steps_ratio"]
+    recorded = {name: measured[name] for name in RECOMMENDED}
+    root = Path(__file__).resolve().parents[1]
+    for name, entry in recorded.items():
+        rows = list(csv.DictReader(open(root / entry["csv"])))
+        derived = recipe_ratio_entries(rows, entry["csv"], entry["date"])[name]
+        assert derived == entry, name
+        assert entry["baseline"] == RECOMMENDED[name]["baseline"]
+    assert [n for n, _ in recorded["muloco_sign"]["by_parameters"]] == [445952, 4837376]
+
+
+def test_the_recipe_is_priced_by_name_against_dense_muon(tmp_path):
+    """`plan --methods muloco_sign` (the README's default recipe): priced as itself, against dense
+    Muon, which is DDP's gradient all-reduce (adamw's bytes and seconds) with Muon's state; its steps
+    ratio the scale benchmark's at the measured size nearest the model (4.84M for 8B, 0.446M for the
+    reference model), and its speed-up dense Muon's step over its own time to the target."""
+    from ds_lowcomm.cli import main
+
+    for model, size in (("llama-8b", 4837376), ("reference", 445952)):
+        out = tmp_path / f"{model}.json"
+        assert main(["plan", "--model", model, "--replicas", "8", "--gpus-per-replica", "8", "--link-gbit", "1.25",
+                     "--latency-ms", "10", "--compute-s", "1.995", "--methods", "muloco_sign", "--json", str(out)]) == 0
+        rows = {r["method"]: r for r in json.loads(out.read_text())["rows"]}
+        assert list(rows) == ["adamw", "muon", "muloco_sign"]
+        adamw, muon, sign = rows["adamw"], rows["muon"], rows["muloco_sign"]
+        assert (sign["baseline"], sign["recipe"], muon["baseline"]) == ("muon", "muloco_sign", "muon")
+        assert sign["steps_ratio"] == _summary_ratio("muloco_sign", size) and "scale_summary.csv" in sign["steps_ratio_source"]
+        assert sign["speedup_vs_baseline"] == pytest.approx(muon["step_s"] / (sign["steps_ratio"] * sign["step_s"]))
+        for key in ("bytes_per_step", "wire_bytes_per_step", "step_s"):
+            assert muon[key] == adamw[key], key
+        assert sign["ops"] == ["outer_compressed_all_reduce_scatter", "outer_compressed_all_reduce_gather"]  # 8 replicas
+        assert sign["settings"]["sync_every"] == 5 and sign["optimizer"] == "muon"
+        # Muon's state: one momentum on the hidden matrices where AdamW keeps two moments
+        shapes = planner.model_shapes(model)
+        on_matrices = sum(math.prod(s) for s, m in zip(shapes, planner.hidden_matrices(model)) if m)
+        assert (adamw["state_bytes_per_gpu"] - muon["state_bytes_per_gpu"]) * 8 == pytest.approx(4 * on_matrices)
+
+
+def test_dense_muons_state_is_what_torchs_muon_holds():
+    """The dense Muon baseline's declared state: what MuonWithAdamW (torch's Muon on the hidden
+    matrices, AdamW on the rest, as compare's dense Muon runs) holds after a step."""
+    from ds_lowcomm.optim.muon import MuonWithAdamW, split_muon_params
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_embd=32, seq_len=32))
+    muon, other = split_muon_params(model)
+    opt = MuonWithAdamW(muon, other, muon={"lr": 0.02}, adamw={"lr": 1e-3})
+    x = torch.randint(0, 256, (2, 33))
+    torch.nn.functional.cross_entropy(model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()).backward()
+    opt.step()
+    held = sum(t.numel() * t.element_size() for o in opt.optimizers for state in o.state.values()
+               for t in state.values() if isinstance(t, torch.Tensor) and t.dim() > 0)
+    shapes = [tuple(p.shape) for p in model.parameters()]
+    declared = planned_state_bytes(PLANNED["muon"]["lowcomm"], shapes, matrices=planner.hidden_matrices("reference", shapes),
+                                   local_optimizer=PLANNED["muon"]["optimizer"])
+    assert declared == held
+
+
+@pytest.mark.parametrize("config,recipe,baseline", [
+    ("muloco_sign_zero2_bf16", "muloco_sign", "muon"), ("muloco_sign", "muloco_sign", "muon"),
+    ("muloco_sign_zero1_bf16", "muloco_sign", "muon"), ("adamw_sign", "adamw_sign", "adamw"), ("h10", None, "muon")])
+def test_a_config_is_priced_as_the_recipe_it_runs(tmp_path, capsys, config, recipe, baseline):
+    """--config of a shipped recipe config: its own row at its own settings (H, codec, exchange at the
+    replica count, the inner optimizer: DeepSpeed's Muon section in the ZeRO 2 config, ds_lowcomm's
+    own Muon in the others), against the recipe's dense baseline with the recipe's measured ratio, the
+    config's ZeRO stage and gradient bytes; a copy at H 10 runs no measured recipe, and says so."""
+    from ds_lowcomm.cli import main
+
+    root = Path(__file__).resolve().parents[1]
+    path = root / f"configs/{config}.json"
+    if config == "h10":
+        raw = json.loads((root / "configs/muloco_sign_zero2_bf16.json").read_text())
+        raw["lowcomm"]["sync_every"] = 10
+        path = tmp_path / "h10.json"
+        path.write_text(json.dumps(raw))
+    out = tmp_path / "plan.json"
+    assert main(["plan", "--model", "llama-8b", "--replicas", "8", "--gpus-per-replica", "8", "--link-gbit", "1.25",
+                 "--latency-ms", "10", "--compute-s", "1.995", "--config", str(path), "--json", str(out)]) == 0
+    result = json.loads(out.read_text())
+    rows = {r["method"]: r for r in result["rows"]}
+    assert list(rows) == ["adamw", *([baseline] if baseline != "adamw" else []), config]
+    row, raw = rows[config], json.loads(path.read_text())
+    assert (row["recipe"], row["baseline"], row["optimizer"]) == (recipe, baseline, baseline)
+    assert row["sync_every"] == raw["lowcomm"]["sync_every"] and row["settings"]["value_dtype"] == "sign"
+    assert row["ops"] == ["outer_compressed_all_reduce_scatter", "outer_compressed_all_reduce_gather"]
+    assert result["inputs"]["zero_stage"] == raw["zero_optimization"]["stage"]
+    assert result["inputs"]["grad_bytes"] == (2 if raw.get("bf16", {}).get("enabled") else 4)
+    printed = capsys.readouterr().out
+    if recipe is None:
+        assert row["steps_ratio"] is None and "no measured recipe runs these settings" in printed
+    else:
+        assert row["steps_ratio"] == planner.measured_steps_ratio(recipe, result["parameters"])[0]
+        assert f"it runs the recipe {recipe}: steps x is its measured ratio over {baseline}" in printed
+
+
+@pytest.mark.parametrize("delay", [0, 1, 2])
+def test_the_compressed_all_reduce_hides_each_phase_behind_its_own_steps(delay):
+    """The compressed all-reduce with sync_delay d: its first phase (the all-to-all) runs behind d
+    steps of compute, its second (the all-gather) behind d - 1 (with d = 1 the step it lands on
+    waits for it). The one-bit payload at 4 replicas, without latency, on a link where each phase
+    takes half a step: the planner's wait per sync against the phases' seconds from their bytes by
+    hand (E elements in 4 chunks of c, each a 4-byte scale and c sign bits: the all-to-all 3 chunks
+    and health bytes, the ring all-gather 3 chunks)."""
+    shapes = planner.model_shapes("reference")
+    chunk = math.ceil(sum(math.prod(s) for s in shapes) / 4)
+    b = 4 + math.ceil(chunk / 8)
+    first, second = 3 * (b + 1) * planner.WIRE_OVERHEAD * 8, 3 * b * planner.WIRE_OVERHEAD * 8  # bits on the wire
+    rate = 2 * first  # the first phase takes half a step of 1 s
+    settings = {**SIGN_OUTER, "sync_delay": delay, "exchange": "all_reduce"}
+    inputs = planner.PlanInputs(model="reference", replicas=4, link_gbit=rate / 1e9, latency_ms=0.0, compute_s=1.0,
+                                methods={"sign": settings})
+    row = planner.plan_method("sign", inputs)
+    waited = max(0.0, first / rate - delay) + max(0.0, second / rate - max(0, delay - 1))
+    assert row["exposed_comm_s_per_step"] * row["sync_every"] == pytest.approx(waited, rel=1e-9)
+    assert row["comm_s_per_step"] * row["sync_every"] == pytest.approx((first + second) / rate, rel=1e-9)
+    assert (waited > 0.45) == (delay <= 1)  # d = 1: the second phase waited for
+
+
+def test_the_planner_compares_no_method_name():
+    """ds_lowcomm/plan/ prices every method through its declaration: no comparison there against a
+    method's or a named entry's name (a branch that would restate a method's wire format or state)."""
+    import ast
+
+    from ds_lowcomm.optim.registry import METHODS
+
+    names = {*METHODS, *PLANNED}
+    found = []
+    for path in sorted((Path(planner.__file__).parent).glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Compare):
+                for operand in [node.left, *node.comparators]:
+                    for c in ast.walk(operand):
+                        if isinstance(c, ast.Constant) and c.value in names:
+                            found.append(f"{path.name}:{node.lineno}: {c.value!r}")
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute) and node.func.attr == "startswith"
+                    and any(isinstance(a, ast.Constant) for a in node.args)):
+                found.append(f"{path.name}:{node.lineno}: startswith")
+    assert not found, found

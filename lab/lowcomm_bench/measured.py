@@ -98,7 +98,7 @@ def recipe_ratio_entries(rows: list[dict], source: str, date: str | None = None)
             f"{n / 1e6:.3g}M parameters ({runs[n]['device']}, seeds {runs[n]['seeds']}): {float(runs[n]['median_steps']):g} "
             f"over {float(dense[(runs[n]['parameters'], runs[n]['device'])]['median_steps']):g} steps" for n in sizes)
         out[name] = {"value": float(runs[sizes[-1]]["ratio_to_dense"]), "baseline": baseline, "sync_every": h,
-                     "by_parameters": [[n, float(runs[n]["ratio_to_dense"])] for n in sizes], "date": date,
+                     "by_parameters": [[n, float(runs[n]["ratio_to_dense"])] for n in sizes], "csv": source, "date": date,
                      "source": f"{source}, H {h} against dense {baseline}, median steps to its target: {measured}"}
     return out
 
