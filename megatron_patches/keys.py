@@ -32,8 +32,6 @@ ONLY_VALUE = {
     "overlap": (False, "DeMo's exchange already runs in Megatron's bucket-level gradient sync "
                        "(overlap_grad_reduce overlaps it with the backward pass)"),
     "inner_impl": ("torch", "the inner optimizer is Megatron's own (its Adam is Megatron's choice of kernel)"),
-    "low_rank": (0, "its factors are per weight matrix, and their warm start does not follow Megatron's resharding "
-                    "yet; subset_fraction goes below one bit a parameter there"),
 }
 
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ds_lowcomm.optim.outer import DCTDiLoCo, OuterLoop
+from ds_lowcomm.optim.outer import OuterLoop
 from ds_lowcomm.optim.registry import OUTER_METHODS
 
 from .sharded_state import Holder
@@ -89,17 +89,6 @@ class OuterLoopOptimizer(MegatronLowcomm):
 
     def state_holders(self):
         return super().state_holders() + [Holder("outer", self.outer)]
-
-    def sharded_state_dict(self, model_sharded_state_dict=None, is_loading: bool = False, metadata: dict | None = None,
-                           **kwargs) -> dict:
-        spread = not is_loading and isinstance(self.outer, DCTDiLoCo)  # (sparseloco's too)
-        if spread:  # the compressed all-reduce's server error as per-parameter state: it reshards as the anchors
-            self.outer.spread_server_error()
-        try:
-            return super().sharded_state_dict(model_sharded_state_dict, is_loading, metadata, **kwargs)
-        finally:
-            if spread:
-                self.outer.drop_spread_server_error()
 
     def _load_own(self, state_dict):
         self.outer.load_state_dict(state_dict)

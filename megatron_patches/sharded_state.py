@@ -359,11 +359,6 @@ def problem_with(saved: dict | None, method: str | None) -> str | None:
     if saved["format"] == 1:
         return (f"the checkpoint's ds_lowcomm state was written with layout {then} in ds_lowcomm's first format (the "
                 f"method's state per rank); this run has {now}: resume it with the same sizes")
-    if any(_holds_key(r["skeleton"], "server_error") for r in saved["ranks"]):
-        return (f"the checkpoint holds the compressed all-reduce's server error buffers as chunks of each rank's flat "
-                f"tensors (lowcomm.exchange all_reduce, which auto picks at 3 or more replicas; written by a ds_lowcomm "
-                f"before they were saved whole, as per-parameter state): they do not follow another layout than the "
-                f"saved {then} (this run has {now}). Resume it with that layout; its next checkpoint reshards")
     bound = sorted({path for r in saved["ranks"] for path in r["layout_bound"]})
     if bound:
         return (f"the checkpoint's ds_lowcomm state has per-parameter state it could not tie to parameters "
@@ -382,15 +377,6 @@ def problem_with(saved: dict | None, method: str | None) -> str | None:
         return (f"the checkpoint's {saved['method']} state holds per-parameter values that differ between ranks "
                 f"({', '.join(differ)}); it resumes only with its layout {then}, this run has {now}")
     return None
-
-
-def _holds_key(node: Any, key: str) -> bool:
-    """Whether a saved skeleton (nested dicts and lists) has a dict with ``key``."""
-    if isinstance(node, dict):
-        return key in node or any(_holds_key(v, key) for v in node.values())
-    if isinstance(node, (list, tuple)):
-        return any(_holds_key(v, key) for v in node)
-    return False
 
 
 def _plain_values(saved: dict) -> dict[str, dict[str, dict[str, list]]]:

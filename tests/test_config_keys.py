@@ -27,7 +27,7 @@ SAMPLE = {
     "second_moment_sync_every": (4,), "sync_codec": ("topk",), "switch_step": (3,), "warm_betas": ((0.8, 0.99),),
     "switch_lr_scale": (0.5,), "rank_fraction": (0.5,), "mu": (0.9,), "matrix_lr": (0.02,), "epsilon": (1e-7,),
     "transport": ("mpi",), "replica_size": (2,), "timeout_s": (60.0,), "nonfinite": ("raise",),
-    "exchange": ("all_gather",), "subset_fraction": (0.5,), "low_rank": (2,),
+    "exchange": ("all_gather",),
 }
 # the settings under which a key that is refused alone (nothing reads it at the defaults) is read
 ACTIVE_WITH = {

@@ -155,11 +155,11 @@ RESUMED = {("own_muon_sign", 1, False): ({**SIGN, "inner_optimizer": "muon", "in
            ("own_muon_sparseloco", 2, False): ({"method": "sparseloco", "sync_every": 2, "topk": 8, "chunk": 64,
                                                 "inner_optimizer": "muon", "inner_muon_lr": 0.02}, ADAMW),
            ("deepspeed_muon_topk", 1, False): ({"method": "dct_diloco", "sync_every": 2, "topk": 8, "chunk": 8}, MUON),
-           # below one bit a parameter a sync: a random quarter of each partition, the low-rank factors
-           ("own_muon_subset", 2, True): ({**SIGN, "inner_optimizer": "muon", "inner_muon_lr": 0.02,
-                                            "subset_fraction": 0.25}, ADAMW),
-           # (its biases and norms through the compressed all-reduce: each rank of a replica serves its own)
-           ("deepspeed_muon_low_rank", 0, False): ({**SIGN, "low_rank": 2, "exchange": "all_reduce"}, MUON)}
+           # the compressed all-reduce at ZeRO 0: each rank of a replica syncs its own parameters through it
+           ("deepspeed_muon_all_reduce", 0, False): ({**SIGN, "exchange": "all_reduce"}, MUON)}
+# The top-k formats send the k largest of each block: where fp32 sums of two micro-batches round
+# otherwise, a selection near a tie flips (a step of that element in place of another)
+TOPK = ("own_muon_sparseloco", "deepspeed_muon_topk")
 
 
 def _worker(rank, world, workdir):
@@ -289,7 +289,7 @@ def test_muon_roads_resume_exactly_and_accumulate(runs, key):
             assert torch.equal(r["full"][n], results[0]["full"][n]), (key, rank, n)  # replicas equal
         assert r["bytes"][0] == r["bytes"][1] == r["bytes"][2] > 0, (key, r["bytes"])
         diff = torch.cat([(r["accumulated"][n] - r["full"][n]).abs().flatten() for n in r["full"]])
-        if bf16:  # bf16's gradient sums differ; the sign format flips a few near-zero elements' signs
+        if bf16 or key[0] in TOPK:  # bf16's sums flip a few near-zero signs; fp32's, a top-k selection near a tie
             assert diff.median() < 1e-4 and (diff > 1e-3).float().mean() < 0.05, (key, diff.median(), diff.max())
         else:
             assert diff.max() < 1e-4, (key, diff.max())

@@ -26,7 +26,7 @@ SAMPLE = {
     "nesterov": "false", "momentum_betas": "0.99", "momentum_weights": "0.5", "momentum_sync_every": "3",
     "second_moment_sync_every": "4", "sync_codec": "topk", "switch_step": "3", "warm_betas": "0.8,0.99",
     "switch_lr_scale": "0.5", "rank_fraction": "0.5", "mu": "0.9", "matrix_lr": "0.02", "epsilon": "1e-07",
-    "exchange": "all_gather", "subset_fraction": "0.5", "low_rank": "2",
+    "exchange": "all_gather",
 }
 
 
@@ -115,13 +115,3 @@ def test_the_sign_recipe_runs_with_megatrons_optimizer_as_its_inner_one():
         _config({**SIGN_OUTER, "inner_optimizer": "muon", "inner_impl": "apex"})
     with pytest.raises(ConfigError, match="lowcomm.inner_muon_lr"):
         _config({**SIGN_OUTER, "inner_muon_lr": 0.05})
-
-
-def test_a_resharded_checkpoint_with_server_error_buffers_is_found():
-    """The compressed all-reduce's server error (lowcomm.server_error in the method's state) is found
-    anywhere in a saved skeleton, so problem_with refuses resharding such a checkpoint by name (the
-    buffers are chunks of each rank's flat tensors at the saved layout)."""
-    from megatron_patches.sharded_state import _holds_key
-
-    assert _holds_key({"state": {"outer": [{"lowcomm": {"server_error": {"0,1": "t0"}}}]}}, "server_error")
-    assert not _holds_key({"state": {"outer": [{"lowcomm": {"settings": {"exchange": "all_gather"}}}]}}, "server_error")

@@ -225,14 +225,16 @@ def test_the_wire_bytes_are_what_gloo_writes_to_its_sockets():
     for r in rows:
         assert abs(r["predicted_socket_bytes_per_sync"] / r["socket_bytes_per_sync"] - 1) <= 0.001, r
         assert r["socket_bytes_per_sync"] > 1.3 * r["ledger_bytes_per_sync"], r
-    # the one-bit payload both ways (issue 56): the compressed all-reduce (auto at 3 workers) and the
-    # all-gather; each receives what it sends, so the ledger's received column is the wire's bytes
+    # the one-bit payload both ways: the compressed all-reduce and the all-gather; each receives what
+    # it sends, so the ledger's received column is the wire's bytes (the all-reduce's ranks' phase 1
+    # parts differ by a few scales: within 1%). At 3 workers they send about as many (2/3 of a bit
+    # and of 2 bits an element against 2 payloads of a bit): auto takes the all-gather there, the
+    # all-reduce from 4 (test_the_replica_bytes_are_the_planners_at_every_measured_count)
     sign = {r["method"]: r for r in rows if r["method"] in WIRE_VARIANTS}
-    for r in sign.values():
-        assert r["ledger_received_bytes_per_sync"] == r["predicted_wire_bytes_per_sync"], r
-    reduce, gather = sign["dct_diloco_sign_auto"], sign["dct_diloco_sign_all_gather"]
-    assert reduce["predicted_wire_bytes_per_sync"] < 0.7 * gather["predicted_wire_bytes_per_sync"]  # 4/3 P against 2 P
-    assert reduce["socket_bytes_per_sync"] < gather["socket_bytes_per_sync"]
+    reduce, gather = sign["dct_diloco_sign_all_reduce"], sign["dct_diloco_sign_all_gather"]
+    assert gather["ledger_received_bytes_per_sync"] == gather["predicted_wire_bytes_per_sync"], gather
+    assert reduce["ledger_received_bytes_per_sync"] == pytest.approx(reduce["predicted_wire_bytes_per_sync"], rel=0.01)
+    assert reduce["predicted_wire_bytes_per_sync"] == pytest.approx(gather["predicted_wire_bytes_per_sync"], rel=0.1)
 
 
 def test_the_cpu_codec_default_follows_the_model_size():
@@ -498,27 +500,34 @@ def test_a_config_is_priced_as_the_recipe_it_runs(tmp_path, capsys, config, reci
         assert f"it runs the recipe {recipe}: steps x is its measured ratio over {baseline}" in printed
 
 
-@pytest.mark.parametrize("delay", [0, 1, 2])
+@pytest.mark.parametrize("delay", [0, 1, 2, 3])
 def test_the_compressed_all_reduce_hides_each_phase_behind_its_own_steps(delay):
-    """The compressed all-reduce with sync_delay d: its first phase (the all-to-all) runs behind d
-    steps of compute, its second (the all-gather) behind d - 1 (with d = 1 the step it lands on
-    waits for it). The one-bit payload at 4 replicas, without latency, on a link where each phase
-    takes half a step: the planner's wait per sync against the phases' seconds from their bytes by
-    hand (E elements in 4 chunks of c, each a 4-byte scale and c sign bits: the all-to-all 3 chunks
-    and health bytes, the ring all-gather 3 chunks)."""
+    """The compressed all-reduce with sync_delay d: its second phase goes out at the step after the
+    send (OuterLoop advances what is in flight after each inner step), so its first phase (the
+    all-to-all) runs behind that one step of compute and its second (the all-gather) behind the
+    d - 1 after it (d = 1: the step it lands on waits for it; d = 0: all of it). The one-bit recipe
+    at 4 replicas, no latency, on a link where the first phase takes 1.5 steps: the planner's wait
+    per sync against that rule, the phases' bytes the exchange's own (the rank sending most)."""
+    from ds_lowcomm.comm import CompressedAllReduce
+    from ds_lowcomm.comm.wire import _Ranks
+
     shapes = planner.model_shapes("reference")
-    chunk = math.ceil(sum(math.prod(s) for s in shapes) / 4)
-    b = 4 + math.ceil(chunk / 8)
-    first, second = 3 * (b + 1) * planner.WIRE_OVERHEAD * 8, 3 * b * planner.WIRE_OVERHEAD * 8  # bits on the wire
-    rate = 2 * first  # the first phase takes half a step of 1 s
+    exchange = CompressedAllReduce(shapes, transport=_Ranks(4), op="x")
+    sent = []
+    for rank in range(4):
+        exchange.transport = _Ranks(4, rank)
+        sent.append(exchange.ledger_bytes())
+    scatter = max(b["x_scatter"][0] for b in sent)  # an all-to-all's wire bytes are its parts sent
+    gather = 3 * max(b["x_gather"][0] for b in sent)  # a ring all-gather forwards 3 parts
+    rate = scatter * planner.WIRE_OVERHEAD * 8 / 1.5  # the first phase: 1.5 steps of 1 s
+    first, second = 1.5, gather * planner.WIRE_OVERHEAD * 8 / rate
     settings = {**SIGN_OUTER, "sync_delay": delay, "exchange": "all_reduce"}
     inputs = planner.PlanInputs(model="reference", replicas=4, link_gbit=rate / 1e9, latency_ms=0.0, compute_s=1.0,
                                 methods={"sign": settings})
     row = planner.plan_method("sign", inputs)
-    waited = max(0.0, first / rate - delay) + max(0.0, second / rate - max(0, delay - 1))
+    waited = max(0.0, first - min(1, delay)) + max(0.0, second - max(0, delay - 1))
     assert row["exposed_comm_s_per_step"] * row["sync_every"] == pytest.approx(waited, rel=1e-9)
-    assert row["comm_s_per_step"] * row["sync_every"] == pytest.approx((first + second) / rate, rel=1e-9)
-    assert (waited > 0.45) == (delay <= 1)  # d = 1: the second phase waited for
+    assert row["comm_s_per_step"] * row["sync_every"] == pytest.approx(first + second, rel=1e-9)
 
 
 def test_the_planner_compares_no_method_name():

@@ -10,7 +10,7 @@ from .activations import (
     lowrank_basis,
     make_activation_codec,
 )
-from .shared_random import orthonormal_columns, shared_generator, shared_randn, shared_subset
+from .shared_random import orthonormal_columns, shared_generator, shared_randn
 from .dct import ChunkPlan, dct_basis, dct_decode, dct_encode, largest_divisor_at_most
 from .sparse import (
     AVERAGES,
@@ -37,5 +37,5 @@ __all__ = [
     "AVERAGES", "CodecSettings", "FLOAT_DTYPES", "TRANSFORMS", "VALUE_DTYPES", "ChunkPlan", "SparseBatch", "SparseSpec", "ValueFormat",
     "dct_basis", "dct_decode", "dct_encode", "index_bits", "largest_divisor_at_most",
     "pack_codes", "pack_indices", "pack_uint", "packed_nbytes", "topk_count", "unpack_codes", "unpack_indices",
-    "unpack_uint", "orthonormal_columns", "shared_generator", "shared_randn", "shared_subset",
+    "unpack_uint", "orthonormal_columns", "shared_generator", "shared_randn",
 ]

@@ -1,11 +1,8 @@
 """Randomness every rank draws alike with no message: a generator seeded on the CPU (whatever the
 device, so the draw is the same bits on every rank and accelerator), then moved. Used where the
-ranks must agree on a choice without sending it: which elements a sync sends (no index travels)
-and the starting factors of a low-rank exchange."""
+ranks must agree on a choice without sending it: Dion's starting factors."""
 
 from __future__ import annotations
-
-import math
 
 import torch
 
@@ -17,18 +14,6 @@ def shared_generator(*seed: int) -> torch.Generator:
     for part in seed:  # a fixed mix, not Python's hash (salted per process)
         mixed = (mixed * 1_000_003 + int(part)) % (2**62)
     return torch.Generator().manual_seed(mixed)
-
-
-def shared_subset(numel: int, fraction: float, *seed: int, device: torch.device | str | None = None) -> torch.Tensor:
-    """``ceil(fraction * numel)`` distinct positions in ``range(numel)`` (sorted, int64), drawn from
-    ``seed``: every rank passing the same arguments gets the same positions."""
-    if not 0.0 < fraction <= 1.0:
-        raise ValueError(f"fraction must be in (0, 1]; got {fraction}")
-    count = min(numel, math.ceil(fraction * numel))
-    if count == numel:
-        return torch.arange(numel, device=device)
-    picked = torch.randperm(numel, generator=shared_generator(*seed))[:count]
-    return picked.sort().values.to(device)
 
 
 def shared_randn(rows: int, cols: int, *seed: int, device: torch.device | str | None = None,

@@ -94,25 +94,40 @@ def unpack_indices(data: torch.Tensor, bits: int, count: int) -> torch.Tensor:
 
 
 def pack_codes(codes: torch.Tensor, width: int) -> torch.Tensor:
-    """Codes in 0..2**width-1 (width 1 or 2) -> flat uint8, 8 // width per byte, the first in
-    the lowest bits."""
-    per_byte = 8 // width
-    flat = codes.reshape(-1).to(torch.uint8)
-    pad = (-flat.numel()) % per_byte
+    """Codes in 0..2**width-1 (width 1 to 16) -> flat uint8: a little-endian bit stream, each code's
+    lowest bit first (for a width dividing 8, 8 // width codes a byte, the first in the lowest bits)."""
+    if not 1 <= width <= 16:
+        raise ValueError(f"width must be 1 to 16 bits; got {width}")
+    if 8 % width == 0:
+        per_byte = 8 // width
+        flat = codes.reshape(-1).to(torch.uint8)
+        pad = (-flat.numel()) % per_byte
+        if pad:
+            flat = torch.cat([flat, flat.new_zeros(pad)])
+        q = flat.reshape(-1, per_byte)
+        out = q[:, 0].clone()
+        for j in range(1, per_byte):
+            out |= q[:, j] << (j * width)
+        return out
+    shifts = torch.arange(width, dtype=torch.int32, device=codes.device)
+    bits = ((codes.reshape(-1, 1).to(torch.int32) >> shifts) & 1).to(torch.uint8).reshape(-1)
+    pad = (-bits.numel()) % 8
     if pad:
-        flat = torch.cat([flat, flat.new_zeros(pad)])
-    q = flat.reshape(-1, per_byte)
-    out = q[:, 0].clone()
-    for j in range(1, per_byte):
-        out |= q[:, j] << (j * width)
-    return out
+        bits = torch.cat([bits, bits.new_zeros(pad)])
+    byte_shifts = torch.arange(8, dtype=torch.uint8, device=codes.device)
+    return (bits.reshape(-1, 8) << byte_shifts).sum(dim=1, dtype=torch.uint8)
 
 
 def unpack_codes(data: torch.Tensor, count: int, width: int) -> torch.Tensor:
     """Inverse of :func:`pack_codes` over the last dimension: (..., nbytes) uint8 -> (..., count) int64."""
-    shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=data.device)
-    codes = (data.unsqueeze(-1) >> shifts) & ((1 << width) - 1)
-    return codes.reshape(*data.shape[:-1], -1)[..., :count].to(torch.int64)
+    if 8 % width == 0:
+        shifts = torch.arange(0, 8, width, dtype=torch.uint8, device=data.device)
+        codes = (data.unsqueeze(-1) >> shifts) & ((1 << width) - 1)
+        return codes.reshape(*data.shape[:-1], -1)[..., :count].to(torch.int64)
+    byte_shifts = torch.arange(8, dtype=torch.uint8, device=data.device)
+    bits = ((data.unsqueeze(-1) >> byte_shifts) & 1).reshape(*data.shape[:-1], -1)[..., : count * width]
+    shifts = torch.arange(width, dtype=torch.int64, device=data.device)
+    return (bits.reshape(*data.shape[:-1], count, width).to(torch.int64) << shifts).sum(dim=-1)
 
 
 # 2-bit values (SparseLoCo): 4 equal bins over mean +- 3 sigma, each decoded to the mean of the

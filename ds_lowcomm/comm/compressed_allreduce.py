@@ -1,21 +1,32 @@
-"""A compressed all-reduce in two phases, for dense payloads (every element kept, no transform).
+"""A compressed all-reduce of one-bit (sign) payloads whose bytes per rank stay nearly flat in the
+number of ranks, with no second rounding: its mean is exact for the signs sent.
 
 An all-gather of compressed payloads hands every rank every other rank's payload: (n - 1) x P
-received per rank, growing with the number of replicas n. Here (the scheme of 1-bit Adam's
-compressed all-reduce) the flat tensor, every piece of every tensor end to end, is cut into n
-equal chunks (the last one shorter), and
+received per rank, growing with the number of replicas n. Here the flat tensor (every piece of
+every tensor end to end) is cut into n equal chunks (the last one shorter), and
 
-1. each rank quantises each chunk on its own (its own scale / lookup table; error feedback: what
-   it sent leaves its buffers, as in :class:`~.collectives.SparseAllGather`) and sends chunk j to
-   rank j (an all-to-all, each part with the sender's health flag byte);
-2. rank j decodes the versions of chunk j it received, averages them over the healthy ranks (in
-   rank order), adds its server error buffer for chunk j, quantises that again (what it loses
-   stays in the server error buffer) and all-gathers it; every rank decodes every chunk.
+1. each rank codes each element as its sign and each tensor piece by its scale, the mean
+   magnitude of its elements (the sign format of codec/sparse.py, piece by piece), and sends
+   chunk j to rank j: the chunk's sign bits, its own scale of every piece the chunk touches, and
+   its health flag byte (an all-to-all);
+2. rank j, for each piece of its chunk, takes the healthy ranks with a non-zero scale there (the
+   piece's m contributors), their scales' mean s (one scale shared by all of them), and for each
+   element the count c of contributors whose sign is positive, an integer in [0, m]; it
+   all-gathers c mod n in ceil(log2 n) bits an element, with s and m per piece.
 
-Each rank then receives (n - 1)/n of one payload per phase, about 2 payloads whatever n is, and
-every rank ends with the same bytes, so with the same mean. The server error buffer (one fp32
-tensor of this rank's chunk length) belongs to the caller, who keeps it in its state; it depends
-on n and this rank's place among them.
+Each element's mean over the h healthy ranks is then s (2c - m) / h, the same bits on every rank.
+A receiver decodes c from c mod n alone, since c = n only where every rank contributed (m = n),
+itself included, and then its own sign tells c = n (positive) from c = 0 (negative). What a rank's
+signs stand for in the mean is s times its sign, so that is what error feedback takes out of its
+buffers, once phase 2 has landed (a rank that did not contribute to a piece keeps that piece as it
+was). A piece whose value is zero on every rank has no contributor: it is not moved, as in the
+all-gather (a tensor with no gradient, an unused expert).
+
+Per rank, phase 1 receives (n - 1)/n of one bit an element and phase 2 (n - 1)/n of ceil(log2 n)
+bits: 2 bits an element at 4 replicas and 3.5 at 8, where the all-gather receives n - 1 (3 and 7).
+Phase 2 needs phase 1's result, so :class:`Pending`'s ``advance()`` runs it (the decode of phase
+1 and the start of phase 2) when the caller is ready, e.g. one inner step after the send;
+``wait()`` runs whatever is left.
 
 Health flags as in collectives.py: a rank with a non-finite value (or told unhealthy, or sitting
 out) sends zeros flagged so and keeps its buffers; every rank receives every rank's flag in phase
@@ -24,136 +35,191 @@ out) sends zeros flagged so and keeps its buffers; every rank receives every ran
 
 from __future__ import annotations
 
+import bisect
 import math
 import time
 from typing import Sequence
 
 import torch
 
-from ..codec import ValueFormat
+from ..codec import pack_codes, packed_nbytes, unpack_codes
 from .collectives import HEALTHY, Layout, Pieces, _piece_shapes, _piece_views, all_finite, health_flag, settle_health, settled_seconds
 from .transport import Pending, Transport
 
+SCALE_BYTES = 4  # a piece's scale, fp32
+
+
+def count_bits(world_size: int) -> int:
+    """Bits of one element's count mod n in phase 2: ceil(log2 n), at least one."""
+    return max(1, math.ceil(math.log2(world_size)))
+
 
 class CompressedAllReduce:
-    """A fixed list of tensors averaged over ranks with quantised chunks (see the module's docstring).
+    """A fixed list of tensors averaged over ranks as signs with shared per-piece scales (see the
+    module's docstring).
 
-    ``start(buffers, server_error, healthy)`` quantises now (what is sent leaves ``buffers``, the
-    client's error feedback) and returns a :class:`Pending` whose ``wait()`` runs the second phase
-    (``server_error`` updated in place) and returns each buffer's mean over ranks (fp32)."""
+    ``start(buffers, healthy)`` codes and sends phase 1 now and returns a :class:`Pending`;
+    ``advance()`` on it starts phase 2, ``wait()`` finishes it: error feedback is applied to
+    ``buffers`` and each buffer's mean over ranks (fp32) returned. Keeps no state between calls."""
 
-    def __init__(self, layouts: Sequence[Layout], *, value_dtype: str, transport: Transport,
-                 op: str = "compressed_all_reduce"):
+    def __init__(self, layouts: Sequence[Layout], *, transport: Transport, op: str = "compressed_all_reduce"):
         self.layouts = list(layouts)
-        self.numel = sum(math.prod(shape) for layout in self.layouts for shape in _piece_shapes(layout))  # padding left out
-        self.values = ValueFormat(value_dtype)
         self.transport = transport
         self.op = op
+        sizes = [math.prod(shape) for layout in self.layouts for shape in _piece_shapes(layout)]  # padding left out
+        self.numel = sum(sizes)
         n = transport.world_size
         if self.numel < n:
-            raise ValueError(f"{op}: {self.numel} element(s) cannot be cut into {n} non-empty chunks")
-        self.chunk = math.ceil(self.numel / n)  # elements per chunk; the last holds the rest
-        self.chunk_bytes = self.values.nbytes(self.chunk)  # every chunk travels at this size (shorter ones padded)
+            raise ValueError(f"{op}: {self.numel} element(s) cannot be cut into {n} non-empty chunks, one per "
+                             f"replica: set lowcomm.exchange all_gather for so few elements")
+        if n >= 1 << 16:
+            raise ValueError(f"{op}: at most {(1 << 16) - 1} ranks; got {n}")
+        self.width = count_bits(n)
+        self.count_bytes = 1 if n < 256 else 2  # a piece's contributor count m, up to n
+        starts = [0]
+        for size in sizes:
+            starts.append(starts[-1] + size)
+        self.piece_sizes, self.piece_starts = sizes, starts[:-1]
+        # chunk j is elements bounds[j]:bounds[j + 1], cut so that every chunk's phase 2 part (its
+        # counts and its pieces' headers) is as large as the others': every rank then sends and
+        # receives about the same bytes (an all-gather's parts are equal: the largest sets them all)
+        self.bounds = _balanced_bounds(starts, n, lambda lo, hi: self._part_bytes(starts, lo, hi))
+        # per chunk: the pieces it touches, as (piece index, elements of the piece inside the chunk)
+        self.segments = [_segments(starts, lo, hi) for lo, hi in zip(self.bounds, self.bounds[1:])]
+        self.phase1_bytes = [packed_nbytes(self.chunk_numel(j), 1) + SCALE_BYTES * len(self.segments[j]) + 1
+                             for j in range(n)]
+        self.phase2_bytes = max(self._part_bytes(starts, lo, hi) for lo, hi in zip(self.bounds, self.bounds[1:]))
 
     def chunk_numel(self, j: int) -> int:
-        return max(0, min(self.numel, (j + 1) * self.chunk) - j * self.chunk)
+        return self.bounds[j + 1] - self.bounds[j]
 
-    @property
-    def server_error_numel(self) -> int:
-        """Elements of this rank's server error buffer: its chunk's."""
-        return self.chunk_numel(self.transport.rank)
+    def _part_bytes(self, starts: list[int], lo: int, hi: int) -> int:
+        """Phase 2's bytes for the chunk of elements lo:hi: its counts, and each touched piece's
+        shared scale and contributor count."""
+        return packed_nbytes(hi - lo, self.width) + (SCALE_BYTES + self.count_bytes) * len(_segments(starts, lo, hi))
 
-    @property
-    def payload_bytes(self) -> int:
-        """One rank's whole quantised tensor: n chunks (what an all-gather would send per rank)."""
-        return self.transport.world_size * self.chunk_bytes
+    def ledger_bytes(self) -> dict[str, tuple[int, int]]:
+        """What one exchange records in this rank's ledger, per op: (sent, received)."""
+        n, me = self.transport.world_size, self.transport.rank
+        return {f"{self.op}_scatter": (sum(self.phase1_bytes) - self.phase1_bytes[me], (n - 1) * self.phase1_bytes[me]),
+                f"{self.op}_gather": (self.phase2_bytes, (n - 1) * self.phase2_bytes)}
 
-    def exchange(self, buffers: Sequence[torch.Tensor], server_error: torch.Tensor,
-                 healthy: bool = True) -> list[torch.Tensor]:
-        return self.start(buffers, server_error, healthy).wait()
+    def exchange(self, buffers: Sequence[torch.Tensor], healthy: bool = True) -> list[torch.Tensor]:
+        return self.start(buffers, healthy).wait()
 
-    def _pack(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """A chunk -> (its bytes padded to ``chunk_bytes``, the fp32 values they decode to)."""
-        data, sent = self.values.pack(x) if x.numel() else (x.new_zeros(0, dtype=torch.uint8), x.new_zeros(0))
-        if data.numel() < self.chunk_bytes:
-            data = torch.cat([data, data.new_zeros(self.chunk_bytes - data.numel())])
-        return data, sent.reshape(-1)
+    def _per_element(self, values: torch.Tensor, j: int) -> torch.Tensor:
+        """(..., pieces of chunk j) -> (..., elements of chunk j): each piece's value over its elements."""
+        lengths = torch.tensor([count for _, count in self.segments[j]], dtype=torch.int64, device=values.device)
+        return torch.repeat_interleave(values, lengths, dim=-1)
 
-    def _unpack(self, rows: torch.Tensor, j: int) -> torch.Tensor:
-        """(..., chunk_bytes) uint8 of chunk j -> (..., its elements) fp32."""
-        count = self.chunk_numel(j)
-        return self.values.unpack(rows[..., : self.values.nbytes(count)], count)
-
-    def start(self, buffers: Sequence[torch.Tensor], server_error: torch.Tensor, healthy: bool = True) -> Pending:
+    def start(self, buffers: Sequence[torch.Tensor], healthy: bool = True) -> Pending:
         if len(buffers) != len(self.layouts):
             raise ValueError(f"expected {len(self.layouts)} tensors, got {len(buffers)}")
-        if server_error.numel() != self.server_error_numel or server_error.dtype != torch.float32:
-            raise ValueError(f"{self.op}: the server error buffer of rank {self.transport.rank} of "
-                             f"{self.transport.world_size} holds {self.server_error_numel} fp32 elements; got "
-                             f"{server_error.numel()} {server_error.dtype}")
         n, start = self.transport.world_size, time.perf_counter()
         pieces = [v for layout, buf in zip(self.layouts, buffers) for v in _piece_views(layout, buf)]
         device = pieces[0].device
         flag = health_flag(healthy and all_finite(pieces), self.transport)
+        parts = []
         if flag == HEALTHY:
             flat = torch.cat([p.reshape(-1).float() for p in pieces])
-            packed = [self._pack(flat[j * self.chunk : j * self.chunk + self.chunk_numel(j)]) for j in range(n)]
-            sent = torch.cat([s for _, s in packed])
-            offset = 0
-            for p in pieces:  # error feedback: what was sent leaves the buffers
-                p.sub_(sent[offset : offset + p.numel()].view_as(p).to(p.dtype))
-                offset += p.numel()
-            parts = [torch.cat([data, torch.full((1,), HEALTHY, dtype=torch.uint8, device=device)]) for data, _ in packed]
-            send = torch.cat(parts)
+            scales = torch.stack(torch._foreach_norm(pieces, 1, dtype=torch.float32)) / torch.tensor(
+                self.piece_sizes, dtype=torch.float32, device=device)
+            negative = flat < 0
+            for j in range(n):
+                at = self.bounds[j]
+                mine = scales[[k for k, _ in self.segments[j]]]
+                parts += [pack_codes(negative[at : at + self.chunk_numel(j)], 1), mine.view(torch.uint8),
+                          torch.full((1,), HEALTHY, dtype=torch.uint8, device=device)]
         else:
-            send = torch.zeros(n, self.chunk_bytes + 1, dtype=torch.uint8, device=device)
-            send[:, -1] = flag
-            send = send.reshape(-1)
+            scales = None
+            for j in range(n):
+                parts += [torch.zeros(self.phase1_bytes[j] - 1, dtype=torch.uint8, device=device),
+                          torch.full((1,), flag, dtype=torch.uint8, device=device)]
+        send = torch.cat(parts)
         self.transport.ledger.add_time("codec", settled_seconds(start, device))
-        splits = [self.chunk_bytes + 1] * n
-        phase1 = self.transport.start_all_to_all(send, splits, splits, op=f"{self.op}_scatter")
-        return Pending(lambda: self._finish(phase1.wait(), buffers, server_error), None)
+        me = self.transport.rank
+        phase1 = self.transport.start_all_to_all(send, self.phase1_bytes, [self.phase1_bytes[me]] * n,
+                                                 op=f"{self.op}_scatter")
+        state: dict = {}
 
-    def _finish(self, received: torch.Tensor, buffers: Sequence[torch.Tensor],
-                server_error: torch.Tensor) -> list[torch.Tensor]:
+        def advance():
+            if "phase2" not in state:
+                state["phase2"] = self._phase2(phase1.wait())
+
+        def finish():
+            advance()
+            keep, pending = state["phase2"]
+            return self._finish(keep, pending, send, scales, pieces, buffers)
+
+        return Pending(finish, None, advance=advance)
+
+    def _phase2(self, received: torch.Tensor) -> tuple[list[int], Pending | None]:
+        """Phase 1 landed: the healthy ranks, and (if any) phase 2 started with this rank's chunk."""
         n, me = self.transport.world_size, self.transport.rank
-        rows = received.reshape(n, self.chunk_bytes + 1)
+        rows = received.reshape(n, self.phase1_bytes[me])
         # a failed exchange (a torchft peer died in it) received nothing to decode: it is discarded
         keep = [] if self.transport.failed is not None else settle_health(rows[:, -1], self.transport, self.op)
         if not keep:  # every rank saw the same flags: none runs phase 2, nothing moves
-            return self._split(torch.zeros(self.numel, dtype=torch.float32, device=received.device), buffers)
+            return keep, None
         start = time.perf_counter()
-        versions = self._unpack(rows[keep, :-1], me)
-        total = versions[0].clone()
-        for r in range(1, len(keep)):  # in rank order: the same bits on every rank and device
-            total += versions[r]
-        compensated = total / len(keep) + server_error.to(total.device)
-        data, sent = self._pack(compensated)
-        server_error.copy_(compensated - sent)
-        self.transport.ledger.add_time("codec", settled_seconds(start, received.device))
-        gathered = self.transport.start_all_gather_bytes(data, op=f"{self.op}_gather").wait()
+        count, pieces = self.chunk_numel(me), len(self.segments[me])
+        bits = packed_nbytes(count, 1)
+        rows = rows[keep]
+        positive = 1 - unpack_codes(rows[:, :bits], count, 1)  # (healthy ranks, elements)
+        scales = _as_float32(rows[:, bits : bits + SCALE_BYTES * pieces]).reshape(len(keep), pieces)
+        contributes = scales > 0  # a rank whose piece is all zero sends no sign there
+        m = contributes.sum(dim=0)
+        total = torch.zeros(pieces, dtype=torch.float32, device=rows.device)
+        for r in range(len(keep)):  # in rank order: the same bits on every device
+            total += torch.where(contributes[r], scales[r], 0.0)
+        shared = total / m.clamp(min=1)
+        c = (positive * self._per_element(contributes, me)).sum(dim=0)
+        data = torch.cat([pack_codes(c % n, self.width), shared.view(torch.uint8),
+                          m.to(torch.int32).view(torch.uint8).reshape(pieces, 4)[:, : self.count_bytes].reshape(-1)])
+        if data.numel() < self.phase2_bytes:
+            data = torch.cat([data, data.new_zeros(self.phase2_bytes - data.numel())])
+        self.transport.ledger.add_time("codec", settled_seconds(start, rows.device))
+        return keep, self.transport.start_all_gather_bytes(data, op=f"{self.op}_gather")
+
+    def _finish(self, keep, phase2, send, scales, pieces, buffers) -> list[torch.Tensor]:
+        n, me = self.transport.world_size, self.transport.rank
+        device = send.device
+        if phase2 is None:
+            return self._split(torch.zeros(self.numel, dtype=torch.float32, device=device), buffers)
+        gathered = phase2.wait()
         start = time.perf_counter()
-        mean = torch.cat([self._unpack(gathered[j], j) for j in range(n)])
-        out = self._split(mean, buffers)
-        self.transport.ledger.add_time("codec", settled_seconds(start, received.device))
+        mine = scales is not None and me in keep  # this rank's signs were counted (where its scale is non-zero)
+        means, offset = [], 0
+        for j in range(n):
+            count, k = self.chunk_numel(j), len(self.segments[j])
+            head = packed_nbytes(count, self.width)
+            c = unpack_codes(gathered[j, :head], count, self.width)
+            shared = _as_float32(gathered[j, head : head + SCALE_BYTES * k])
+            m = _as_uint(gathered[j, head + SCALE_BYTES * k : head + (SCALE_BYTES + self.count_bytes) * k],
+                         self.count_bytes)
+            if mine:  # c = n where every rank counted (this one too) and this one's sign is positive
+                own = 1 - unpack_codes(send[offset : offset + packed_nbytes(count, 1)], count, 1)
+                everyone = self._per_element(m == n, j)
+                c = torch.where(everyone & (c == 0) & (own == 1), torch.full_like(c, n), c)
+            means.append(self._per_element(shared, j) * (2 * c - self._per_element(m, j)).float() / len(keep))
+            if mine:  # error feedback: what this rank's signs stood for leaves its buffers
+                own_scale = scales[[piece for piece, _ in self.segments[j]]]
+                counted = self._per_element(own_scale > 0, j)
+                sent = torch.where(counted, self._per_element(shared, j) * (2.0 * own.float() - 1.0), 0.0)
+                self._subtract(pieces, j, sent)
+            offset += self.phase1_bytes[j]
+        out = self._split(torch.cat(means), buffers)
+        self.transport.ledger.add_time("codec", settled_seconds(start, device))
         return out
 
-    def gather_server_error(self, server_error: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
-        """Every rank's server error chunk, put together: one fp32 tensor per buffer (shaped as
-        ``like``'s), equal on every rank. Collective (an all-gather of one chunk each)."""
-        mine = torch.zeros(self.chunk, dtype=torch.float32, device=server_error.device)
-        mine[: server_error.numel()] = server_error
-        gathered = self.transport.start_all_gather_bytes(mine.view(torch.uint8), op=f"{self.op}_server_error").wait()
-        rows = gathered.reshape(self.transport.world_size, -1)
-        whole = torch.cat([rows[j].view(torch.float32)[: self.chunk_numel(j)] for j in range(self.transport.world_size)])
-        return self._split(whole, like)
-
-    def server_error_chunk(self, whole: Sequence[torch.Tensor]) -> torch.Tensor:
-        """This rank's chunk of a server error given whole (one tensor per buffer, as
-        :meth:`gather_server_error` returns them, at any number of ranks)."""
-        flat = torch.cat([v.reshape(-1).float() for layout, t in zip(self.layouts, whole) for v in _piece_views(layout, t)])
-        start = self.transport.rank * self.chunk
-        return flat[start : start + self.server_error_numel].clone()
+    def _subtract(self, pieces: list[torch.Tensor], j: int, sent: torch.Tensor) -> None:
+        """Take chunk j's ``sent`` (fp32, its elements in order) out of the pieces it covers."""
+        at = self.bounds[j]
+        for piece, count in self.segments[j]:
+            inside = at - self.piece_starts[piece]
+            view = pieces[piece].reshape(-1)[inside : inside + count]
+            view.sub_(sent[at - self.bounds[j] : at - self.bounds[j] + count].to(view.dtype))
+            at += count
 
     def _split(self, mean: torch.Tensor, buffers: Sequence[torch.Tensor]) -> list[torch.Tensor]:
         """The flat mean -> one tensor per buffer (a :class:`Pieces` buffer's padding gets zero)."""
@@ -170,3 +236,51 @@ class CompressedAllReduce:
                 out.append(mean[offset : offset + size].view(tuple(layout)).to(buf.device))
                 offset += size
         return out
+
+
+def _as_float32(data: torch.Tensor) -> torch.Tensor:
+    """Bytes (rows of a received buffer, at any offset) -> fp32 values, flat, copied to aligned storage."""
+    return data.reshape(-1).clone().view(torch.float32)
+
+
+def _as_uint(data: torch.Tensor, width: int) -> torch.Tensor:
+    """Little-endian unsigned integers of ``width`` bytes (1 or 2) -> int64 values."""
+    grouped = data.reshape(-1, width).to(torch.int64)
+    return grouped[:, 0] if width == 1 else grouped[:, 0] | (grouped[:, 1] << 8)
+
+
+def _segments(starts: list[int], lo: int, hi: int) -> list[tuple[int, int]]:
+    """The pieces (``starts``: each piece's first element, then the end) elements lo:hi touch, as
+    (piece index, its elements inside lo:hi)."""
+    out = []
+    for k in range(bisect.bisect_right(starts, lo) - 1, len(starts) - 1):
+        if starts[k] >= hi:
+            break
+        out.append((k, min(hi, starts[k + 1]) - max(lo, starts[k])))
+    return out
+
+
+def _balanced_bounds(starts: list[int], n: int, cost) -> list[int]:
+    """Elements 0:starts[-1] cut into n non-empty chunks, in order, with the largest
+    ``cost(lo, hi)`` (non-decreasing in hi) least: the smallest budget at which greedy chunks (each
+    as long as the budget allows) cover every element, found by bisection."""
+    numel = starts[-1]
+
+    def cut(budget: int) -> list[int] | None:
+        bounds = [0]
+        for j in range(n - 1):
+            lo, hi_max = bounds[-1], numel - (n - 1 - j)  # an element left for each chunk after this one
+            if lo >= hi_max or cost(lo, lo + 1) > budget:
+                return None
+            a, b = lo + 1, hi_max  # the largest hi in a:b+1 with cost(lo, hi) <= budget
+            while a < b:
+                mid = (a + b + 1) // 2
+                a, b = (mid, b) if cost(lo, mid) <= budget else (a, mid - 1)
+            bounds.append(a)
+        return bounds + [numel] if cost(bounds[-1], numel) <= budget else None
+
+    low, high = 1, cost(0, numel)
+    while low < high:
+        mid = (low + high) // 2
+        low, high = (low, mid) if cut(mid) is not None else (mid + 1, high)
+    return cut(low)

@@ -85,14 +85,8 @@ class TorchftTransport(Transport):
         # own and takes the others' mean (comm/collectives.py's flag).
         self.sits_out = False
 
-    # Asynchronous quorum: a replica healing in a quorum is in its group but not participating; the
-    # collectives run over the whole group (it sits them out), not torchft's participants.
-    whole_group = False
-
     @property
     def rank(self) -> int:
-        if self.whole_group and self.manager is not None and self.manager.num_participants():
-            return self.pg.parent.rank()
         rank = self.manager.participating_rank() if self.manager is not None else None
         return 0 if rank is None else rank
 
@@ -100,8 +94,7 @@ class TorchftTransport(Transport):
     def world_size(self) -> int:
         if self.manager is None:
             return 1
-        n = self.manager.num_participants()
-        return self.pg.size() if self.whole_group and n else n
+        return self.manager.num_participants()
 
     def reset(self) -> None:
         self.failed = None

@@ -22,13 +22,24 @@ class Pending:
     """A collective in flight. ``wait()`` blocks until it has landed and returns its result (the
     same object on every later call). Only the time spent issuing and waiting is booked as
     "comm" time: a collective that lands while the caller computes costs the step nothing.
-    With ``ledger=None`` nothing is timed here (for wrappers whose parts time themselves)."""
+    With ``ledger=None`` nothing is timed here (for wrappers whose parts time themselves).
 
-    def __init__(self, finish, ledger: ByteLedger | None):
+    A collective of several phases (the compressed all-reduce) gives ``advance``: what starts its
+    next phase once the first has landed. ``advance()`` runs it early (every rank at the same
+    point: it issues a collective), so that the next phase too is in flight while the caller
+    computes; ``wait()`` runs it where no one did."""
+
+    def __init__(self, finish, ledger: ByteLedger | None, advance=None):
         self._finish = finish
+        self._advance = advance
         self._ledger = ledger
         self._done = False
         self._result = None
+
+    def advance(self) -> None:
+        if self._advance is not None and not self._done:
+            self._advance()
+        self._advance = None
 
     def wait(self):
         if not self._done:
@@ -36,7 +47,7 @@ class Pending:
             self._result = self._finish()
             if self._ledger is not None:
                 self._ledger.add_time("comm", time.perf_counter() - start)
-            self._done, self._finish = True, None
+            self._done, self._finish, self._advance = True, None, None
         return self._result
 
 
@@ -218,6 +229,7 @@ class TorchDistTransport(Transport):
         self.ledger = ledger if ledger is not None else ByteLedger()
         self.device = backend_device(group)
         self.timeout_s = timeout_s
+        self._handed: tuple[torch.Tensor, ...] = ()  # the last operation's tensors (see _waiter)
 
     def describe_peers(self) -> str:
         return "[" + ", ".join(map(str, self.peer_ranks())) + "] (global)"
@@ -234,7 +246,12 @@ class TorchDistTransport(Transport):
             opts.timeout = timedelta(seconds=self.timeout_s)
         return opts
 
-    def _waiter(self, work) -> Callable[[], object]:
+    def _waiter(self, work, *handed: torch.Tensor) -> Callable[[], object]:
+        # The tensors handed to the backend stay referenced here until the next operation: a gloo
+        # worker thread ends its bookkeeping of an operation after wait() has returned, and a
+        # tensor whose last reference it drops there while the interpreter shuts down aborts the
+        # process ("terminate called without an active exception", pytorch/pytorch#190489).
+        self._handed = handed
         if self.timeout_s is None or self.device.type == "cpu":  # gloo (or none asked): the operation's own
             return work.wait
         timeout = timedelta(seconds=self.timeout_s)
@@ -245,21 +262,22 @@ class TorchDistTransport(Transport):
         return self.group if self.group is not None else dist.group.WORLD
 
     def _all_gather(self, send, out):
-        return self._waiter(self._pg._allgather_base(out.view(-1), send, self._options(c10d.AllgatherOptions())))
+        flat = out.view(-1)
+        return self._waiter(self._pg._allgather_base(flat, send, self._options(c10d.AllgatherOptions())), flat, send, out)
 
     def _all_reduce_sum(self, buf):
         opts = self._options(c10d.AllreduceOptions())
         opts.reduceOp = dist.ReduceOp.SUM
-        return self._waiter(self._pg.allreduce([buf], opts))
+        return self._waiter(self._pg.allreduce([buf], opts), buf)
 
     def _all_to_all(self, send, out, send_splits, recv_splits):
         opts = self._options(c10d.AllToAllOptions())
-        return self._waiter(self._pg.alltoall_base(out, send, recv_splits, send_splits, opts))
+        return self._waiter(self._pg.alltoall_base(out, send, recv_splits, send_splits, opts), out, send)
 
     def _broadcast(self, buf, src):
         opts = self._options(c10d.BroadcastOptions())
         opts.rootRank, opts.rootTensor = src, 0  # src: a rank of this group
-        self._waiter(self._pg.broadcast([buf], opts))()
+        self._waiter(self._pg.broadcast([buf], opts), buf)()
 
 
 def backend_device(group: dist.ProcessGroup | None = None) -> torch.device:

@@ -3,8 +3,8 @@ one sync, as the ledger books them (comm/ledger.py), and how often they run. The
 tests compare a run's ledger with :meth:`WirePlan.ledger`, and ``ds-lowcomm plan`` prices the same
 declaration, so the planner cannot price a format the methods no longer send.
 
-Each message builder here is the payload arithmetic of one collective of this package, from the
-codec's own sizes (:class:`~ds_lowcomm.codec.SparseSpec`, :class:`~ds_lowcomm.codec.ValueFormat`).
+Each message builder here is the payload of one collective of this package, from its own sizes
+(the codec's :class:`~ds_lowcomm.codec.SparseSpec`, :meth:`.CompressedAllReduce.ledger_bytes`).
 """
 
 from __future__ import annotations
@@ -13,7 +13,8 @@ import math
 from dataclasses import dataclass
 from typing import Sequence
 
-from ..codec import CodecSettings, SparseSpec, ValueFormat
+from ..codec import CodecSettings, SparseSpec
+from .compressed_allreduce import CompressedAllReduce
 
 KINDS = ("all_gather", "all_reduce", "all_to_all")
 HEALTH_FLAG_BYTES = 1  # a rank's health flag (collectives.py): the sparse payload's last byte; the dense mean's all-gather
@@ -28,15 +29,17 @@ def elements(shapes) -> int:
 class Message:
     """One collective: its ledger ``op``, ``kind`` (:data:`KINDS`), ``nbytes`` sent per worker as
     the ledger counts them (an all-gather of P bytes: P; an all-reduce of N bytes: N; an all-to-all:
-    the parts sent to the others), the elements the codec encodes and decodes for it, and
+    the parts sent to the others), the elements the codec encodes and decodes for it,
     ``overlap_steps``: the steps of compute it runs behind before a step waits for it (0: the step
-    that sends it waits)."""
+    that sends it waits), and its ``phase`` in its sync: the messages of a phase go out together,
+    each phase once the one before has landed."""
 
     op: str
     kind: str
     nbytes: float
     codec_elements: int = 0
     overlap_steps: int = 0
+    phase: int = 0
 
 
 def dense_mean_messages(op: str, nbytes_by_dtype: Sequence[int], overlap_steps: int = 0) -> list[Message]:
@@ -55,19 +58,34 @@ def sparse_all_gather_message(op: str, shapes, codec: CodecSettings, overlap_ste
                    elements(shapes), overlap_steps)
 
 
-def compressed_all_reduce_messages(op: str, shapes, value_dtype: str, replicas: int,
-                                   sync_delay: int = 0) -> list[Message]:
+@dataclass(frozen=True)
+class _Ranks:
+    """What :class:`~.compressed_allreduce.CompressedAllReduce` reads of its transport to size its
+    parts: the number of ranks, and which one this is."""
+
+    world_size: int
+    rank: int = 0
+
+
+def compressed_all_reduce_messages(op: str, shapes, replicas: int, sync_delay: int = 0) -> list[Message]:
     """:class:`~.compressed_allreduce.CompressedAllReduce` of tensors of ``shapes`` among
-    ``replicas`` = n workers: the flat tensor of E elements cut into n chunks of c = ceil(E / n),
-    each b = the format's bytes of c (shorter ones padded); phase 1 an all-to-all of a chunk and a
-    health byte to each other rank ((n - 1)(b + 1) sent), phase 2 an all-gather of this rank's
-    re-quantised chunk (b). With ``sync_delay`` d >= 1 the first phase runs behind d steps of
-    compute and the second behind d - 1 (with d = 1 the step the sync lands on waits for it).
-    The one place the planner and the ledger tests take this exchange's bytes from."""
-    n, numel = max(2, replicas), elements(shapes)
-    chunk_bytes = ValueFormat(value_dtype).nbytes(math.ceil(numel / n))  # CompressedAllReduce.chunk_bytes
-    return [Message(f"{op}_scatter", "all_to_all", (n - 1) * (chunk_bytes + HEALTH_FLAG_BYTES), numel, sync_delay),
-            Message(f"{op}_gather", "all_gather", chunk_bytes, numel, max(0, sync_delay - 1))]
+    ``replicas`` = n workers, its bytes its own (``ledger_bytes``), those of the rank that sends
+    most: phase 1 an all-to-all of each chunk's sign bits, scales and health byte to its owner,
+    phase 2 an all-gather of this rank's chunk's counts. Phase 2 goes out at the step after the
+    send (``Pending.advance``, optim/outer.py), so with ``sync_delay`` d >= 1 the first phase runs
+    behind that one step of compute and the second behind the d - 1 after it (d = 1: the step the
+    sync lands on waits for it). The one place the planner and the ledger tests take this
+    exchange's bytes from."""
+    n = max(2, replicas)
+    exchange = CompressedAllReduce([tuple(s) for s in shapes], transport=_Ranks(n), op=op)  # its parts cut once
+    per_rank = []
+    for r in range(n):
+        exchange.transport = _Ranks(n, r)
+        per_rank.append(exchange.ledger_bytes())
+    numel = elements(shapes)
+    scatter, gather = (max(sent for sent, _ in (b[f"{op}_{phase}"] for b in per_rank)) for phase in ("scatter", "gather"))
+    return [Message(f"{op}_scatter", "all_to_all", scatter, numel, min(1, sync_delay)),
+            Message(f"{op}_gather", "all_gather", gather, numel, max(0, sync_delay - 1), phase=1)]
 
 
 @dataclass(frozen=True)

@@ -102,14 +102,6 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
         raise ConfigError(f"lowcomm.method dion needs zero_optimization.stage 0 in fp32 (ZeRO 1-3 and DeepSpeed's "
                           f"fp16/bf16 optimizers hand the optimizer flat pieces, not weight matrices); got stage "
                           f"{stage}{''.join(f', {k}.enabled true' for k in low_precision)}. Use another method there")
-    if lowcomm.effective().get("low_rank") and (stage >= 1 or low_precision):
-        raise ConfigError(f"lowcomm.low_rank needs zero_optimization.stage 0 in fp32 (it factors each weight matrix; "
-                          f"ZeRO 1-3 and DeepSpeed's fp16/bf16 optimizers hand the optimizer flat pieces); got stage "
-                          f"{stage}{''.join(f', {k}.enabled true' for k in low_precision)}. Use subset_fraction "
-                          "there to go below one bit a parameter")
-    if replicas and (lowcomm.effective().get("low_rank") or lowcomm.effective().get("subset_fraction", 1.0) < 1.0):
-        raise ConfigError("lowcomm.replicas (replicas of different shapes): not with lowcomm.low_rank or "
-                          "lowcomm.subset_fraction < 1 yet (each route's tensors differ); use replica_size")
     fragments = lowcomm.effective().get("fragments", 1)
     if stage >= 1 and fragments > 1:
         raise ConfigError(f"lowcomm.fragments must be 1 with zero_optimization.stage {stage} (ZeRO 1-3 hand the "

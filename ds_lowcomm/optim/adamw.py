@@ -51,7 +51,6 @@ class AllReduceSettings(Settings):
 class AllReduceAdamW(LowcommOptimizer, torch.optim.AdamW):
     method = "adamw"
     settings_class = AllReduceSettings
-    exchanges_every_step = True
 
     def __init__(self, params, lr: float = AdamSettings.lr, *, transport: Transport | None = None,
                  shard: ReplicaShard | None = None, ledger_steps: bool = True, clip_grad: float = 0.0,

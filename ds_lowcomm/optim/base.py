@@ -292,8 +292,6 @@ class LowcommOptimizer(torch.optim.Optimizer):
     # State a heal does not carry (a joining replica starts it at zero, as a new replica would): a
     # replica's own error feedback. The peer's would be sent twice, by the peer and by the joiner.
     replica_state: ClassVar[tuple[str, ...]] = ()
-    # Whether every step() is a sync (demo, adamw, dion) or syncs come every so many steps.
-    exchanges_every_step: ClassVar[bool] = False
     # Whether an exchange reads the method's state afresh when it runs (the outer loops: their
     # pseudo-gradients from the anchors), so that a heal just before it is safe: a driver may then
     # check that the replicas agree at the start of the next exchange rather than at the quorum.
@@ -399,18 +397,9 @@ class LowcommOptimizer(torch.optim.Optimizer):
                     t = from_rank(j, self.state[p].get(k), everyone[j][str(i)][k], p.device)
                     if j != me:
                         received.setdefault(i, {})[k] = t
-            # and each rank's own tensors beside the parameters' (the compressed all-reduce's server
-            # error: a chunk of the parameters that rank syncs), under names no other rank holds
-            own = self._replica_extra()
-            extra = {}
-            for j, held in enumerate(gather_json(transport, {k: spec(v) for k, v in own.items()})):
-                for k in sorted(held):
-                    t = from_rank(j, own.get(k), held[k], transport.device)
-                    if j != me:
-                        extra[k] = t
         finally:
             transport.ledger = ledger
-        self._owner_state = ({"keys": owner_keys, "ledgers": ledgers}, received, extra)
+        self._owner_state = ({"keys": owner_keys, "ledgers": ledgers}, received)
 
     def drop_collected_state(self) -> None:
         """Forget what :meth:`collect_replica_state` received (a rank whose state was not saved)."""
@@ -418,15 +407,6 @@ class LowcommOptimizer(torch.optim.Optimizer):
 
     def _extra_state(self) -> dict[str, Any]:
         return {}
-
-    def _replica_extra(self) -> dict[str, torch.Tensor]:
-        """This rank's tensors outside the parameters' state that only it holds (by names unique
-        to it among its replica's ranks), which :meth:`collect_replica_state` sends into the
-        replica's one file at ZeRO 0; :meth:`_with_replica_extra` puts the others' into it."""
-        return {}
-
-    def _with_replica_extra(self, extra: dict[str, Any], received: dict[str, torch.Tensor]) -> None:
-        pass
 
     def _load_extra_state(self, extra: dict[str, Any]) -> None:
         pass
@@ -436,10 +416,9 @@ class LowcommOptimizer(torch.optim.Optimizer):
         sd["lowcomm"] = {"settings": self._record, "ledger": self.ledger.state_dict(), **self._extra_state()}
         owner_state, self._owner_state = self._owner_state, None
         if owner_state is not None:  # collect_replica_state(): the other ranks' owned state, and which keys
-            owner_keys, received, extra = owner_state
+            owner_keys, received = owner_state
             for i, tensors in received.items():
                 sd["state"][i] = {**sd["state"].get(i, {}), **tensors}
-            self._with_replica_extra(sd["lowcomm"], extra)
             sd["lowcomm"]["owner_state"] = owner_keys
         return sd
 

@@ -81,7 +81,6 @@ class DeMo(LowcommOptimizer):
     method = "demo"
     settings_class = DeMoSettings
     replica_state = ("momentum",)  # each rank's own, with what it has not sent yet
-    exchanges_every_step = True
 
     def __init__(self, params, lr: float = 4e-4, *, weight_decay: float = 0.0, settings: DeMoSettings | None = None,
                  transport: Transport | None = None, shard: ReplicaShard | None = None, ledger_steps: bool = True,

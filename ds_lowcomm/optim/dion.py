@@ -72,7 +72,6 @@ class Dion(LowcommOptimizer):
     method = "dion"
     settings_class = DionSettings
     replica_state = ("momentum",)  # each rank's own (no gradient is averaged)
-    exchanges_every_step = True
 
     def __init__(self, params, lr: float = 1e-3, *, betas=(0.9, 0.95), eps: float = 1e-8, weight_decay: float = 0.0,
                  settings: DionSettings | None = None, transport: Transport | None = None,

@@ -259,14 +259,9 @@ class FaultTolerance:
         self.checkpoints = heal_transport(self._timeout, self.host, on_released=_free)
         from torchft import Manager
 
-        # per-step methods: the quorum of the next step computed during its forward and backward
-        # (torchft's async quorum), awaited at its exchange (EXPERIMENT: measured in bench faults)
-        self.async_quorum = os.environ.get("DSLC_FT_ASYNC_QUORUM") == "1"
-        self.transport.whole_group = self.async_quorum
-        self._awaiting: str | None = None  # async: the kind of quorum started and not awaited yet
         lighthouse = settings.lighthouse if "://" in settings.lighthouse else f"http://{settings.lighthouse}"
         self.manager = Manager(
-            pg=self.transport.pg, min_replica_size=settings.min_replicas, use_async_quorum=self.async_quorum,
+            pg=self.transport.pg, min_replica_size=settings.min_replicas, use_async_quorum=False,
             load_state_dict=self._load, state_dict=self._state, replica_id=settings.replica_id,
             store_addr=store[0], store_port=store[1], rank=rank, world_size=world_size, lighthouse_addr=lighthouse,
             hostname=self.host, timeout=self._timeout, quorum_timeout=timedelta(seconds=settings.quorum_timeout_s),
@@ -317,16 +312,11 @@ class FaultTolerance:
         if not self.settings.heal_inner_state and _optimizer_states(getattr(optimizer, "inner", None)) == 0:
             raise ConfigError(f"{WHERE}.heal_inner_state false is for the outer methods with a torch inner optimizer "
                               f"(diloco, dct_diloco, sparseloco, streaming); {optimizer.method} has none to leave out")
-        if self.async_quorum and not optimizer.exchanges_every_step:
-            raise ConfigError("DSLC_FT_ASYNC_QUORUM: the asynchronous quorum is for the methods that sync every step "
-                              f"(demo, adamw, dion); got {optimizer.method}")
         # the method's syncs run through run_exchange; after a step in which one ran, the next quorum
         optimizer.exchange_driver = self
         self._hook = optimizer.register_step_post_hook(self._after_step)
         self._steps = 0
         self._exchanged = False
-        if self.async_quorum:  # a peer reads this replica's state only between steps (quorum_point)
-            self.manager.disallow_state_dict_read()
         self.start_interval(stepped=False)
 
     @property
@@ -382,28 +372,11 @@ class FaultTolerance:
             self.manager.start_quorum(allow_heal=True)
         finally:
             self._mid_step = False
-        if self.async_quorum:
-            self._awaiting = "interval"
-        elif self.optimizer.reads_state_at_exchange and self.manager.current_step() > 0:
+        if self.optimizer.reads_state_at_exchange and self.manager.current_step() > 0:
             # An outer method: the members' check waits for the next sync, where every member is
             # anyway (a replica healing in this quorum sits it out). Here a joiner would enter it
             # only once its heal has ended, and the others would wait for that instead of training.
             self._members_due = True
-        else:
-            self._check_members()
-
-    def _quorum_point(self) -> None:
-        """Asynchronous quorum: at the step's exchange, before anything of the step is changed, the
-        quorum started after the last step is awaited; a peer that heals from this replica reads
-        its state now (between steps: the scheduler has stepped, the parameters not yet)."""
-        kind, self._awaiting = self._awaiting, None
-        self.manager.allow_state_dict_read()
-        try:
-            self.manager.wait_quorum()
-        finally:
-            self.manager.disallow_state_dict_read()
-        if kind == "retry" and self._quorum_seen is not None:
-            self._quorum_seen = quorum_id(self.manager)
         else:
             self._check_members()
 
@@ -457,17 +430,13 @@ class FaultTolerance:
         sums = param_checksums(self.optimizer.replica_tensors())
         if self.replica_transport is not None and self.replica_transport.world_size > 1:  # the replica's, on each rank
             sums = [x for rank in gather_json(self.replica_transport, sums) for x in rank]
-        healing = self.async_quorum and not self.manager.is_participating()  # it takes a peer's state at the commit
-        everyone = gather_json(self.transport, {"sums": sums, "at": self.checkpoints.metadata(), "healing": healing,
-                                                **self._me()})
+        everyone = gather_json(self.transport, {"sums": sums, "at": self.checkpoints.metadata(), **self._me()})
         self._learn_members(everyone)
         if self.transport.failed is not None:
             self._quorum_seen = None
             return
         groups: list[list[int]] = []  # ranks holding the same values, in the order of their first
         for r, theirs in enumerate(everyone):
-            if theirs["healing"]:
-                continue
             group = next((g for g in groups if same_checksums(everyone[g[0]]["sums"], theirs["sums"])), None)
             if group is None:
                 groups.append([r])
@@ -488,7 +457,7 @@ class FaultTolerance:
               f"at torchft step {step} (quorum ranks {groups}); "
               + ("it serves its state" if me == src else "it keeps its own" if me in source else "it heals"),
               file=sys.stderr, flush=True)
-        if me not in source and not healing:
+        if me not in source:
             try:
                 state = self.checkpoints.recv_checkpoint(src_rank=src, metadata=everyone[src]["at"], step=step,
                                                          timeout=self._timeout)
@@ -514,18 +483,14 @@ class FaultTolerance:
                                                      "torchft": self.manager.state_dict()})
 
     def before_exchange(self) -> None:
-        if self._awaiting is not None:
-            self._quorum_point()
-        elif self._members_due:
+        if self._members_due:
             self._members_due, self._at_exchange = False, True
             try:
                 self._check_members()
             finally:
                 self._at_exchange = False
         self.transport.reset()
-        # asynchronous quorum: a replica healing in it takes its peer's state at the commit, and
-        # sits this exchange out (torchft's: it is not participating)
-        self.transport.sits_out = self._sitting_out or (self.async_quorum and not self.manager.is_participating())
+        self.transport.sits_out = self._sitting_out
 
     def commit(self) -> bool:
         """Whether this sync lands (on every replica alike); False: try again (:meth:`retry`) or discard it."""
@@ -560,10 +525,7 @@ class FaultTolerance:
         self.transport.reset()
         settled = self._quorum_seen is not None
         self.manager.start_quorum(allow_heal=False, shrink_only=True)
-        if self.async_quorum:
-            self._awaiting = "retry"
-            self._members = None  # who is left is not asked (positions wait for the next membership)
-        elif settled:  # some of the members that agreed at this interval's start, its local progress on: nothing to check
+        if settled:  # some of the members that agreed at this interval's start, its local progress on: nothing to check
             self._quorum_seen = quorum_id(self.manager)
             # but who is left (for positions): the members still alive tell
             try:

@@ -30,17 +30,19 @@ delay is plain DiLoCo.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import MutableMapping
 from dataclasses import dataclass, field
 
 import torch
 
-from ..codec import CodecSettings, orthonormal_columns, shared_randn, shared_subset
-from ..comm import (ByteLedger, CompressedAllReduce, Pending, ReplicaShard, SparseAllGather, Transport, all_finite,
-                    start_all_reduce_mean_)
+from ..codec import CodecSettings
+from ..comm import CompressedAllReduce, Pending, ReplicaShard, Transport, all_finite, start_all_reduce_mean_
 from ..settings import (ConfigError, Settings, check_bool, check_choice, check_fraction, check_int, check_nonnegative,
                         check_positive, check_unit)
 from .base import LowcommOptimizer, StatefulSettings, ordered_params
+
+logger = logging.getLogger(__name__)
 
 INNER_IMPLS = ("torch", "apex")
 # The inner optimizer's rule: "adamw" (every parameter), or "muon" (torch's Muon, Nesterov, on the
@@ -173,80 +175,63 @@ class DiLoCoSettings(OuterSettings):
 
 
 # How a sync's compressed pseudo-gradients travel: every rank's payload to every rank
-# ("all_gather"), or the two-phase compressed all-reduce of comm/compressed_allreduce.py
-# ("all_reduce": about 2 payloads per rank whatever the number of replicas, for dense payloads:
-# every element kept, transform none); "auto": the all-reduce at 3 or more replicas for the sign
-# and 2-bit formats on dense payloads (where it sends fewer bytes), the all-gather otherwise.
+# ("all_gather"), or the compressed all-reduce of comm/compressed_allreduce.py ("all_reduce": one
+# sign bit an element each way, then ceil(log2 n) bits of the exact count of positive signs, for a
+# dense sign payload: every element kept, transform none, value_dtype sign); "auto": the all-reduce
+# from 4 replicas for such payloads (where it sends fewer bytes), the all-gather otherwise. Chosen
+# once, when the optimizer is built.
 EXCHANGES = ("auto", "all_gather", "all_reduce")
-ALL_REDUCE_AUTO_FORMATS = ("sign", "2bit")
 
 
-def _check_exchange(where: str, exchange: str, codec: CodecSettings) -> None:
-    check_choice(where, "exchange", exchange, EXCHANGES)
-    if exchange == "all_reduce" and (codec.transform != "none" or codec.topk != codec.chunk * codec.chunk):
-        raise ConfigError(f"{where}.exchange all_reduce needs a dense payload ({where}.transform none and {where}.topk = "
-                          f"chunk*chunk = {codec.chunk * codec.chunk}: every element kept); got transform "
-                          f"{codec.transform!r}, topk {codec.topk} (use exchange all_gather or auto)")
+def dense_sign(codec: CodecSettings) -> bool:
+    """Whether ``codec`` sends every element as one sign bit (what the compressed all-reduce takes)."""
+    return codec.transform == "none" and codec.topk == codec.chunk * codec.chunk and codec.value_dtype == "sign"
 
 
-def _check_below_one_bit(where: str, settings) -> None:
-    """``subset_fraction`` and ``low_rank`` (the fields below): their bounds and what they exclude."""
-    f = settings.subset_fraction
-    if not (isinstance(f, (int, float)) and not isinstance(f, bool) and 0.0 < f <= 1.0):
-        raise ConfigError(f"{where}.subset_fraction must be a number in (0, 1] (1: every element); got {f!r}")
-    check_int(where, "low_rank", settings.low_rank, 0, hint="0: off")
-    if f < 1.0 and settings.low_rank:
-        raise ConfigError(f"{where}.subset_fraction and {where}.low_rank are two ways below one bit a parameter: set "
-                          f"one (got subset_fraction {f}, low_rank {settings.low_rank})")
-    if f < 1.0 and settings.exchange == "all_reduce":
-        raise ConfigError(f"{where}.exchange all_reduce does not take subset_fraction < 1 (its server error is kept per "
-                          f"position, and the subset moves every sync); use exchange all_gather or auto, or "
-                          f"subset_fraction 1 (got {f})")
+# From this many replicas the compressed all-reduce sends fewer bytes than the all-gather (at 3,
+# as many: 2/3 x (1 + 2 bits) an element against 2 payloads of 1 bit, with a round trip more)
+ALL_REDUCE_FROM = 4
 
 
-# Per-parameter state a checkpoint holds in place of the server error chunks (spread_server_error).
-WHOLE_SERVER_ERROR = "whole_server_error"
-
-
-def resolve_exchange(exchange: str, codec: CodecSettings, world_size: int, subset_fraction: float = 1.0) -> str:
-    """``exchange`` setting -> "all_gather" or "all_reduce" for a sync among ``world_size``
-    replicas (auto: the compressed all-reduce at 3 or more, for a dense sign / 2-bit payload; a
-    random subset (``subset_fraction`` < 1) moves every sync, where auto keeps the all-gather).
-    A fixed group decides once; under fault tolerance each quorum decides by its own size."""
+def resolve_exchange(exchange: str, codec: CodecSettings, world_size: int) -> str:
+    """``exchange`` setting -> "all_gather" or "all_reduce" for syncs among ``world_size``
+    replicas (auto: the compressed all-reduce from ALL_REDUCE_FROM replicas, for a dense sign payload)."""
     if exchange != "auto":
         return exchange
-    if subset_fraction < 1.0:
-        return "all_gather"
-    dense = codec.transform == "none" and codec.topk == codec.chunk * codec.chunk
-    fits = dense and codec.value_dtype in ALL_REDUCE_AUTO_FORMATS and world_size >= 3
-    return "all_reduce" if fits else "all_gather"
+    return "all_reduce" if dense_sign(codec) and world_size >= ALL_REDUCE_FROM else "all_gather"
 
 
 @dataclass(frozen=True)
-class DCTDiLoCoSettings(DiLoCoSettings):
-    decay: float = 0.9  # of the error-feedback buffer the top-k components are taken from
+class ErrorFeedbackSettings(StatefulSettings):
+    """What dct_diloco and sparseloco share: the error-feedback buffer each sync is coded from
+    (decayed by ``decay`` before the new pseudo-gradient is added), the codec, and the exchange."""
+
+    decay: float = 0.9
     codec: CodecSettings = field(default_factory=CodecSettings)
     exchange: str = "auto"  # EXCHANGES
-    # Below one bit a parameter a sync (issue 56), one or the other:
-    # - subset_fraction f < 1: a sync sends ceil(f * n) of each tensor's n elements through the codec,
-    #   the same positions on every replica, drawn from the sync's number (no index travels); error
-    #   feedback keeps the rest for later syncs.
-    # - low_rank r > 0: each matrix's buffer M (2-D and up, as rows x rest) travels as rank-r
-    #   factors, averaged by two dense fp32 all-reduces (PowerSGD's power step: P = M Q, P
-    #   orthonormalised, Q = M^T P; Q warm-started from the last sync); what P P^T M leaves stays in
-    #   the buffer. Other tensors go through the codec as before.
-    subset_fraction: float = 1.0
-    low_rank: int = 0
 
     def check(self, where: str) -> None:
         super().check(where)
         check_fraction(where, "decay", self.decay)
-        _check_exchange(where, self.exchange, self.codec)
-        _check_below_one_bit(where, self)
+        check_choice(where, "exchange", self.exchange, EXCHANGES)
+        if self.exchange == "all_reduce" and not dense_sign(self.codec):
+            c = self.codec
+            raise ConfigError(f"{where}.exchange all_reduce needs one sign bit for every element ({where}.transform "
+                              f"none, {where}.topk = chunk*chunk = {c.chunk * c.chunk}, {where}.value_dtype sign); "
+                              f"got transform {c.transform!r}, topk {c.topk}, value_dtype {c.value_dtype!r} "
+                              "(use exchange all_gather or auto)")
+        if self.exchange == "all_reduce" and self.codec.compile:
+            raise ConfigError(f"{where}.compile true compiles the sparse all-gather's codec; {where}.exchange all_reduce "
+                              "has no compiled form: set compile false, or exchange all_gather")
 
 
 @dataclass(frozen=True)
-class SparseLoCoSettings(OuterSettings):
+class DCTDiLoCoSettings(DiLoCoSettings, ErrorFeedbackSettings):
+    pass
+
+
+@dataclass(frozen=True)
+class SparseLoCoSettings(OuterSettings, ErrorFeedbackSettings):
     """SparseLoCo's published recipe: H 30, outer lr 1, error feedback 0.95, 64 of 4096 per
     64x64 chunk without a transform, 2-bit values; no outer momentum."""
 
@@ -255,16 +240,6 @@ class SparseLoCoSettings(OuterSettings):
     decay: float = 0.95
     codec: CodecSettings = field(default_factory=lambda: CodecSettings(
         topk=64, chunk=64, value_dtype="2bit", transform="none", average="world"))
-    exchange: str = "auto"  # EXCHANGES
-    # below one bit a parameter a sync: as DCTDiLoCoSettings's
-    subset_fraction: float = 1.0
-    low_rank: int = 0
-
-    def check(self, where: str) -> None:
-        super().check(where)
-        check_fraction(where, "decay", self.decay)
-        _check_exchange(where, self.exchange, self.codec)
-        _check_below_one_bit(where, self)
 
 
 # The settings a checkpoint saved before they existed lacks (the outer optimizer's, the inner
@@ -272,6 +247,8 @@ class SparseLoCoSettings(OuterSettings):
 _OUTER_OPTIMIZER_KEYS = ("outer_optimizer", "outer_betas", "outer_eps", "outer_weight_decay")
 _INNER_OPTIMIZER_KEYS = ("inner_optimizer", "inner_muon_lr", "inner_muon_momentum")
 _LANDING_KEYS = ("carry_local_steps",)
+# Settings of dct_diloco and sparseloco since removed, with the values their checkpoints hold when unused.
+_REMOVED_KEYS = {"subset_fraction": 1.0, "low_rank": 0}
 
 
 def build_outer_optimizer(settings: OuterSettings, anchors: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -409,6 +386,8 @@ class OuterLoop(LowcommOptimizer):
         for p in params:
             self.state[p]["local_step"] += 1
         t = self.state[params[0]]["local_step"]
+        for _, pending in self._in_flight.values():  # sent at an earlier step: its next phase goes out now
+            pending.advance()
         for f, fragment in enumerate(self.fragments_of(params)):
             owned = [p for p in fragment if id(p) in owned_ids]
             if self._sends_at(f, t) and not self.settings.streaming.sync_delay:
@@ -635,80 +614,29 @@ class DCTDiLoCo(OuterLoop):
 
     def __init__(self, inner, **kwargs):
         super().__init__(inner, **kwargs)
-        self._fixed_group = getattr(self.transport, "checks_at_start", True)  # torchft's: members change
-        if self.settings.low_rank and not self._fixed_group:
-            raise ConfigError("lowcomm.low_rank is not supported with lowcomm.fault_tolerance yet (its warm-started "
-                              "factors change inside a sync's tries); use low_rank 0 (subset_fraction runs there)")
-        # "all_gather" or "all_reduce" in a fixed group: the record (and so a checkpoint) holds what
-        # the syncs do. Under fault tolerance, auto stays "auto": each quorum picks by its own size.
-        # (a format auto never sends through the all-reduce is "all_gather" there too).
-        many = self.transport.world_size if self._fixed_group else 3
-        self.exchange = resolve_exchange(self.settings.exchange, self.settings.codec, many,
-                                         self.settings.subset_fraction)
-        if not self._fixed_group and self.settings.exchange == "auto" and self.exchange == "all_reduce":
-            self.exchange = "auto"
-        self._record["exchange"] = self.exchange
+        # How the syncs travel, chosen once: by the replicas of this group, or under fault tolerance
+        # (torchft: members come and go) by the payload alone (the all-reduce keeps no state between
+        # syncs, so it runs at any quorum's size, and at 2 or 3 sends the all-gather's bytes).
+        fixed_group = getattr(self.transport, "checks_at_start", True)
+        replicas = self.transport.world_size if fixed_group else ALL_REDUCE_FROM
+        self.exchange = resolve_exchange(self.settings.exchange, self.settings.codec, replicas)
+        if self.exchange == "all_reduce" and self.settings.codec.compile:
+            raise ConfigError(f"lowcomm.compile true compiles the sparse all-gather's codec; these syncs go through "
+                              f"the compressed all-reduce (exchange {self.settings.exchange}"
+                              f"{' at ' + str(replicas) + ' replicas' if self.settings.exchange == 'auto' else ''}), "
+                              "which has no compiled form: set compile false, or exchange all_gather")
         self._all_reduces: dict[tuple[int, ...], CompressedAllReduce] = {}
-        # The compressed all-reduce's server error buffer per sync (this rank's chunk of the flat
-        # pseudo-gradients), keyed by the positions of the sync's tensors among the optimizer's, and
-        # beside it the chunk it holds, as (replicas, rank): (0, -1) before the first sync. Both
-        # change in place (a fault-tolerance driver keeps them for a try that fails).
-        self._server_error: dict[str, torch.Tensor] = {}
-        self._server_chunk: dict[str, torch.Tensor] = {}
-        self._spread = False  # spread_server_error(): the state holds the whole server error instead
 
     def set_routes(self, routes):
-        if self.settings.subset_fraction < 1.0 or self.settings.low_rank:
-            raise ConfigError("lowcomm.subset_fraction < 1 and lowcomm.low_rank are not supported with replicas of "
-                              "different shapes (each route's tensors differ); use subset_fraction 1 and low_rank 0")
         if self.exchange != "all_gather":
             if self.settings.exchange == "all_reduce":
                 raise ConfigError("lowcomm.exchange all_reduce is not supported with replicas of different shapes "
                                   "(each route's chunks would differ); use all_gather or auto")
-            self.exchange = self._record["exchange"] = "all_gather"
+            self.exchange = "all_gather"
         super().set_routes(routes)
 
-    def set_pieces(self, flat, pieces):
-        if self.settings.low_rank:
-            raise ConfigError("lowcomm.low_rank needs whole matrices: ZeRO stages 1-3 hand the optimizer flat "
-                              "partitions (use ZeRO stage 0, or subset_fraction to go below one bit)")
-        super().set_pieces(flat, pieces)
-
-    def _positions(self, params) -> list[int]:
-        """Each parameter's position among the optimizer's: the same on every replica."""
-        position = {id(p): i for i, p in enumerate(self._current_params())}
-        return [position[id(p)] for p in params]
-
-    def _server_key(self, params) -> str:
-        return ",".join(str(i) for i in self._positions(params))
-
-    def _exchange_now(self) -> str:
-        """This sync's exchange: the fixed group's, or (fault tolerance, auto) this quorum's."""
-        if self.exchange != "auto":
-            return self.exchange
-        return resolve_exchange("auto", self.settings.codec, self.transport.world_size, self.settings.subset_fraction)
-
     def _exchanged(self, params):
-        # decayed, added to and sent from by each sync; where the all-reduce may run, the server
-        # error and the chunk it holds too (made here, empty, before the first sync: a driver keeps
-        # what exists before a try)
-        residuals = [self._residual(p) for p in params]
-        if self.exchange == "all_gather" or not params:
-            return residuals
-        return residuals + list(self._server_buffers(params))
-
-    def _server_buffers(self, params) -> tuple[torch.Tensor, torch.Tensor]:
-        """This sync's server error buffer and the chunk it holds (a CPU tensor: read every sync
-        without a device sync), made empty and (0, -1) before the first sync."""
-        name = self._server_key(params)
-        if name not in self._server_error:
-            self._server_error[name] = torch.zeros(0, dtype=torch.float32, device=self._residual(params[0]).device)
-            self._server_chunk[name] = torch.tensor([0, -1], dtype=torch.int64)
-        return self._server_error[name], self._server_chunk[name]
-
-    def _held_servers(self) -> list[str]:
-        """The syncs whose server error holds a chunk (not just made)."""
-        return [k for k, chunk in self._server_chunk.items() if int(chunk[1]) >= 0]
+        return [self._residual(p) for p in params]  # decayed, added to and sent from by each sync
 
     def _all_reduce_for(self, params) -> CompressedAllReduce:
         """The compressed all-reduce of these parameters among this group's (quorum's) ranks."""
@@ -716,8 +644,8 @@ class DCTDiLoCo(OuterLoop):
         sync = self._all_reduces.get(key)
         if sync is None:
             sync = self._all_reduces[key] = CompressedAllReduce(
-                [self._pieces.get(id(p), p.shape) for p in params], value_dtype=self.settings.codec.value_dtype,
-                transport=self.transport, op="outer_compressed_all_reduce")
+                [self._pieces.get(id(p), p.shape) for p in params], transport=self.transport,
+                op="outer_compressed_all_reduce")
         return sync
 
     def _residual(self, p: torch.Tensor) -> torch.Tensor:
@@ -727,6 +655,9 @@ class DCTDiLoCo(OuterLoop):
         return state["residual"]
 
     def _start_combine(self, params, deltas):
+        """The residuals take the pseudo-gradients and go out through the codec: what they send leaves
+        them (at once through the all-gather, once it lands through the all-reduce); the means
+        arrive on wait()."""
         finite = all_finite(deltas)  # if not, the residuals stay as they are and this rank sits out
         residuals = []
         for p, delta in zip(params, deltas):
@@ -735,188 +666,43 @@ class DCTDiLoCo(OuterLoop):
                 residual.mul_(self.settings.decay).add_(delta)
             residuals.append(residual)
         healthy = self._healthy() and finite
-        if self.settings.low_rank:
-            return self._start_low_rank(params, residuals, healthy)
-        if self.settings.subset_fraction < 1.0:
-            return self._start_subset(params, residuals, healthy)
-        return self._start_codec(params, residuals, healthy)
-
-    def _start_codec(self, params, residuals, healthy: bool) -> Pending:
-        """The codec's exchange of these residuals: sent components leave them now; the means arrive on wait()."""
         if not params:
             return Pending(lambda: [], None)
-        if self._exchange_now() == "all_reduce":
-            return self._start_all_reduce(params, residuals, healthy)
+        if self.exchange == "all_reduce":
+            return self._all_reduce_for(params).start(residuals, healthy)
         return self._sync_for(params, "outer_sparse_all_gather").start(residuals, healthy)
-
-    def _start_subset(self, params, residuals, healthy: bool) -> Pending:
-        """``subset_fraction``: the same random positions of each residual on every replica (drawn
-        from the sync's number and the tensor's position) go through the codec as one vector per
-        tensor; what they send leaves them, the rest stays in the residuals."""
-        sync_number = int(self.state[params[0]]["outer_steps"])
-        picks = [shared_subset(r.numel(), self.settings.subset_fraction, sync_number, position, device=r.device)
-                 for r, position in zip(residuals, self._positions(params))]
-        values = [r.reshape(-1)[pick] for r, pick in zip(residuals, picks)]  # copies
-        key = ("subset", *(id(p) for p in params))
-        sync = self._syncs.get(key)
-        if sync is None:
-            sync = SparseAllGather([(v.numel(),) for v in values], transport=self.transport,
-                                   op="outer_subset_all_gather", **self.settings.codec.flat())
-            self._syncs[key] = sync
-        pending = sync.start(values, healthy)  # error feedback on the copies ...
-        for r, pick, v in zip(residuals, picks, values):
-            r.view(-1)[pick] = v  # ... written back to their positions
-
-        def finish():
-            out = []
-            for r, pick, mean in zip(residuals, picks, pending.wait()):
-                full = torch.zeros(r.numel(), dtype=torch.float32, device=r.device)
-                full[pick] = mean.reshape(-1)
-                out.append(full.view(r.shape))
-            return out
-
-        return Pending(finish, None)
-
-    def _start_low_rank(self, params, residuals, healthy: bool) -> Pending:
-        """``low_rank``: each matrix's residual M (rows x rest) as PowerSGD's rank-r power step, the
-        other tensors through the codec, both started now; wait() runs the second all-reduce."""
-        mats = [i for i, r in enumerate(residuals) if r.dim() >= 2]
-        rest = sorted(set(range(len(params))) - set(mats))
-        views, local_p = [], []
-        for i, position in zip(mats, self._positions([params[i] for i in mats])):
-            m = residuals[i].view(residuals[i].shape[0], -1)
-            state = self.state[params[i]]
-            if "low_rank_q" not in state:  # the shared warm start: the same on every replica, no message
-                rank = min(self.settings.low_rank, *m.shape)
-                state["low_rank_q"] = shared_randn(m.shape[1], rank, position, device=m.device)
-            views.append(m)
-            local_p.append(m.float() @ state["low_rank_q"])
-        p_sum = start_all_reduce_mean_(local_p, self.transport, op="outer_low_rank_p", healthy=healthy)
-        codec = self._start_codec([params[i] for i in rest], [residuals[i] for i in rest], healthy)
-
-        def finish():
-            out: list[torch.Tensor | None] = [None] * len(params)
-            local_q = []
-            ps = [orthonormal_columns(pm) for pm in p_sum.wait()]
-            for m, pm in zip(views, ps):
-                local_q.append(m.float().T @ pm)
-            if healthy:  # what P P^T M sends leaves the buffer
-                for m, pm, q in zip(views, ps, local_q):
-                    m.sub_((pm @ q.T).to(m.dtype))
-            start_all_reduce_mean_(local_q, self.transport, op="outer_low_rank_q", healthy=healthy).wait()
-            for i, pm, q in zip(mats, ps, local_q):
-                if pm.any():  # else nothing caught on any replica: no move, the warm start kept
-                    self.state[params[i]]["low_rank_q"].copy_(q)
-                out[i] = (pm @ q.T).view(residuals[i].shape)
-            for i, mean in zip(rest, codec.wait()):
-                out[i] = mean
-            return out
-
-        return Pending(finish, None)
-
-    def _start_all_reduce(self, params, residuals, healthy: bool) -> Pending:
-        n, rank = self.transport.world_size, self.transport.rank
-        sync = self._all_reduce_for(params)
-        name = self._server_key(params)
-        server, chunk = self._server_buffers(params)
-        held = tuple(int(v) for v in chunk)
-        fits = held == (n, rank) and server.numel() == sync.server_error_numel
-        if not fits and held != (0, -1) and self._fixed_group:
-            raise ValueError(f"the checkpoint's server error buffer {name!r} is rank {held[1]}'s chunk of {held[0]} "
-                             f"replicas, {server.numel()} elements; this is rank {rank} of {n}, whose chunk has "
-                             f"{sync.server_error_numel} (saved at another number of replicas or another sharding: "
-                             "resharding the all-reduce's server error is not supported)")
-        if not fits:
-            # The first sync, or (fault tolerance) a quorum that cuts other chunks: what this rank
-            # held is another chunk's error, and the chunk it serves now starts at zero (its mean
-            # goes out without its last rounding's rest: one sync's, at a membership change).
-            # After a load of the whole server error (spread_server_error()), its chunk of it.
-            server.resize_(sync.server_error_numel).zero_()
-            whole = [self.state[p].pop(WHOLE_SERVER_ERROR, None) for p in params]
-            if held == (0, -1) and all(w is not None for w in whole):
-                server.copy_(sync.server_error_chunk([w.to(server.device) for w in whole]))
-            chunk.copy_(torch.tensor([n, rank]))
-        return sync.start(residuals, server, healthy)
-
-    def spread_server_error(self) -> None:
-        """Before a checkpoint that reshards the parameters' state (Megatron-Core's distributed
-        checkpoints): each sync's server error, put together from the chunks its replicas hold,
-        as per-parameter state (``whole_server_error``: the parameter's shape, fp32, equal on
-        every replica), which the next :meth:`state_dict` holds in place of this rank's chunk. It
-        then follows any new sharding or replica count as the anchors do, and the first sync after
-        a load cuts its chunk from it. Collective over the replicas (call it on every rank); its
-        bytes go to no ledger (checkpoint traffic). :meth:`drop_spread_server_error` after the save."""
-        params = self._current_params()
-        ledger, self.transport.ledger = self.transport.ledger, ByteLedger()
-        try:
-            for name in sorted(self._held_servers()):  # the same syncs on every replica
-                mine = [params[int(i)] for i in name.split(",")]
-                whole = self._all_reduce_for(mine).gather_server_error(self._server_error[name], [self._residual(p) for p in mine])
-                for p, w in zip(mine, whole):
-                    self.state[p][WHOLE_SERVER_ERROR] = w.to(p.device, copy=True)
-        finally:
-            self.transport.ledger = ledger
-        self._spread = True
-
-    def drop_spread_server_error(self) -> None:
-        """After the checkpoint :meth:`spread_server_error` was for: the chunks alone again."""
-        self._spread = False
-        for p in self._current_params():
-            self.state[p].pop(WHOLE_SERVER_ERROR, None)
-
-    def _extra_state(self):
-        extra = super()._extra_state()
-        held = [] if self._spread else self._held_servers()
-        if held:  # absent with the all-gather (and where spread): its checkpoints keep their form
-            extra["server_error"] = {k: self._server_error[k].clone() for k in held}
-            extra["server_chunk"] = {k: [int(v) for v in self._server_chunk[k]] for k in held}
-        return extra
-
-    def _replica_extra(self):
-        held = self._held_servers()
-        return {**{f"server_error/{k}": self._server_error[k] for k in held},
-                **{f"server_chunk/{k}": self._server_chunk[k] for k in held}}
-
-    def _with_replica_extra(self, extra, received):
-        for name, t in received.items():
-            kind, key = name.split("/", 1)
-            if kind == "server_error":
-                extra.setdefault("server_error", {})[key] = t
-            else:
-                extra.setdefault("server_chunk", {})[key] = [int(v) for v in t]
-
-    def _load_extra_state(self, extra):
-        super()._load_extra_state(extra)
-        params = self._current_params()
-        device = params[0].device if params else torch.device("cpu")
-        # ZeRO 0 with several ranks a replica: the file holds every rank's; each keeps its own syncs'
-        mine = {str(i) for i in self._positions(self._owned(params))}
-        saved = {k: v for k, v in extra.get("server_error", {}).items() if set(k.split(",")) <= mine}
-        self._server_error = {k: v.to(device=device, dtype=torch.float32, copy=True) for k, v in saved.items()}
-        # saved before the chunk was recorded: in a fixed group, this rank's chunk at this size (a
-        # length that does not fit is refused at the next sync)
-        now = [self.transport.world_size, self.transport.rank]
-        chunks = extra.get("server_chunk", {})
-        self._server_chunk = {k: torch.tensor(chunks.get(k, now), dtype=torch.int64) for k in self._server_error}
 
     def load_state_dict(self, state_dict):
         lowcomm = state_dict.get("lowcomm") if isinstance(state_dict, dict) else None
-        if lowcomm is not None and "exchange" not in lowcomm["settings"]:
-            # saved before exchange was a setting: its syncs were all-gathers
-            state_dict = {**state_dict, "lowcomm": {**lowcomm, "settings": {**lowcomm["settings"],
-                                                                            "exchange": "all_gather"}}}
+        if lowcomm is not None:
+            saved = dict(lowcomm["settings"])
+            if "exchange" not in saved:  # saved before exchange was a setting: its syncs were all-gathers
+                saved["exchange"] = "all_gather"
+            if self.settings.exchange == "auto" and saved["exchange"] == self.exchange:
+                saved["exchange"] = "auto"  # saved when the record held what auto resolved to
+            for key, default in _REMOVED_KEYS.items():  # saved before they were removed
+                if key in saved and saved.pop(key) != default:
+                    raise ValueError(f"the checkpoint was saved with lowcomm.{key}, a setting this release removed "
+                                     f"(it lost on its numbers): resume it with the release that wrote it")
+            # An earlier release's all-reduce rounded the mean again and kept that rounding's rest (its
+            # server error, under these keys): less than one sync's rounding, which this one never makes.
+            old = [k for k in ("server_error", "server_chunk") if k in lowcomm]
+            states = {i: {k: v for k, v in st.items() if k != "whole_server_error"}
+                      for i, st in state_dict.get("state", {}).items()}
+            if old or any(len(states[i]) != len(st) for i, st in state_dict.get("state", {}).items()):
+                logger.warning("this checkpoint holds the server error of an earlier release's compressed all-reduce "
+                               "(a rounding rest of its last sync); this release's all-reduce has none: dropped")
+            lowcomm = {k: v for k, v in lowcomm.items() if k not in old}
+            state_dict = {**state_dict, "state": states, "lowcomm": {**lowcomm, "settings": saved}}
         super().load_state_dict(state_dict)
 
     @classmethod
     def _planned_sync(cls, settings, shapes, replicas):
         from ..comm.wire import compressed_all_reduce_messages, sparse_all_gather_message
 
-        if settings.subset_fraction < 1.0 or settings.low_rank:
-            raise ConfigError("plan: subset_fraction < 1 and low_rank are not planned (leave them at 1 and 0)")
         delay = settings.streaming.sync_delay
         if resolve_exchange(settings.exchange, settings.codec, replicas) == "all_reduce":
-            return compressed_all_reduce_messages("outer_compressed_all_reduce", shapes, settings.codec.value_dtype,
-                                                  replicas, delay)
+            return compressed_all_reduce_messages("outer_compressed_all_reduce", shapes, replicas, delay)
         return [sparse_all_gather_message("outer_sparse_all_gather", shapes, settings.codec, delay)]
 
     @classmethod

@@ -6,9 +6,9 @@
   Ethernet/IP/TCP framing, over the link's rate.
 - One worker's share: a replica of G GPUs exchanges 1/G of the elements per GPU (each with its
   counterparts in the other replicas); traffic inside a replica is on its fast fabric, not counted.
-- What the step waits for: a message declared to run behind ``overlap_steps`` steps of compute
-  (demo's overlap, a streaming sync's ``sync_delay``, the compressed all-reduce's two phases) is
-  waited for only where it outlasts them; a gradient all-reduce (DDP, ZeRO's ``overlap_comm``) runs
+- What the step waits for: a phase of a sync declared to run behind ``overlap_steps`` steps of
+  compute (demo's overlap, a streaming sync's ``sync_delay``, each of the compressed all-reduce's
+  two phases) is waited for only where it outlasts them; a gradient all-reduce (DDP, ZeRO's ``overlap_comm``) runs
   bucket by bucket behind the backward pass, its last bucket after it.
 """
 
@@ -86,11 +86,11 @@ class Link:
 
 
 def exposed_seconds(messages, link: Link, compute_s: float) -> float:
-    """What the steps wait for of one sync's ``messages`` sent in turn: each run of messages with
-    the same ``overlap_steps`` k is hidden behind k steps of compute, and waited for where it
+    """What the steps wait for of one sync's ``messages``: each phase (its messages one after
+    another) hides behind its ``overlap_steps`` k steps of compute, and is waited for where it
     outlasts them (k = 0: all of it)."""
-    return sum(max(0.0, link.seconds(list(run)) - k * compute_s)
-               for k, run in groupby(messages, key=lambda m: m.overlap_steps))
+    return sum(max(0.0, link.seconds(run) - run[0].overlap_steps * compute_s)
+               for run in (list(run) for _, run in groupby(messages, key=lambda m: m.phase)))
 
 
 def last_bucket_elements(shapes, bucket_cap_mb: float, element_bytes: int) -> int:

@@ -214,10 +214,10 @@ def gloo_framing_per_round() -> float:
 
 
 # Beside the recipes: the one-bit outer loop (every element a sign bit, no transform) with each
-# exchange (issue 56): auto is the compressed all-reduce at 3+ workers
+# exchange: the compressed all-reduce (auto's from 4 workers) and the all-gather
 WIRE_VARIANTS = {f"dct_diloco_sign_{exchange}": ("dct_diloco", {"topk": 64, "chunk": 8, "transform": "none",
                                                                "value_dtype": "sign", "exchange": exchange})
-                 for exchange in ("auto", "all_gather")}
+                 for exchange in ("all_reduce", "all_gather")}
 
 
 def wire_settings(name: str) -> tuple[str, dict, float]:
