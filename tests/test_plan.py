@@ -465,12 +465,14 @@ def test_dense_muons_state_is_what_torchs_muon_holds():
 
 @pytest.mark.parametrize("config,recipe,baseline", [
     ("muloco_sign_zero2_bf16", "muloco_sign", "muon"), ("muloco_sign", "muloco_sign", "muon"),
-    ("muloco_sign_zero1_bf16", "muloco_sign", "muon"), ("adamw_sign", "adamw_sign", "adamw"), ("h10", None, "muon")])
+    ("muloco_sign_zero1_bf16", "muloco_sign", "muon"), ("adamw_sign", "adamw_sign", "adamw"),
+    ("h10", "muloco_sign_h10", "muon"), ("muloco_sign_overlap", None, "muon")])
 def test_a_config_is_priced_as_the_recipe_it_runs(tmp_path, capsys, config, recipe, baseline):
     """--config of a shipped recipe config: its own row at its own settings (H, codec, exchange at the
     replica count, the inner optimizer: DeepSpeed's Muon section in the ZeRO 2 config, ds_lowcomm's
-    own Muon in the others), against the recipe's dense baseline with the recipe's measured ratio, the
-    config's ZeRO stage and gradient bytes; a copy at H 10 runs no measured recipe, and says so."""
+    own Muon in the others), against the recipe's dense baseline with the measured ratio of the
+    recipe its settings run (a copy at H 10: the H 10 recipe's), the config's ZeRO stage and gradient
+    bytes; the overlapped form, never measured against dense Muon, runs no measured recipe and says so."""
     from ds_lowcomm.cli import main
 
     root = Path(__file__).resolve().parents[1]

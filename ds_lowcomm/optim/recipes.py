@@ -89,9 +89,13 @@ DENSE_BASELINES: dict[str, dict] = {
              "about": "dense Muon: the gradients all-reduced, then Muon on the hidden matrices, AdamW on the rest"},
 }
 # The recipes users are told to run (the README), each around its dense baseline: the one-bit outer
-# loop with dense Muon inside (configs/muloco_sign*.json) and with AdamW (configs/adamw_sign.json).
+# loop with dense Muon inside (configs/muloco_sign*.json), the same at H 10 (fewer bytes, a few more
+# steps) and with AdamW (configs/adamw_sign.json). ``measured_as``: the entry under which the scale
+# benchmark measured it (at its H), where that is another name.
 RECOMMENDED: dict[str, dict] = {
     "muloco_sign": {"lowcomm": SIGN_OUTER, "optimizer": "muon", "baseline": "muon"},
+    "muloco_sign_h10": {"lowcomm": {**SIGN_OUTER, "sync_every": 10}, "optimizer": "muon", "baseline": "muon",
+                        "measured_as": "muloco_sign"},
     "adamw_sign": {"lowcomm": SIGN_OUTER, "optimizer": "adamw", "baseline": "adamw"},
 }
 # Every entry priced by name: the compare recipes (their ratios are against adamw), the dense

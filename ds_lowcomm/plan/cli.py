@@ -86,7 +86,6 @@ def format_table(result: dict) -> str:
     overlap = (f"dense all-reduce overlapped with the backward pass ({i['backward_fraction']:.2g} of compute, "
                f"{i['bucket_cap_mb']:g} MiB buckets)" if i["overlap_backward"]
                else "dense all-reduce after the backward pass")
-    width = max(11, *(len(r["method"]) for r in result["rows"]))
     lines = [f"{i['model']} ({result['parameters'] / 1e6:,.1f}M parameters), {i['replicas']} replicas x "
              f"{i['gpus_per_replica']} GPUs, ZeRO {i['zero_stage']}, {i['link_gbit']:g} Gbit/s, "
              f"{i['latency_ms']:g} ms, compute {i['compute_s']:g} s/step; comm/compute ratio "
@@ -94,23 +93,26 @@ def format_table(result: dict) -> str:
              + (f" ({result['codec_default']})" if result["codec_default"] else ""),
              f"bytes per worker per step: the ledger's (an all-gather of P counts P, an all-reduce of N counts N) "
              f"and on the wire at {i['replicas']} replicas (ring: (n-1) P, 2 (n-1) N / n); x fewer: the baseline's "
-             f"wire bytes over the row's, at {i['replicas']} replicas",
-             f"{'method':<{width}} {'H':>4} {'ledger MB':>10} {'wire MB':>10} {'x fewer':>8} {'comm s':>8} "
-             f"{'waited s':>8} {'codec s':>8} {'step s':>8} {'+state GB':>9} {'steps x':>7} {'speed-up':>8}"]
-    baseline = None
+             f"wire bytes over the row's, at {i['replicas']} replicas"]
+    groups = {}
     for r in result["rows"]:
-        if r["baseline"] != baseline and baseline is not None:
-            about = DENSE_BASELINES[r["baseline"]]["about"]
-            lines.append(f"against {r['baseline']} ({about}): x fewer, +state, steps x and speed-up over its")
-        baseline = r["baseline"]
-        lines.append(f"{r['method']:<{width}} {r['sync_every']:>4} {r['bytes_per_step'] / 1e6:>10.4f} "
-                     f"{r['wire_bytes_per_step'] / 1e6:>10.4f} {r['wire_bytes_vs_baseline'] or float('nan'):>8.1f} "
-                     f"{r['comm_s_per_step']:>8.4f} {r['exposed_comm_s_per_step']:>8.4f} {r['codec_s_per_step']:>8.4f} "
-                     f"{r['step_s']:>8.4f} {r['added_state_bytes_per_gpu'] / 1e9:>9.2f} "
-                     f"{r['steps_ratio'] or float('nan'):>7.2f} {r['speedup_vs_baseline'] or float('nan'):>8.2f}")
+        groups.setdefault(r["baseline"], []).append(r)
+    for n, (baseline, rows) in enumerate(groups.items()):
+        if n:  # adamw's group first, with no title
+            about = DENSE_BASELINES[baseline]["about"]
+            lines.append(f"against {baseline} ({about}): x fewer, +state, steps x and speed-up against it")
+        width = max(11, *(len(r["method"]) for r in rows))
+        lines.append(f"{'method':<{width}} {'H':>4} {'ledger MB':>10} {'wire MB':>10} {'x fewer':>8} {'comm s':>8} "
+                     f"{'waited s':>8} {'codec s':>8} {'step s':>8} {'+state GB':>9} {'steps x':>7} {'speed-up':>8}")
+        for r in rows:
+            lines.append(f"{r['method']:<{width}} {r['sync_every']:>4} {r['bytes_per_step'] / 1e6:>10.4f} "
+                         f"{r['wire_bytes_per_step'] / 1e6:>10.4f} {r['wire_bytes_vs_baseline'] or float('nan'):>8.1f} "
+                         f"{r['comm_s_per_step']:>8.4f} {r['exposed_comm_s_per_step']:>8.4f} "
+                         f"{r['codec_s_per_step']:>8.4f} {r['step_s']:>8.4f} {r['added_state_bytes_per_gpu'] / 1e9:>9.2f} "
+                         f"{r['steps_ratio'] or float('nan'):>7.2f} {r['speedup_vs_baseline'] or float('nan'):>8.2f}")
     sources = [f"  {r['method']}: {r['steps_ratio']:.3g} ({r['steps_ratio_source']})" for r in result["rows"]
                if r["steps_ratio"] is not None and r["steps_ratio_source"] != "definition"]
-    return "\n".join([*lines, "steps x, each over its baseline's steps to the target:", *sources])
+    return "\n".join([*lines, *(["steps x, each over its baseline's steps to the target:", *sources] if sources else [])])
 
 
 def describe_row(r: dict, path: str) -> str:
@@ -132,13 +134,16 @@ def run_plan(args) -> dict:
     optimizers = {m: PLANNED[m]["optimizer"] for m in names if "optimizer" in PLANNED.get(m, {})}
     given, framework = {}, {}
     if args.config:
-        with open(args.config) as f:
-            raw = json.load(f)
+        from ..deepspeed.config import load_config
+
+        raw = load_config(args.config)
         given, given_optimizers, framework = config_methods(raw, f"--config {args.config}", Path(args.config).stem)
         if framework and args.methods is None:  # a DeepSpeed config: its own row (and its baseline)
             methods, optimizers = {}, {}
         methods.update(given)
-        optimizers = {**{m: k for m, k in optimizers.items() if m not in given}, **given_optimizers}
+        if framework:  # the config's row chooses its own local optimizer, whatever its name
+            optimizers = {m: k for m, k in optimizers.items() if m not in given}
+        optimizers.update(given_optimizers)
     defaults = PlanInputs()
     zero_stage = args.zero_stage if args.zero_stage is not None else framework.get("zero_stage", defaults.zero_stage)
     grad_bytes = args.grad_bytes if args.grad_bytes is not None else framework.get("grad_bytes", defaults.grad_bytes)

@@ -76,17 +76,17 @@ def cpu_codec_entry(rows: list[dict], source: str, date: str | None = None) -> d
 def recipe_ratio_entries(rows: list[dict], source: str, date: str | None = None) -> dict[str, dict]:
     """The steps ratios of each recommended recipe (recipes.RECOMMENDED) against its dense baseline
     in a ``scale`` summary's rows (scale_summary.csv: the median steps over the seeds to the dense
-    run's target): its rows at the recipe's H, one ratio per model size (``by_parameters``; where a
+    run's target): the rows of its entry (``measured_as``) at its H, one ratio per model size (``by_parameters``; where a
     size was run twice, the run over more seeds), as ``steps_ratio`` entries; a recipe the rows do
     not hold at its H is left out."""
     date = date or datetime.date.today().isoformat()
     out = {}
     for name, recipe in RECOMMENDED.items():
-        h, baseline = recipe["lowcomm"]["sync_every"], recipe["baseline"]
+        h, baseline, entry = recipe["lowcomm"]["sync_every"], recipe["baseline"], recipe.get("measured_as", name)
         dense = {(r["parameters"], r["device"]): r for r in rows if r["entry"] == baseline and r["form"] == baseline}
         runs: dict[int, dict] = {}
         for r in rows:
-            if (r["entry"] == name and r["form"] == baseline and int(r["H"]) == h and r.get("ratio_to_dense") not in (None, "")
+            if (r["entry"] == entry and r["form"] == baseline and int(r["H"]) == h and r.get("ratio_to_dense") not in (None, "")
                     and (r["parameters"], r["device"]) in dense):
                 size, seeds = int(r["parameters"]), len(str(r["seeds"]).split(","))
                 if size not in runs or seeds > len(str(runs[size]["seeds"]).split(",")):
