@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The first run on a lent GPU, in one command (lab/lowcomm_bench/gpu_check.py says what it runs):
 #   bash launch/gpu_check.sh                 # on the GPU machine: dated CSVs in $OUT, else docs/bench/gpu
-#   bash launch/gpu_check.sh --dry-run       # the same parts on the CPU at tiny sizes (the test suite runs it)
+#   bash launch/gpu_check.sh --dry-run       # the same parts on the CPU at tiny sizes (the test suite runs it),
+#                                            # into a new temporary folder unless $OUT or --out names one
 # A GPU machine here has torch but not DeepSpeed: wheels carried in .whl/ (see docs/gpus.md) are
 # installed under /tmp/site first. Extra arguments go to `python -m lowcomm_bench gpu_check`.
 set -uo pipefail
@@ -14,4 +15,5 @@ if compgen -G ".whl/*.whl" >/dev/null && ! "$PY" -c "import deepspeed" >/dev/nul
 fi
 # the library and its laboratory (lab/: the benchmarks, the reference task) from this checkout
 export PYTHONPATH=$PWD:$PWD/lab${PYTHONPATH:+:$PYTHONPATH} PYTHONUNBUFFERED=1
-exec "$PY" -m lowcomm_bench gpu_check --out "${OUT:-docs/bench/gpu}" "$@"
+# $OUT (the lent machine's folder that comes back) when set; else gpu_check's default
+exec "$PY" -m lowcomm_bench gpu_check ${OUT:+--out "$OUT"} "$@"

@@ -9,8 +9,9 @@ without an edit, plus ``--lowcomm-config FILE``, a JSON section the flags overri
 ``LowcommConfig.from_dict(..., where="lowcomm")``: the same checks, and the same
 :class:`~ds_lowcomm.settings.ConfigError` naming ``lowcomm.<key>``, as the DeepSpeed path.
 Command-line strings are read as the JSON a config file would hold: ``true``/``false``, ``null``,
-numbers, comma-separated lists for list settings, else the string itself; whether the value fits
-is for the settings' own checks to say.
+numbers, comma-separated lists for list settings (or a JSON list, ``[[500, 10], [2000, 30]]`` for
+``--lowcomm-sync-every-schedule``), else the string itself; whether the value fits is for the
+settings' own checks to say.
 """
 
 from __future__ import annotations
@@ -81,6 +82,11 @@ def parse_value(key: str, text: str) -> Any:
     if key in _list_keys():
         if text.strip().lower() in ("null", "none"):
             return None
+        if text.strip().startswith("["):  # a JSON list, as a file holds it (lists of lists: sync_every_schedule)
+            try:
+                return json.loads(text)
+            except ValueError:
+                raise ConfigError(f"lowcomm.{key}: {text!r} is not a JSON list") from None
         return [_scalar(part) for part in text.split(",") if part.strip()]
     return _scalar(text)
 

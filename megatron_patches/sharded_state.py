@@ -338,11 +338,13 @@ def _words(holder: str, name: str) -> str:
     return f"{where} {name}"
 
 
-def _averaged(holder: str, method: str | None) -> bool:
-    """Per-replica state that a new replica count takes as the replicas' mean."""
+def _averaged(holder: str, name: str, method: str | None) -> bool:
+    """Per-replica state that a new replica count takes as the replicas' mean: the outer methods'
+    inner optimizer state, and their error feedback (each sync sends the replicas' mean residual,
+    so every new replica holding that mean keeps what is still to be sent, whatever their number)."""
     from ds_lowcomm.optim.registry import OUTER_METHODS
 
-    return method in OUTER_METHODS and holder.startswith(_INNER)
+    return method in OUTER_METHODS and (holder.startswith(_INNER) or (holder == "outer" and name == "residual"))
 
 
 def problem_with(saved: dict | None, method: str | None) -> str | None:
@@ -365,7 +367,7 @@ def problem_with(saved: dict | None, method: str | None) -> str | None:
                 f"({', '.join(bound)}); it resumes only with its layout {then}, this run has {now}")
     if then["dp"] != now["dp"]:
         refused = sorted({_words(*sid.split("|")[:2]) for sid in saved["per_replica"]
-                          if not _averaged(sid.split("|")[0], method)})
+                          if not _averaged(*sid.split("|")[:2], method)})
         if refused:
             return (f"the checkpoint holds {saved['method']} state that differs between its {then['dp']} data-parallel "
                     f"replicas and cannot follow a new replica count ({now['dp']}): {'; '.join(refused)}. Resume it "

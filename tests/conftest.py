@@ -1,6 +1,7 @@
 """Helpers shared by the tests: a tiny model and its per-rank batches, a digest of parameters,
 one plain SGD step for single-process replays, and the DCT written from its definition."""
 
+import io
 import math
 import os
 import sys
@@ -176,6 +177,37 @@ def replay_sgd_step(models, step, lr):
             for p in model.parameters():
                 p -= lr * p.grad
                 p.grad = None
+
+
+def train_tiny(opt, model, rank, start, stop):
+    """Steps ``start`` .. ``stop`` - 1 of ``opt`` on tiny_model's ``model`` with this rank's batches."""
+    for s in range(start, stop):
+        tiny_loss(model, rank, s).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def tiny_checkpoint(opt, model) -> bytes:
+    buffer = io.BytesIO()
+    torch.save({"optimizer": opt.state_dict(), "model": model.state_dict()}, buffer)
+    return buffer.getvalue()
+
+
+def resumed_tiny(build, rank, checkpoint: bytes, start, stop, edit=lambda sd: sd, after_load=lambda opt: None):
+    """A fresh tiny_model and ``build(model)``'s optimizer from ``checkpoint`` (after ``edit``),
+    trained from ``start`` to ``stop``; its parameters."""
+    saved = torch.load(io.BytesIO(checkpoint), weights_only=False)
+    model = tiny_model()
+    opt = build(model)  # from the common start (the optimizer checks the ranks agree), then the checkpoint
+    model.load_state_dict(saved["model"])
+    opt.load_state_dict(edit(saved["optimizer"]))
+    after_load(opt)
+    train_tiny(opt, model, rank, start, stop)
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def same_bits(a, b) -> bool:
+    return all(x.dtype == y.dtype and torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b))
 
 
 def dct_by_definition(n):

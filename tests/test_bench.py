@@ -1,5 +1,5 @@
 """The benchmarks at tiny size (seconds, so that they keep working), and the test hosts' set-up and
-tear-down when running as root. The measurements themselves are in docs/benchmarks.md."""
+tear-down when running as root. The measurements themselves are in docs/results/."""
 
 import csv
 import json
@@ -239,7 +239,7 @@ def test_time_to_loss_arithmetic():
 
 
 def test_time_to_loss_records_the_planners_steps_ratios(tmp_path):
-    """--record over the committed fair run (docs/bench/time_to_loss.csv, tuned by a sweep): demo's
+    """--record over the committed fair run (committed.ADAMW_TTL, tuned by a sweep): demo's
     ratio from the entry at its recipe (demo_recipe, 260 steps), not the sweep's demo (445), over
     adamw's 240: the figure ds_lowcomm/measured.json holds; the other methods' untouched."""
     from types import SimpleNamespace
@@ -247,13 +247,14 @@ def test_time_to_loss_records_the_planners_steps_ratios(tmp_path):
     from ds_lowcomm import plan
     from lowcomm_bench.time_to_loss import record_steps_ratios
 
-    docs = Path(__file__).resolve().parents[1] / "docs" / "bench"
+    from lowcomm_bench.committed import ADAMW_TTL, ADAMW_TUNING, BENCH
+
     rows = [{**r, "hosts": int(r["hosts"]), "steps_to_target": float(r["steps_to_target"] or 0)}
-            for r in _rows(docs / "time_to_loss.csv")]
+            for r in _rows(BENCH / ADAMW_TTL)]
     measured = tmp_path / "measured.json"
     measured.write_bytes(plan.MEASURED_PATH.read_bytes())
-    args = SimpleNamespace(seeds="0,1,2", steps=300, from_sweep="docs/bench/sweep.csv")
-    record_steps_ratios(rows, 2, args, docs, measured)
+    args = SimpleNamespace(seeds="0,1,2", steps=300, from_sweep=f"docs/bench/{ADAMW_TUNING}")
+    record_steps_ratios(rows, 2, args, (BENCH / ADAMW_TTL).parent, measured)
     before, after = plan.load_measured(), plan.load_measured(measured)
     assert after["steps_ratio"]["demo"]["value"] == before["steps_ratio"]["demo"]["value"] == 260 / 240
     assert "3 seed(s)" in after["steps_ratio"]["demo"]["source"]

@@ -1,7 +1,7 @@
 """``bench scale`` (issue 55): the recipe's settings derived from the dense run's, the summary's
 medians and ratios per model size, the largest H within a ratio, and the collection of several
-runs' rows into docs/bench/scale.csv. Its training path runs in the GPU check's dry run
-(tests/test_gpu_check.py); docs/bench/scale.csv itself is checked in tests/test_docs_figures.py."""
+runs' rows into docs/bench/model-size/steps-to-target.csv. Its training path runs in the GPU check's dry run
+(tests/test_gpu_check.py); that file itself is checked in tests/test_docs_figures.py."""
 
 import json
 
@@ -62,4 +62,4 @@ def test_summary_medians_ratios_and_largest_h_per_size(tmp_path):
     assert len(collected) == len(rows)
     again = scale.collect(tmp_path / "scale.csv", [str(tmp_path / "b.csv")])  # rows replaced, not doubled
     assert len(again) == len(rows)
-    assert (tmp_path / "scale_summary.csv").exists()
+    assert (tmp_path / "scale-summary.csv").exists() and scale.summary_path(tmp_path / "scale.csv").exists()

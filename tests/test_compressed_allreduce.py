@@ -199,8 +199,8 @@ def _replay(n: int, exchanges: int = EXCHANGES, senders=lambda e: None, inputs=_
 
 def _wire(sizes: list[int], n: int, bounds: list[int]) -> tuple[list[int], int, int]:
     """From the wire format, for tensors of ``sizes`` end to end cut at ``bounds`` into n chunks:
-    phase 1's bytes to each chunk's owner (its sign bits, the scale of each tensor it touches, a
-    flag byte), phase 2's part (each chunk's counts mod n in ceil(log2 n) bits, each touched
+    phase 1's part to each chunk's owner (its sign bits, the scale of each tensor it touches, a
+    flag byte; every part at the largest one's size), phase 2's part (each chunk's counts mod n in ceil(log2 n) bits, each touched
     tensor's shared scale (4 bytes) and contributor count (1 byte); every part at the largest one's
     size), and the least largest part any cut into n non-empty chunks could have (by dynamic
     programming over every cut)."""
@@ -216,7 +216,7 @@ def _wire(sizes: list[int], n: int, bounds: list[int]) -> tuple[list[int], int, 
     numel = starts[-1]
     assert bounds[0] == 0 and bounds[-1] == numel and len(bounds) == n + 1
     assert all(a < b for a, b in zip(bounds, bounds[1:]))  # every chunk non-empty, in order
-    phase1 = [(hi - lo + 7) // 8 + 4 * touched(lo, hi) + 1 for lo, hi in zip(bounds, bounds[1:])]
+    phase1 = max((hi - lo + 7) // 8 + 4 * touched(lo, hi) + 1 for lo, hi in zip(bounds, bounds[1:]))
     best = {(0, 0): 0}  # (chunks, elements covered) -> the least largest part
     for j in range(1, n + 1):
         for hi in range(j, numel + 1):
@@ -229,7 +229,7 @@ def _wire(sizes: list[int], n: int, bounds: list[int]) -> tuple[list[int], int, 
 def _ledger_bytes(sizes: list[int], n: int, rank: int, bounds: list[int]) -> dict:
     phase1, phase2, least = _wire(sizes, n, bounds)
     assert phase2 == least  # the chunks are cut so that the largest phase 2 part is as small as it can be
-    return {"compressed_all_reduce_scatter": [1, sum(phase1) - phase1[rank], (n - 1) * phase1[rank]],
+    return {"compressed_all_reduce_scatter": [1, (n - 1) * phase1, (n - 1) * phase1],
             "compressed_all_reduce_gather": [1, phase2, (n - 1) * phase2]}
 
 
@@ -310,7 +310,7 @@ def test_the_recipe_at_eight_replicas_stays_identical_and_resumes_exactly(result
     sends = RECIPE_STEPS // h
     second = len([t for t in range(h, RECIPE_STEPS + 1, h) if t + 1 <= RECIPE_STEPS or not delay])
     by_op = recipes[0]["by_op"]
-    assert by_op["outer_compressed_all_reduce_scatter"] == [sends, sends * sum(phase1[1:]), sends * 7 * phase1[0]]
+    assert by_op["outer_compressed_all_reduce_scatter"] == [sends, sends * 7 * phase1, sends * 7 * phase1]
     assert by_op["outer_compressed_all_reduce_gather"] == [second, second * phase2, second * 7 * phase2]
     assert "outer_sparse_all_gather" not in by_op
     # the second phase goes out one step after the send (delay 0: at once), landing `delay` steps after it

@@ -39,6 +39,25 @@ from ds_lowcomm.config import ConfigError, LowcommConfig, check_lr
         ({"method": "diloco", "sync_delay": 1, "carry_local_steps": True, "fragment_mix": 0.5},
          r"lowcomm.carry_local_steps and lowcomm.fragment_mix are two ways to land a sync: set fragment_mix to 0"),
         ({"method": "diloco", "sync_delay": 1, "carry_local_steps": 1}, r"lowcomm.carry_local_steps must be"),
+        # eager landing
+        ({"method": "dct_diloco", "eager": True}, r"lowcomm.eager needs lowcomm.sync_delay >= 1 \(with 0 a sync lands"),
+        ({"method": "diloco", "sync_delay": 1, "eager": True, "fragment_mix": 0.5},
+         r"lowcomm.eager and lowcomm.fragment_mix are two ways to land a sync"),
+        ({"method": "sparseloco", "sync_delay": 1, "eager": True, "carry_local_steps": True},
+         r"lowcomm.eager and lowcomm.carry_local_steps are two ways to land a sync"),
+        ({"method": "diloco", "sync_delay": 1, "eager": "yes"}, r"lowcomm.eager must be true or false; got 'yes'"),
+        # H growing during training
+        *[({"method": "diloco", "sync_every_schedule": bad}, r"lowcomm.sync_every_schedule must be a list of "
+           r"\[from_step, H\] pairs of integers >= 1 with from_step strictly ascending \(empty: sync_every throughout\); got " + got)
+          for bad, got in [([[0, 5]], r"the entry \[0, 5\]"), ([[5, 0]], r"the entry \[5, 0\]"),
+                           ([[5]], r"the entry \[5\]"), ([[5, True]], r"the entry \[5, True\]"),
+                           ([[5, 2.5]], r"the entry \[5, 2.5\]"), ([5, 3], "the entry 5"), ("5:3", "'5:3'"),
+                           ([[5, 3], [5, 4]], "from_step 5 after 5"), ([[9, 3], [5, 4]], "from_step 5 after 9")]],
+        ({"method": "diloco", "sync_every": 8, "sync_every_schedule": [[10, 2]], "sync_delay": 2},
+         r"lowcomm.sync_delay must be an integer in \[0, 1\] \(a fragment's sync must land before its next one starts, "
+         r"at the smallest H of sync_every and sync_every_schedule\); got 2"),
+        ({"method": "dct_diloco", "sync_every": 8, "sync_every_schedule": [[10, 2]], "fragments": 3},
+         r"lowcomm.fragments must be an integer in \[1, 2\] \(the smallest H of sync_every and sync_every_schedule"),
         # MT-DAO
         ({"method": "mtdao", "momentum_betas": [0.9, 0.99], "momentum_weights": [0.5]},
          r"lowcomm.momentum_weights must be a list with one weight per momentum_betas entry \(2\)"),

@@ -148,6 +148,7 @@ def test_four_rank_layouts_train_and_agree(layout):
     ({"replicas": [{"ranks": 1}, {"ranks": 1, "inner_steps": 2}], "method": "demo"}, "setting(s) sync_every do not apply to method 'demo'"),
     ({"replicas": [{"ranks": 1}], "replica_size": 1}, "give one"),
     ({"replicas": [{"ranks": 1}], "fragments": 2, "sync_delay": 1}, "lowcomm.fragments must be 1"),
+    ({"replicas": [{"ranks": 1}], "sync_every_schedule": [[8, 6]]}, "lowcomm.sync_every_schedule is not supported with lowcomm.replicas"),
     ({"replicas": []}, "non-empty list"),
     ({"replicas": [{"ranks": 0}]}, "lowcomm.replicas[0].ranks must be a positive integer"),
 ])

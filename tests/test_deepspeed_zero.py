@@ -17,6 +17,9 @@ METHODS = {
     "demo": {"method": "demo", "topk": 4, "chunk": 8, "decay": 0.9},
     "diloco": {"method": "diloco", "sync_every": 3},
     "dct_diloco": {"method": "dct_diloco", "sync_every": 3, "topk": 8, "chunk": 8, "average": "world"},
+    # one sign bit an element through the compressed all-reduce (each piece of a partition its own scale)
+    "dct_diloco_all_reduce": {"method": "dct_diloco", "sync_every": 3, "topk": 64, "chunk": 8, "transform": "none",
+                              "value_dtype": "sign", "average": "world", "exchange": "all_reduce"},
     "sparseloco": {"method": "sparseloco", "sync_every": 3, "topk": 8, "chunk": 64},
     "mtdao": {"method": "mtdao", "sync_every": 3, "sync_codec": "topk", "topk": 8, "chunk": 8},
 }
@@ -108,6 +111,7 @@ def _frozen_worker(rank, world, stages, replica_size):
 # Compressed exchanges per run of 6 steps: demo every step; the outer methods at steps 3 and 6.
 EXPECTED_CALLS = {"adamw": ("all_reduce", 6), "demo": ("sparse_all_gather", 6), "diloco": ("outer_all_reduce", 2),
                   "dct_diloco": ("outer_sparse_all_gather", 2), "sparseloco": ("outer_sparse_all_gather", 2),
+                  "dct_diloco_all_reduce": ("outer_compressed_all_reduce_scatter", 2),
                   "mtdao": ("mtdao_sparse_all_gather", 2)}
 
 

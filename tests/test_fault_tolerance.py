@@ -91,7 +91,7 @@ def _synced(records: list[dict]) -> dict[int, str]:
 
 
 # an outer method (and Streaming DiLoCo: 2 fragments, each its own sync and quorum), the per-step ones
-# dct_diloco_sign: exchange auto, each quorum's by its size (the compressed all-reduce among 3, the all-gather among 2)
+# dct_diloco_sign: exchange auto, which under fault tolerance is the compressed all-reduce at any quorum's size
 @pytest.mark.parametrize("method", ["dct_diloco_sign", "streaming", "demo", "mtdao"])  # adamw: demo's path (suite time)
 def test_a_killed_replica_restarts_and_heals_while_the_others_train(tmp_path, method):
     """3 replicas; replica 2 SIGKILLed at step 12 and started again: replicas 0 and 1 never stop
@@ -132,9 +132,10 @@ def test_a_killed_replica_restarts_and_heals_while_the_others_train(tmp_path, me
         if outer and method != "mtdao" and not streaming:
             assert records[-1]["outer_steps"] == STEPS // SYNC_EVERY
     assert back[-1]["heals"] == 1 and back[-1]["heal_bytes"] > 0, back[:2]
-    if method == "dct_diloco_sign":  # the all-reduce among 3 (before and after), the all-gather in the retry among 2
-        assert {"outer_compressed_all_reduce_scatter", "outer_sparse_all_gather"} <= set(survivors[0][-1]["ops"])
-        assert "outer_compressed_all_reduce_scatter" in back[-1]["ops"]
+    if method == "dct_diloco_sign":  # the all-reduce among 3 (before and after) and in the retry among 2
+        for records in (*survivors, back):
+            assert "outer_compressed_all_reduce_scatter" in records[-1]["ops"]
+            assert "outer_sparse_all_gather" not in records[-1]["ops"]
     first = back[0]["step"]  # its first step after the heal
     # at the first quorum after it was up: a sync boundary, by the survivors' hold at the latest
     syncs = (2, 0) if streaming else (0,)  # fragment 0 syncs at steps 2, 7, 12, ..., fragment 1 at 5, 10, ...
@@ -173,10 +174,10 @@ def test_a_killed_replica_restarts_and_heals_while_the_others_train(tmp_path, me
 
 def test_a_replica_dying_mid_exchange_and_one_stalling(tmp_path):
     """dct_diloco with one sign bit an element and exchange all_reduce (the compressed all-reduce,
-    its server error buffers cut by each quorum's size), 3 replicas. Replica 2 exits in the sync
+    its chunks cut by each quorum's size), 3 replicas. Replica 2 exits in the sync
     of step 10, in its first phase, its peers' under way (a dying replica's data could be partly
     sent; with this model's few bytes it would all arrive, so it sends none): replicas 0 and 1
-    restore what the exchange changed (the residuals, each one's server error and its chunk), try
+    restore what the exchange changed (the residuals), try
     it again in a quorum of the two of them (torchft's shrink-only quorum, once replica 2's
     heartbeats stop; each serving its half now), commit it and agree: no sync lost. Then replica 1
     stops (SIGSTOP) at step 17: replica 0 waits for it at most timeout_s in the sync of step 20,

@@ -36,6 +36,30 @@ def dry_run(tmp_path_factory):
     return proc.stdout, files
 
 
+def test_a_dry_run_writes_outside_the_checkout(tmp_path):
+    """Without --out (and $OUT) a dry run writes into a new temporary folder, which it names, never
+    into docs/bench/gpu beside the GPU figures; a GPU run's default is docs/bench/gpu."""
+    import re
+    import shutil
+    import tempfile
+
+    from lowcomm_bench.committed import BENCH
+
+    committed = sorted(p.name for p in (BENCH / "gpu").iterdir())
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    proc = subprocess.run(["bash", str(ROOT / "launch" / "gpu_check.sh"), "--dry-run", "--parts", "codec", "--budget-s", "120"],
+                          env={**env, "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}, capture_output=True, text=True,
+                          timeout=300)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    out = Path(re.search(r"files in (\S+)", proc.stdout)[1])
+    assert out.parent == tmp_path and {p.name.split("-", 4)[-1] for p in out.iterdir()} >= {"codec.csv", "summary.json"}
+    assert sorted(p.name for p in (BENCH / "gpu").iterdir()) == committed
+    assert Path(gpu_check.default_out(dry_run=False)) == BENCH / "gpu"
+    fresh = Path(gpu_check.default_out(dry_run=True))
+    assert fresh.is_dir() and Path(tempfile.gettempdir()) in fresh.parents
+    shutil.rmtree(fresh)
+
+
 def test_every_part_ends_well(dry_run):
     stdout, files = dry_run
     summary = json.loads(files["summary"].read_text())

@@ -6,8 +6,9 @@ The reference is independent of the loader: the parameters (and Megatron's Adam 
 replica held when it saved, whole (TP 1, PP 1); after the load each rank's tensors are gathered
 across the tensor-parallel group and concatenated along the axis Megatron splits them on, and
 the pipeline stages' local layer numbers are shifted to the model's, then compared, bit for bit.
-State that differs between the replicas (error feedback) is refused by name at the new replica
-count; the outer methods' inner Adam starts every new replica at the replicas' mean.
+DeMo's momentum, which differs between the replicas, is refused by name at the new replica
+count; the outer methods' inner Adam and error feedback start every new replica at the
+replicas' mean.
 """
 
 import os
@@ -26,9 +27,13 @@ CASES = {  # name: (lowcomm, steps before the save): the outer methods save righ
     "adamw": ({"method": "adamw"}, 2),
     "diloco": ({"method": "diloco", "sync_every": 2}, 2),
     "mtdao": ({"method": "mtdao", "sync_every": 2}, 2),
-    # one sign bit an element through the compressed all-reduce: its server error is saved whole, once
+    # one sign bit an element through the compressed all-reduce, and with exchange auto (the
+    # all-gather at 2 replicas, the record "auto" whatever it picks); right after a sync, where the
+    # replicas' parameters agree and their residuals (what each has still to send) do not
     "dct_diloco": ({"method": "dct_diloco", "sync_every": 2, "topk": 256, "chunk": 16, "transform": "none",
                     "value_dtype": "sign", "exchange": "all_reduce"}, 2),
+    "dct_diloco_auto": ({"method": "dct_diloco", "sync_every": 2, "topk": 256, "chunk": 16, "transform": "none",
+                         "value_dtype": "sign"}, 2),
     "demo": ({"method": "demo", "topk": 8, "chunk": 16}, 2),
     # bf16: Megatron's fp32 main copies (and their Adam state) follow their bf16 parameters
     "diloco_bf16": ({"method": "diloco", "sync_every": 2}, 2),
@@ -64,6 +69,16 @@ def _adam_moments(opt, model) -> dict:
             if "exp_avg" in state:
                 out[names[id(model_of.get(id(p), p))]] = state["exp_avg"].detach().clone()
     return out
+
+
+def _residuals(opt, model) -> dict:
+    """The outer loop's error feedback of each model parameter (by its name)."""
+    from megatron_patches.wrapper import model_params_of_mains
+
+    model_of = model_params_of_mains(getattr(opt, "optimizer", opt))
+    names = {id(p): n for n, p in model.named_parameters()}
+    return {names[id(model_of.get(id(p), p))]: opt.outer.state[p]["residual"].detach().clone()
+            for p in opt.outer._current_params() if "residual" in opt.outer.state[p]}
 
 
 def _save_v1(opt, metadata):
@@ -110,12 +125,12 @@ def _reshard_worker(rank, world, directory):
         if v1:
             saved["state"] = _state_tensors(opt)
             opt.sharded_state_dict = lambda model_sd, is_loading=False, metadata=None: _save_v1(opt, metadata)
-        if case == "dct_diloco":  # each rank's server error chunk, keyed by the sync's parameter positions
-            saved["server_error"] = {k: v.clone() for k, v in opt.outer._server_error.items()}
+        if case.startswith("dct_diloco"):
+            saved["residual"] = _residuals(opt, model)
         save_dist(path, steps, [model], opt)
         ps.destroy_model_parallel()
         out[case] = {"saved": saved}
-        for tp, pp in ((1, 1),) + TARGETS if v1 or case == "dct_diloco" else TARGETS:
+        for tp, pp in ((1, 1),) + TARGETS if v1 or case.startswith("dct_diloco") else TARGETS:
             _init(tp, pp)
             got = {}
 
@@ -129,10 +144,8 @@ def _reshard_worker(rank, world, directory):
                 got["exp_avg"] = whole_tensors(model, _adam_moments(opt, model))
                 if v1:
                     got["state"] = _state_tensors(opt)
-                if case == "dct_diloco":  # the whole server error, as loaded, end to end in each sync's order
-                    params = opt.outer._current_params()
-                    got["whole"] = {k: torch.cat([opt.outer.state[params[int(i)]]["whole_server_error"].reshape(-1)
-                                                  for i in k.split(",")]) for k in saved.get("server_error", {})}
+                if case.startswith("dct_diloco"):
+                    got["residual"] = whole_tensors(model, _residuals(opt, model))
 
             try:  # after the load, one more step at the new layout (the loaded state steps)
                 _, _, losses, _ = train(lowcomm, 1, micro=2 if pp > 1 else 1, bf16=bf16, after_apply=load)
@@ -201,32 +214,35 @@ def test_outer_inner_adam_is_the_replicas_mean(results, case):
                 torch.testing.assert_close(t, ((a[name].double() + b[name].double()) / 2).float(), rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("case, state", [("dct_diloco", "the outer loop's residual"), ("demo", "DeMo's momentum")])
-def test_error_feedback_cannot_follow_a_new_replica_count(results, case, state):
+def test_demo_momentum_cannot_follow_a_new_replica_count(results):
     for r in results:
         for target in TARGETS:
-            why = r[case][target].get("refused", "")
-            assert f"{case} state that differs between its 2 data-parallel replicas" in why, why
-            assert state in why and "cannot follow a new replica count (1)" in why, why
-            # the all-reduce's server error, equal on both replicas, is not what stops it
-            assert "server_error" not in why and "server error" not in why, why
+            why = r["demo"][target].get("refused", "")
+            assert "demo state that differs between its 2 data-parallel replicas" in why, why
+            assert "DeMo's momentum" in why and "cannot follow a new replica count (1)" in why, why
 
 
-def test_the_server_error_is_saved_whole_and_loads_as_the_chunks_it_was(results):
-    """dct_diloco through the compressed all-reduce: its server error (each rank's chunk of the
-    flat pseudo-gradients) is saved whole, as per-parameter state; loaded at the same layout, each
-    rank's chunk of it is the chunk that rank saved, bit for bit (the first sync cuts it so)."""
-    chunks = [r["dct_diloco"]["saved"]["server_error"] for r in results]
-    assert chunks[0] and list(chunks[0]) == list(chunks[1])
-    for rank, r in enumerate(results):
-        got = r["dct_diloco"][(1, 1)]
-        assert "refused" not in got and "error" not in got, got.get("refused") or got.get("error")
-        assert list(got["whole"]) == list(chunks[0])
-        for key, whole in got["whole"].items():
-            size = chunks[0][key].numel()  # rank 0's chunk: the longer one
-            assert torch.equal(whole, torch.cat([c[key] for c in chunks])), key  # equal on both ranks
-            assert torch.equal(whole[rank * size : rank * size + chunks[rank][key].numel()], chunks[rank][key])
-            assert chunks[rank][key].abs().sum() > 0
+@pytest.mark.parametrize("case", ["dct_diloco", "dct_diloco_auto"])
+def test_error_feedback_follows_a_new_replica_count_as_the_replicas_mean(results, case):
+    """dct_diloco saved after a sync, through the compressed all-reduce and with exchange auto: at
+    the same layout each replica loads its own residuals, bit for bit; at one replica (TP 2 or PP
+    2) the residuals are the two replicas' mean (what the next sync would send of them), and it
+    steps on."""
+    r0, r1 = results
+    a, b = r0[case]["saved"]["residual"], r1[case]["saved"]["residual"]
+    assert a and any(not torch.equal(a[n], b[n]) for n in a)  # they differ between the replicas
+    for r in results:
+        same = r[case][(1, 1)]
+        assert "refused" not in same and "error" not in same, same.get("refused") or same.get("error")
+        _assert_equal(same["residual"], r[case]["saved"]["residual"], (case, "same layout"))
+        for target in TARGETS:
+            got = r[case][target]
+            assert "refused" not in got and "error" not in got, (target, got.get("refused") or got.get("error"))
+            assert got["residual"]
+            for name, t in got["residual"].items():
+                torch.testing.assert_close(t, ((a[name].double() + b[name].double()) / 2).float(), rtol=0, atol=0)
+            if target[1] == 1 or r is results[-1]:
+                assert got["loss_after"] is not None and got["loss_after"] == got["loss_after"]
 
 
 def test_first_format_loads_at_its_own_layout_only(results):

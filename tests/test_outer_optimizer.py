@@ -5,7 +5,6 @@ single-process replay with torch.optim.Adam on the averaged pseudo-gradients; th
 optimizer's state resumes exactly, and a checkpoint of the earlier format loads."""
 
 import functools
-import io
 
 import pytest
 import torch
@@ -15,7 +14,7 @@ from ds_lowcomm.optim import DiLoCo, LowcommConfig, SparseLoCo, build_optimizer
 from ds_lowcomm.settings import ConfigError
 from lowcomm_task.workers import run_local_workers
 
-from .conftest import replay_sgd_step, tiny_loss, tiny_model
+from .conftest import replay_sgd_step, resumed_tiny, same_bits, tiny_checkpoint, tiny_loss, tiny_model, train_tiny
 
 LR, WORLD = 0.1, 2  # the inner SGD's lr
 FRAGMENTS = [[0], [1, 2, 3]]  # tiny_model() in 2 fragments: 512-element weight | its bias, 128-element weight, bias
@@ -35,30 +34,6 @@ OLD_STATE_KEYS = {"anchor", "outer_momentum", "local_step", "outer_steps"}  # a 
 ADAM = {"method": "diloco", "sync_every": 4, "fragments": 2, "sync_delay": 1, "outer_optimizer": "adam",
         "outer_lr": 0.01, "outer_betas": [0.8, 0.99], "outer_eps": 1e-3}
 ADAM_STEPS, ADAM_SAVE_AT = 11, 6
-
-
-def _train(opt, model, rank, start, stop):
-    for s in range(start, stop):
-        tiny_loss(model, rank, s).backward()
-        opt.step()
-        opt.zero_grad()
-
-
-def _checkpoint(opt, model) -> bytes:
-    buffer = io.BytesIO()
-    torch.save({"optimizer": opt.state_dict(), "model": model.state_dict()}, buffer)
-    return buffer.getvalue()
-
-
-def _resumed(build, rank, checkpoint: bytes, start, stop, edit=lambda sd: sd):
-    """A fresh model and optimizer from ``checkpoint`` (after ``edit``), trained from ``start`` to ``stop``."""
-    saved = torch.load(io.BytesIO(checkpoint), weights_only=False)
-    model = tiny_model()
-    opt = build(model)  # from the common start (the optimizer checks the ranks agree), then the checkpoint
-    model.load_state_dict(saved["model"])
-    opt.load_state_dict(edit(saved["optimizer"]))
-    _train(opt, model, rank, start, stop)
-    return [p.detach().clone() for p in model.parameters()]
 
 
 def _diloco_by_definition(rank, world, outer_lr, outer_momentum, nesterov, fragments=1):
@@ -98,16 +73,17 @@ def _sgd_case(rank, world, settings):
     build = lambda model: DiLoCo(torch.optim.SGD(model.parameters(), lr=LR), sync_every=SGD_H, **settings)
     model = tiny_model()
     opt = build(model)
-    _train(opt, model, rank, 0, SGD_SAVE_AT)
-    checkpoint = _checkpoint(opt, model)
-    _train(opt, model, rank, SGD_SAVE_AT, SGD_STEPS)
+    train_tiny(opt, model, rank, 0, SGD_SAVE_AT)
+    checkpoint = tiny_checkpoint(opt, model)
+    train_tiny(opt, model, rank, SGD_SAVE_AT, SGD_STEPS)
     params = list(model.parameters())
     outer = opt.anchor_optimizer
     position = {id(p): i for i, p in enumerate(params)}
 
-    def earlier_format(sd):  # what a checkpoint saved before outer_optimizer (and carry_local_steps) was a setting holds
+    def earlier_format(sd):  # what a checkpoint saved before outer_optimizer (and the landings, the schedule) were settings holds
         settings = sd["lowcomm"]["settings"]
-        for key in ("outer_optimizer", "outer_betas", "outer_eps", "outer_weight_decay", "carry_local_steps"):
+        for key in ("outer_optimizer", "outer_betas", "outer_eps", "outer_weight_decay", "carry_local_steps", "eager",
+                    "sync_every_schedule"):
             del settings[key]
         return sd
 
@@ -119,8 +95,8 @@ def _sgd_case(rank, world, settings):
         "outer": (type(outer).__name__, outer.defaults["momentum"], outer.defaults["nesterov"],
                   outer.defaults["lr"], len(outer.param_groups)),
         "fragments": [[position[id(p)] for p in f] for f in opt.fragments_of(params)],
-        "resumed": _resumed(build, rank, checkpoint, SGD_SAVE_AT, SGD_STEPS),
-        "resumed_earlier_format": _resumed(build, rank, checkpoint, SGD_SAVE_AT, SGD_STEPS, earlier_format),
+        "resumed": resumed_tiny(build, rank, checkpoint, SGD_SAVE_AT, SGD_STEPS),
+        "resumed_earlier_format": resumed_tiny(build, rank, checkpoint, SGD_SAVE_AT, SGD_STEPS, earlier_format),
         "reference": _diloco_by_definition(rank, world, **settings),
     }
 
@@ -131,24 +107,24 @@ def _adam_case(rank):
                                           inner_factory=lambda ps: torch.optim.SGD(ps, lr=LR))
     model = tiny_model()
     opt = build(model)
-    _train(opt, model, rank, 0, ADAM_SAVE_AT)
+    train_tiny(opt, model, rank, 0, ADAM_SAVE_AT)
     in_flight_at_save = len(opt._in_flight)
-    checkpoint = _checkpoint(opt, model)
-    _train(opt, model, rank, ADAM_SAVE_AT, ADAM_STEPS)
+    checkpoint = tiny_checkpoint(opt, model)
+    train_tiny(opt, model, rank, ADAM_SAVE_AT, ADAM_STEPS)
     outer = opt.anchor_optimizer
     return {
         "params": [p.detach().clone() for p in model.parameters()],
         "outer": (type(outer).__name__, outer.defaults["betas"], outer.defaults["eps"], len(outer.param_groups)),
         "state_keys": sorted(opt.state_dict()["state"][0]),
         "in_flight_at_save": in_flight_at_save,
-        "resumed": _resumed(build, rank, checkpoint, ADAM_SAVE_AT, ADAM_STEPS),
+        "resumed": resumed_tiny(build, rank, checkpoint, ADAM_SAVE_AT, ADAM_STEPS),
     }
 
 
 def _sparseloco_case(rank):
     model = tiny_model()
     opt = SparseLoCo(torch.optim.SGD(model.parameters(), lr=LR), sync_every=2, topk=4, chunk=4)
-    _train(opt, model, rank, 0, 2)
+    train_tiny(opt, model, rank, 0, 2)
     outer = opt.anchor_optimizer
     return {"outer": (type(outer).__name__, outer.defaults["momentum"]),
             "state_keys": sorted(opt.state[next(model.parameters())])}
@@ -164,19 +140,15 @@ def runs():
     return run_local_workers(_worker, WORLD)
 
 
-def _same_bits(a, b) -> bool:
-    return all(x.dtype == y.dtype and torch.equal(x.view(torch.int32), y.view(torch.int32)) for x, y in zip(a, b))
-
-
 @pytest.mark.parametrize("case", list(SGD_CASES))
 def test_default_sgd_is_bit_for_bit_the_hand_written_outer_step(case, runs):
     settings = SGD_CASES[case]
     for rank, result in enumerate(r["sgd"][case] for r in runs):
         reference = result["reference"]
-        assert _same_bits(result["params"], reference["params"]), (case, rank)
-        assert _same_bits(result["anchors"], reference["anchors"]), (case, rank)
+        assert same_bits(result["params"], reference["params"]), (case, rank)
+        assert same_bits(result["anchors"], reference["anchors"]), (case, rank)
         if settings["outer_momentum"]:  # torch's momentum buffer is the one the checkpoints always held
-            assert _same_bits(result["bufs"], reference["bufs"]), (case, rank)
+            assert same_bits(result["bufs"], reference["bufs"]), (case, rank)
         # one param group per fragment, each added at its fragment's first sync
         fragments = settings.get("fragments", 1)
         assert result["outer"] == ("SGD", settings["outer_momentum"], settings["nesterov"], settings["outer_lr"],
@@ -187,8 +159,8 @@ def test_default_sgd_is_bit_for_bit_the_hand_written_outer_step(case, runs):
         assert all(set(keys) == want for keys in result["state_keys"]), result["state_keys"]
         # saved mid-interval, loaded into a fresh optimizer: the same bits as the run never stopped,
         # also from a checkpoint whose settings predate outer_optimizer
-        assert _same_bits(result["resumed"], result["params"]), (case, rank)
-        assert _same_bits(result["resumed_earlier_format"], result["params"]), (case, rank)
+        assert same_bits(result["resumed"], result["params"]), (case, rank)
+        assert same_bits(result["resumed_earlier_format"], result["params"]), (case, rank)
 
 
 def _adam_replay():
@@ -229,7 +201,7 @@ def test_adam_outer_optimizer_matches_a_replay_and_resumes_exactly(runs):
         assert {"outer_opt_exp_avg", "outer_opt_exp_avg_sq", "outer_opt_step"} <= set(result["state_keys"])
         assert "outer_momentum" not in result["state_keys"]
         assert result["in_flight_at_save"] == 1
-        assert _same_bits(result["resumed"], result["params"]), rank
+        assert same_bits(result["resumed"], result["params"]), rank
 
 
 def test_sparseloco_steps_its_anchors_with_sgd_without_momentum(runs):

@@ -1,18 +1,37 @@
 """Streaming outer sync (fragments on a staggered schedule, landing sync_delay steps later) in 2
-real gloo processes, against a single-process replay of Streaming DiLoCo."""
+real gloo processes, against single-process replays written from the definitions: Streaming
+DiLoCo's landings, H growing during training (sync_every_schedule), and eager updates (arXiv
+2502.12996) with plain diloco and with dct_diloco's one-bit compressed all-reduce; each resumed
+from a checkpoint taken with a sync in flight."""
 
 import numpy as np
 import pytest
 import torch
 
 from lowcomm_task.workers import run_local_workers
-from ds_lowcomm.optim import DiLoCo
+from ds_lowcomm.optim import DCTDiLoCo, DiLoCo
 
-from .conftest import replay_sgd_step, tiny_loss, tiny_model
+from .conftest import replay_sgd_step, resumed_tiny, same_bits, tiny_checkpoint, tiny_loss, tiny_model, train_tiny
 
 LR, H, STEPS = 0.1, 4, 11
 OUTER = dict(outer_lr=0.7, outer_momentum=0.9, nesterov=True)
 FRAGMENTS = [[0], [1, 2, 3]]  # tiny_model(): 512-element weight | its bias, 128-element weight, bias
+
+
+def _sends_by_definition(sync_every, schedule, fragments, steps):
+    """Each fragment's sync steps up to ``steps``, from the definition: H(t) is the H of the last
+    [from_step, H] entry with from_step <= t, else sync_every; fragment f first syncs at
+    (f + 1) * sync_every // fragments, then each next at the last + H(last)."""
+    def interval(t):
+        return ([h for start, h in schedule if start <= t] or [sync_every])[-1]
+
+    out = {}
+    for f in range(fragments):
+        t, out[f] = (f + 1) * sync_every // fragments, []
+        while t <= steps:
+            out[f].append(t)
+            t += interval(t)
+    return out
 
 
 def _worker(rank, world, delay, mix, carry=False):
@@ -33,17 +52,17 @@ def _worker(rank, world, delay, mix, carry=False):
             "sent": sent}
 
 
-def _replay(world, delay, mix, carry=False):
+def _replay(world, delay, mix, carry=False, sync_every=H, schedule=(), steps=STEPS):
+    sends = _sends_by_definition(sync_every, schedule, len(FRAGMENTS), steps)
     models = [tiny_model() for _ in range(world)]
     anchor = [p.detach().double().numpy().copy() for p in models[0].parameters()]
     momentum = [np.zeros_like(a) for a in anchor]
     pending = {}
-    for s in range(STEPS):
+    for s in range(steps):
         t = s + 1
         replay_sgd_step(models, s, LR)
         for f, members in enumerate(FRAGMENTS):
-            offset = (f + 1) * H // len(FRAGMENTS)
-            if t >= offset and (t - offset) % H == 0:  # send: the mean pseudo-gradient, as of now
+            if t in sends[f]:  # send: the mean pseudo-gradient, as of now
                 local = [[list(m.parameters())[i].detach().double().numpy() for i in members] for m in models]
                 pending[f] = (t, [sum(anchor[i] - local[r][n] for r in range(world)) / world
                                   for n, i in enumerate(members)], [[x.copy() for x in own] for own in local])
@@ -87,15 +106,53 @@ def _carry_bf16_state(rank, world):
             "anchors": [opt.state[p]["anchor"].float() for p in params]}
 
 
+# H growing during training, 2 fragments: fragment 0 syncs at 2, 6, 10 (H 4), 13, 16 (H 3 from
+# step 7), 21 (H 5 from 16); fragment 1 at 4, 8, 11, 14, 17, 22. Saved at step 12, fragment 1's
+# sync (sent at 11) in flight.
+GROW = dict(sync_every=4, sync_every_schedule=((7, 3), (16, 5)), fragments=2, sync_delay=2)
+GROW_STEPS, GROW_SAVE_AT = 24, 12
+# Eager updates: plain diloco with 2 fragments (sends at 2, 6, 10 and 4, 8, 12), saved at step 7
+# with fragment 0's sync in flight; dct_diloco's one-bit compressed all-reduce (sends at 1, 4, 7,
+# 10 and 3, 6, 9, 12), saved at step 7 with fragment 0's in flight.
+EAGER = dict(sync_every=4, fragments=2, sync_delay=2, eager=True)
+EAGER_STEPS, EAGER_SAVE_AT = 14, 7
+SIGN_EAGER = dict(sync_every=3, fragments=2, sync_delay=1, eager=True, value_dtype="sign", transform="none", chunk=4,
+                  topk=16, exchange="all_reduce", decay=0.9, outer_lr=0.8, outer_momentum=0.5, nesterov=True)
+SIGN_STEPS, SIGN_SAVE_AT = 13, 7
+
+
+def _run_and_resume(rank, build, steps, save_at):
+    """``build``'s optimizer trained ``steps`` steps, a checkpoint taken after ``save_at`` and resumed
+    from in a fresh model and optimizer (which first checks that the replicas agree)."""
+    model = tiny_model()
+    opt = build(model)
+    sent = []
+    for s in range(steps):
+        train_tiny(opt, model, rank, s, s + 1)
+        sent.append(opt.ledger.step_bytes()[0])
+        if s + 1 == save_at:
+            in_flight_at_save = len(opt._in_flight)
+            checkpoint = tiny_checkpoint(opt, model)
+    params = list(model.parameters())
+    return {"final": [p.detach().clone() for p in params], "sent": sent, "in_flight_at_save": in_flight_at_save,
+            "anchors": [opt.state[p]["anchor"].clone() for p in params],
+            "means": [opt.state[p].get("eager_mean") for p in params], "outer_steps": opt.outer_steps,
+            "resumed": resumed_tiny(build, rank, checkpoint, save_at, steps, after_load=lambda o: o.check_replicas_agree())}
+
+
 def _cases_worker(rank, world):
     """Every case in one launch of 2 processes (a launch costs more than the runs)."""
-    return {**{case: _worker(rank, world, *case) for case in CASES}, "bf16": _carry_bf16_state(rank, world)}
+    sgd = lambda model: torch.optim.SGD(model.parameters(), lr=LR)
+    return {**{case: _worker(rank, world, *case) for case in CASES}, "bf16": _carry_bf16_state(rank, world),
+            "growing": _run_and_resume(rank, lambda m: DiLoCo(sgd(m), **GROW, **OUTER), GROW_STEPS, GROW_SAVE_AT),
+            "eager": _run_and_resume(rank, lambda m: DiLoCo(sgd(m), **EAGER, **OUTER), EAGER_STEPS, EAGER_SAVE_AT),
+            "eager_sign": _run_and_resume(rank, lambda m: DCTDiLoCo(sgd(m), **SIGN_EAGER), SIGN_STEPS, SIGN_SAVE_AT)}
 
 
 @pytest.fixture(scope="module")
 def runs():
     results = run_local_workers(_cases_worker, 2)
-    return {case: [r[case] for r in results] for case in [*CASES, "bf16"]}
+    return {case: [r[case] for r in results] for case in [*CASES, "bf16", "growing", "eager", "eager_sign"]}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -136,6 +193,31 @@ def test_fragments_are_contiguous_and_balanced():
         opt.fragments_of(params[:2])
 
 
+@pytest.mark.parametrize("sync_every,schedule,fragments", [
+    (4, ((7, 3), (16, 5)), 2), (5, ((3, 1),), 1), (10, ((25, 20), (60, 7)), 3), (6, (), 3),
+    (4, ((6, 2),), 2),  # from step 6 on, both fragments' syncs fall on the same steps (each keeps its own H)
+])
+def test_the_sync_schedule_follows_its_definition(sync_every, schedule, fragments):
+    """Where each fragment syncs, the steps to the next sync, a healed replica's jump to just before
+    it, and the syncs counted over a budget, against the definition's walk."""
+    params = [torch.nn.Parameter(torch.zeros(4)) for _ in range(3)]
+    opt = DiLoCo(torch.optim.SGD(params, lr=0.1), sync_every=sync_every, sync_every_schedule=schedule,
+                 fragments=fragments, transport=_SoloTransport())
+    steps = 90
+    sends = _sends_by_definition(sync_every, schedule, fragments, steps + 40)
+    for f in range(fragments):
+        assert [t for t in range(1, steps + 1) if opt._sends_at(f, t)] == [t for t in sends[f] if t <= steps]
+        assert [opt.settings.syncs_in(n, f) for n in range(steps)] == [sum(t <= n for t in sends[f]) for n in range(steps)]
+    every = sorted({t for f in sends for t in sends[f]})
+    for t in range(steps):
+        ahead = next(u for u in every if u > t) - t
+        assert opt.steps_to_next_sync(t) == ahead
+        for p in params:
+            opt.state[p]["local_step"] = t
+        assert opt.skip_to_next_exchange() == ahead - 1  # to the step before the next sync
+        assert opt.state[params[0]]["local_step"] == t + ahead - 1
+
+
 class _SoloTransport:
     """A one-rank transport (no process group) for pure schedule logic."""
 
@@ -146,3 +228,88 @@ class _SoloTransport:
 
     def all_gather_bytes(self, payload, op="all_gather"):
         return payload[None]
+
+
+def test_growing_h_syncs_where_its_definition_says_and_resumes_exactly(runs):
+    sends = _sends_by_definition(GROW["sync_every"], GROW["sync_every_schedule"], 2, GROW_STEPS)
+    assert sends == {0: [2, 6, 10, 13, 16, 21], 1: [4, 8, 11, 14, 17, 22]}
+    replay = _replay(2, GROW["sync_delay"], 0.0, sync_every=GROW["sync_every"], schedule=GROW["sync_every_schedule"],
+                     steps=GROW_STEPS)
+    for r, res in enumerate(runs["growing"]):
+        assert [t for t in range(1, GROW_STEPS + 1) if res["sent"][t - 1] > 0] == sorted(sends[0] + sends[1])
+        for got, want in zip(res["final"], replay[r]):
+            np.testing.assert_allclose(got.double().numpy(), want, atol=2e-6)
+        assert res["in_flight_at_save"] == 1
+        assert same_bits(res["resumed"], res["final"]), r
+
+
+def _eager_replay(world, settings, steps, outer_momentum, outer_lr, decay=None, **_):
+    """Eager updates from the paper, the replicas in one process (fp32, as they run): at a
+    fragment's send each replica r steps its own anchor (Nesterov SGD, its own momentum) along
+    mean_prev + (Delta_r - Delta_r,prev) / M, Delta_r = its anchor - its parameters (the local
+    outer gradient), and restarts from it; the sync's mean lands ``sync_delay`` steps later and is
+    the next send's mean_prev. The mean: of the Delta_r; or (``decay``: dct_diloco's one-bit
+    compressed all-reduce) each replica adds Delta_r to its decayed buffer, each tensor of which
+    travels as its signs and its scale (the mean magnitude): the mean is the replicas' mean scale
+    times the mean of their signs, and what a replica's signs stood for (that shared scale times
+    its sign) leaves its buffer."""
+    sends = _sends_by_definition(settings["sync_every"], (), settings["fragments"], steps)
+    models = [tiny_model() for _ in range(world)]
+    params = [list(m.parameters()) for m in models]
+    anchor = [[p.detach().clone() for p in ps] for ps in params]
+    momentum, residual, own_prev = ([[torch.zeros_like(a) for a in anchors] for anchors in anchor] for _ in range(3))
+    mean_prev = [torch.zeros_like(a) for a in anchor[0]]
+    pending = {}
+    for s in range(steps):
+        t = s + 1
+        replay_sgd_step(models, s, LR)
+        for f, members in enumerate(FRAGMENTS):
+            if t in sends[f]:
+                own = [{i: anchor[r][i] - params[r][i].detach() for i in members} for r in range(world)]
+                means = {}
+                for i in members:
+                    if decay is None:
+                        means[i] = sum(own[r][i] for r in range(world)) / world
+                        continue
+                    for r in range(world):
+                        residual[r][i].mul_(decay).add_(own[r][i])
+                    shared = sum(residual[r][i].abs().sum() / residual[r][i].numel() for r in range(world)) / world
+                    signs = [torch.where(residual[r][i] < 0, -1.0, 1.0) for r in range(world)]
+                    means[i] = shared * sum(signs) / world
+                    for r in range(world):
+                        residual[r][i].sub_(shared * signs[r])
+                pending[f] = (t, means)
+                for r in range(world):
+                    for i in members:
+                        g = mean_prev[i] + (own[r][i] - own_prev[r][i]) / world
+                        own_prev[r][i] = own[r][i]
+                        momentum[r][i].mul_(outer_momentum).add_(g)
+                        anchor[r][i].add_(g.add(momentum[r][i], alpha=outer_momentum), alpha=-outer_lr)
+                        with torch.no_grad():
+                            params[r][i].copy_(anchor[r][i])
+            if f in pending and pending[f][0] == t - settings["sync_delay"]:
+                for i, mean in pending.pop(f)[1].items():
+                    mean_prev[i] = mean
+    return [[p.detach() for p in ps] for ps in params]
+
+
+@pytest.mark.parametrize("case", ["eager", "eager_sign"])
+def test_eager_updates_match_the_papers_method_and_resume_exactly(case, runs):
+    settings, steps = (EAGER, EAGER_STEPS) if case == "eager" else (SIGN_EAGER, SIGN_STEPS)
+    replay = _eager_replay(2, settings, steps, **(OUTER if case == "eager" else SIGN_EAGER))
+    sends = _sends_by_definition(settings["sync_every"], (), 2, steps)
+    sending = set(sends[0] + sends[1])
+    if case == "eager_sign":  # the compressed all-reduce's second phase runs at the landing
+        sending |= {t + settings["sync_delay"] for t in sending if t + settings["sync_delay"] <= steps}
+    results = runs[case]
+    for r, res in enumerate(results):
+        for got, want in zip(res["final"], replay[r]):
+            torch.testing.assert_close(got, want, atol=1e-5 if case == "eager_sign" else 2e-6, rtol=0)
+        assert {t for t in range(1, steps + 1) if res["sent"][t - 1] > 0} == sending
+        # an outer step at each send, where the parameters move (the first parameter is fragment 0's)
+        assert res["outer_steps"] == len(sends[0])
+        assert res["in_flight_at_save"] == 1
+        assert same_bits(res["resumed"], res["final"]), (case, r)
+    # each replica's anchors step along their own share: they differ; the landed means are alike
+    assert not torch.equal(results[0]["anchors"][0], results[1]["anchors"][0])
+    assert same_bits(results[0]["means"], results[1]["means"])

@@ -16,7 +16,7 @@ class CodecSettings(Settings):
     transform: str = "dct"  # orthonormal 2-D DCT-II per block, or none (top-k on the raw block)
     average: str = "senders"  # mean over the ranks that sent a component (the reference's), or sum / world
     # torch.compile the codec's exact ops (selection, packing, scatters); rounding ops stay eager,
-    # so the bits are unchanged. Off: on CPU it measured no faster (docs/benchmarks.md, codec).
+    # so the bits are unchanged. Off: on CPU it measured no faster (docs/results/codec.md).
     compile: bool = False
 
     def check(self, where: str) -> None:

@@ -86,8 +86,9 @@ class CompressedAllReduce:
         self.bounds = _balanced_bounds(starts, n, lambda lo, hi: self._part_bytes(starts, lo, hi))
         # per chunk: the pieces it touches, as (piece index, elements of the piece inside the chunk)
         self.segments = [_segments(starts, lo, hi) for lo, hi in zip(self.bounds, self.bounds[1:])]
-        self.phase1_bytes = [packed_nbytes(self.chunk_numel(j), 1) + SCALE_BYTES * len(self.segments[j]) + 1
-                             for j in range(n)]
+        # every part of phase 1 travels at the largest one's size too (each rank sends and receives alike)
+        self.phase1_bytes = max(packed_nbytes(self.chunk_numel(j), 1) + SCALE_BYTES * len(self.segments[j]) + 1
+                                for j in range(n))
         self.phase2_bytes = max(self._part_bytes(starts, lo, hi) for lo, hi in zip(self.bounds, self.bounds[1:]))
 
     def chunk_numel(self, j: int) -> int:
@@ -99,9 +100,9 @@ class CompressedAllReduce:
         return packed_nbytes(hi - lo, self.width) + (SCALE_BYTES + self.count_bytes) * len(_segments(starts, lo, hi))
 
     def ledger_bytes(self) -> dict[str, tuple[int, int]]:
-        """What one exchange records in this rank's ledger, per op: (sent, received)."""
-        n, me = self.transport.world_size, self.transport.rank
-        return {f"{self.op}_scatter": (sum(self.phase1_bytes) - self.phase1_bytes[me], (n - 1) * self.phase1_bytes[me]),
+        """What one exchange records in the ledger, per op: (sent, received), the same on every rank."""
+        n = self.transport.world_size
+        return {f"{self.op}_scatter": ((n - 1) * self.phase1_bytes, (n - 1) * self.phase1_bytes),
                 f"{self.op}_gather": (self.phase2_bytes, (n - 1) * self.phase2_bytes)}
 
     def exchange(self, buffers: Sequence[torch.Tensor], healthy: bool = True) -> list[torch.Tensor]:
@@ -127,18 +128,18 @@ class CompressedAllReduce:
             negative = flat < 0
             for j in range(n):
                 at = self.bounds[j]
-                mine = scales[[k for k, _ in self.segments[j]]]
-                parts += [pack_codes(negative[at : at + self.chunk_numel(j)], 1), mine.view(torch.uint8),
-                          torch.full((1,), HEALTHY, dtype=torch.uint8, device=device)]
+                bits = pack_codes(negative[at : at + self.chunk_numel(j)], 1)
+                mine = scales[[k for k, _ in self.segments[j]]].view(torch.uint8)
+                parts += [bits, mine, torch.zeros(self.phase1_bytes - bits.numel() - mine.numel() - 1, dtype=torch.uint8,
+                                                  device=device), torch.full((1,), HEALTHY, dtype=torch.uint8, device=device)]
         else:
             scales = None
             for j in range(n):
-                parts += [torch.zeros(self.phase1_bytes[j] - 1, dtype=torch.uint8, device=device),
+                parts += [torch.zeros(self.phase1_bytes - 1, dtype=torch.uint8, device=device),
                           torch.full((1,), flag, dtype=torch.uint8, device=device)]
         send = torch.cat(parts)
         self.transport.ledger.add_time("codec", settled_seconds(start, device))
-        me = self.transport.rank
-        phase1 = self.transport.start_all_to_all(send, self.phase1_bytes, [self.phase1_bytes[me]] * n,
+        phase1 = self.transport.start_all_to_all(send, [self.phase1_bytes] * n, [self.phase1_bytes] * n,
                                                  op=f"{self.op}_scatter")
         state: dict = {}
 
@@ -156,7 +157,7 @@ class CompressedAllReduce:
     def _phase2(self, received: torch.Tensor) -> tuple[list[int], Pending | None]:
         """Phase 1 landed: the healthy ranks, and (if any) phase 2 started with this rank's chunk."""
         n, me = self.transport.world_size, self.transport.rank
-        rows = received.reshape(n, self.phase1_bytes[me])
+        rows = received.reshape(n, self.phase1_bytes)
         # a failed exchange (a torchft peer died in it) received nothing to decode: it is discarded
         keep = [] if self.transport.failed is not None else settle_health(rows[:, -1], self.transport, self.op)
         if not keep:  # every rank saw the same flags: none runs phase 2, nothing moves
@@ -207,7 +208,7 @@ class CompressedAllReduce:
                 counted = self._per_element(own_scale > 0, j)
                 sent = torch.where(counted, self._per_element(shared, j) * (2.0 * own.float() - 1.0), 0.0)
                 self._subtract(pieces, j, sent)
-            offset += self.phase1_bytes[j]
+            offset += self.phase1_bytes
         out = self._split(torch.cat(means), buffers)
         self.transport.ledger.add_time("codec", settled_seconds(start, device))
         return out
@@ -236,6 +237,21 @@ class CompressedAllReduce:
                 out.append(mean[offset : offset + size].view(tuple(layout)).to(buf.device))
                 offset += size
         return out
+
+
+class _Place:
+    """A rank among ``world_size``: all :class:`CompressedAllReduce` needs to lay out its chunks and
+    count its bytes (the planner prices an exchange without running one)."""
+
+    def __init__(self, world_size: int, rank: int):
+        self.world_size, self.rank = world_size, rank
+
+
+def phase_bytes(layouts: Sequence[Layout], world_size: int) -> dict[str, tuple[int, int]]:
+    """Per phase (op suffix ``scatter``, ``gather``), what each of ``world_size`` ranks sends and
+    receives in one exchange of ``layouts``: what the planner prices."""
+    ledger = CompressedAllReduce(layouts, transport=_Place(world_size, 0)).ledger_bytes()
+    return {op.rsplit("_", 1)[1]: sizes for op, sizes in ledger.items()}
 
 
 def _as_float32(data: torch.Tensor) -> torch.Tensor:

@@ -4,7 +4,7 @@ tests compare a run's ledger with :meth:`WirePlan.ledger`, and ``ds-lowcomm plan
 declaration, so the planner cannot price a format the methods no longer send.
 
 Each message builder here is the payload of one collective of this package, from its own sizes
-(the codec's :class:`~ds_lowcomm.codec.SparseSpec`, :meth:`.CompressedAllReduce.ledger_bytes`).
+(the codec's :class:`~ds_lowcomm.codec.SparseSpec`, :func:`.compressed_allreduce.phase_bytes`).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence
 
 from ..codec import CodecSettings, SparseSpec
-from .compressed_allreduce import CompressedAllReduce
+from .compressed_allreduce import phase_bytes
 
 KINDS = ("all_gather", "all_reduce", "all_to_all")
 HEALTH_FLAG_BYTES = 1  # a rank's health flag (collectives.py): the sparse payload's last byte; the dense mean's all-gather
@@ -58,34 +58,18 @@ def sparse_all_gather_message(op: str, shapes, codec: CodecSettings, overlap_ste
                    elements(shapes), overlap_steps)
 
 
-@dataclass(frozen=True)
-class _Ranks:
-    """What :class:`~.compressed_allreduce.CompressedAllReduce` reads of its transport to size its
-    parts: the number of ranks, and which one this is."""
-
-    world_size: int
-    rank: int = 0
-
-
 def compressed_all_reduce_messages(op: str, shapes, replicas: int, sync_delay: int = 0) -> list[Message]:
     """:class:`~.compressed_allreduce.CompressedAllReduce` of tensors of ``shapes`` among
-    ``replicas`` = n workers, its bytes its own (``ledger_bytes``), those of the rank that sends
-    most: phase 1 an all-to-all of each chunk's sign bits, scales and health byte to its owner,
-    phase 2 an all-gather of this rank's chunk's counts. Phase 2 goes out at the step after the
-    send (``Pending.advance``, optim/outer.py), so with ``sync_delay`` d >= 1 the first phase runs
-    behind that one step of compute and the second behind the d - 1 after it (d = 1: the step the
-    sync lands on waits for it). The one place the planner and the ledger tests take this
-    exchange's bytes from."""
-    n = max(2, replicas)
-    exchange = CompressedAllReduce([tuple(s) for s in shapes], transport=_Ranks(n), op=op)  # its parts cut once
-    per_rank = []
-    for r in range(n):
-        exchange.transport = _Ranks(n, r)
-        per_rank.append(exchange.ledger_bytes())
+    ``replicas`` = n workers, its bytes its own (:func:`~.compressed_allreduce.phase_bytes`): phase
+    1 an all-to-all of each chunk's sign bits, scales and health byte to its owner, phase 2 an
+    all-gather of this rank's chunk's counts. Phase 2 goes out at the step after the send
+    (``Pending.advance``, optim/outer.py), so with ``sync_delay`` d >= 1 the first phase runs behind
+    that one step of compute and the second behind the d - 1 after it (d = 1: the step the sync
+    lands on waits for it). The one place the planner and the ledger tests take this exchange from."""
+    phases = phase_bytes([tuple(s) for s in shapes], max(2, replicas))
     numel = elements(shapes)
-    scatter, gather = (max(sent for sent, _ in (b[f"{op}_{phase}"] for b in per_rank)) for phase in ("scatter", "gather"))
-    return [Message(f"{op}_scatter", "all_to_all", scatter, numel, min(1, sync_delay)),
-            Message(f"{op}_gather", "all_gather", gather, numel, max(0, sync_delay - 1), phase=1)]
+    return [Message(f"{op}_scatter", "all_to_all", phases["scatter"][0], numel, min(1, sync_delay)),
+            Message(f"{op}_gather", "all_gather", phases["gather"][0], numel, max(0, sync_delay - 1), phase=1)]
 
 
 @dataclass(frozen=True)

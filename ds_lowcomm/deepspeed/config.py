@@ -102,6 +102,10 @@ def split_config(raw: dict[str, Any]) -> SplitConfig:
         raise ConfigError(f"lowcomm.method dion needs zero_optimization.stage 0 in fp32 (ZeRO 1-3 and DeepSpeed's "
                           f"fp16/bf16 optimizers hand the optimizer flat pieces, not weight matrices); got stage "
                           f"{stage}{''.join(f', {k}.enabled true' for k in low_precision)}. Use another method there")
+    if replicas and lowcomm.effective().get("sync_every_schedule"):
+        raise ConfigError("lowcomm.sync_every_schedule is not supported with lowcomm.replicas (replicas of different "
+                          "shapes run a fixed number of steps per sync, their inner_steps or sync_every); set "
+                          "sync_every_schedule to [] there")
     fragments = lowcomm.effective().get("fragments", 1)
     if stage >= 1 and fragments > 1:
         raise ConfigError(f"lowcomm.fragments must be 1 with zero_optimization.stage {stage} (ZeRO 1-3 hand the "

@@ -24,8 +24,15 @@ without blocking and lands ``sync_delay`` inner steps later (the inner steps run
 landed global fragment replaces the local one, or with ``fragment_mix`` a > 0 becomes
 a * local + (1 - a) * global, or with ``carry_local_steps`` becomes the new global fragment plus
 this replica's own progress since the send (the inner steps that ran while the sync was in flight
-are kept, as overlapped Local SGD / CO2 keep them, instead of being overwritten). P = 1 with no
-delay is plain DiLoCo.
+are kept, as overlapped Local SGD / CO2 keep them, instead of being overwritten), or with ``eager``
+(Kale, Douillard, Donchev, arXiv 2502.12996) the outer step is taken at the send itself, along this
+replica's own pseudo-gradient now and the others' of the previous sync (its landed mean), so
+nothing waits and nothing is overwritten (:class:`StreamingSettings`). P = 1 with no delay is plain
+DiLoCo.
+
+H may grow during training (``sync_every_schedule``, short intervals first): H(t) is the H of the
+last [from_step, H] entry with from_step <= t (else ``sync_every``), and each fragment's next sync
+comes H(its last sync) steps after it (:meth:`OuterSettings.next_sync`).
 """
 
 from __future__ import annotations
@@ -37,7 +44,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..codec import CodecSettings
-from ..comm import CompressedAllReduce, Pending, ReplicaShard, Transport, all_finite, start_all_reduce_mean_
+from ..comm import CompressedAllReduce, Pending, ReplicaShard, Transport, all_finite
 from ..settings import (ConfigError, Settings, check_bool, check_choice, check_fraction, check_int, check_nonnegative,
                         check_positive, check_unit)
 from .base import LowcommOptimizer, StatefulSettings, ordered_params
@@ -72,8 +79,25 @@ class StreamingSettings(Settings):
     """Streaming DiLoCo: the parameters in ``fragments`` groups synced on a staggered schedule;
     each sync lands ``sync_delay`` inner steps after it is sent, and the landed global fragment
     replaces (``fragment_mix`` 0) or is mixed with the local one, or (``carry_local_steps``)
-    takes the replica's steps made while it was in flight on top. Bounds that depend on H are
-    checked by the outer loop's settings."""
+    takes the replica's steps made while it was in flight on top, or (``eager``) the outer step
+    is not waited for at all. Bounds that depend on H are checked by the outer loop's settings.
+
+    ``eager`` (eager updates, arXiv 2502.12996, with its one-outer-step overlap): at a fragment's
+    send, with M replicas, this replica's anchor takes its outer step along
+    ``mean_prev + (own - own_prev) / M``, where ``own`` is this replica's pseudo-gradient of the
+    sync just sent (the paper's local outer gradient, a proxy for its share of a mean not yet
+    landed), ``mean_prev`` the combined pseudo-gradient of the fragment's previous sync (landed by
+    now: the all-reduced mean, or the compressed exchange's decoded mean) and ``own_prev`` this
+    replica's pseudo-gradient of that sync: its own part counts at once, the others' one sync
+    late (zeros before the first sync). With error feedback (dct_diloco, sparseloco) the local
+    outer gradient is still the pseudo-gradient, not the coded share, which the compressed
+    all-reduce knows only once it lands; the accounting holds whatever the proxy: what is applied
+    as ``own`` is taken out at the next send, so over the syncs the anchor moves by the landed
+    means plus the last ``own`` / M. The parameters take the new anchor at the send; the landing
+    only keeps the mean for the next send, so ``sync_delay`` sets when this replica waits for the
+    sync, not the result. As in the paper, each replica steps its anchor and outer optimizer
+    along its own proxy: the anchors differ between replicas (the landed means are what they hold
+    alike). State: ``eager_mean`` and ``eager_own`` per parameter."""
 
     fragments: int = 1
     sync_delay: int = 0
@@ -81,21 +105,48 @@ class StreamingSettings(Settings):
     # The landed fragment is the new anchor plus this replica's progress since the send: the
     # sync_delay inner steps run while it was in flight count, where replacing drops them.
     carry_local_steps: bool = False
+    eager: bool = False  # the outer step at the send, along this replica's share now and the others' late
 
     def check(self, where: str) -> None:
         check_unit(where, "fragment_mix", self.fragment_mix)
         check_bool(where, "carry_local_steps", self.carry_local_steps)
+        check_bool(where, "eager", self.eager)
         if self.carry_local_steps and self.fragment_mix:
             raise ConfigError(f"{where}.carry_local_steps and {where}.fragment_mix are two ways to land a sync: "
                               f"set fragment_mix to 0 with carry_local_steps true (got {self.fragment_mix})")
+        if self.eager and (self.fragment_mix or self.carry_local_steps):
+            other = "fragment_mix" if self.fragment_mix else "carry_local_steps"
+            raise ConfigError(f"{where}.eager and {where}.{other} are two ways to land a sync: set fragment_mix to 0 "
+                              f"and carry_local_steps to false with eager true (got fragment_mix {self.fragment_mix}, "
+                              f"carry_local_steps {self.carry_local_steps})")
 
     def check_against(self, where: str, sync_every: int) -> None:
-        check_int(where, "fragments", self.fragments, 1, sync_every, hint="sync_every: one fragment sync per step at most")
+        """Bounds at ``sync_every``: the smallest H the run takes (sync_every's, its schedule's)."""
+        check_int(where, "fragments", self.fragments, 1, sync_every,
+                  hint="the smallest H of sync_every and sync_every_schedule: one fragment sync per step at most")
         check_int(where, "sync_delay", self.sync_delay, 0, sync_every - 1,
-                  hint="a fragment's sync must land before its next one starts")
-        if self.carry_local_steps and not self.sync_delay:
-            raise ConfigError(f"{where}.carry_local_steps needs {where}.sync_delay >= 1 (with 0 a sync lands at its "
-                              "send: there are no steps in flight to carry)")
+                  hint="a fragment's sync must land before its next one starts, at the smallest H of sync_every "
+                       "and sync_every_schedule")
+        for name, on in (("carry_local_steps", self.carry_local_steps), ("eager", self.eager)):
+            if on and not self.sync_delay:
+                raise ConfigError(f"{where}.{name} needs {where}.sync_delay >= 1 (with 0 a sync lands at its "
+                                  "send: there are no steps in flight to carry or to overlap)")
+
+
+def _check_schedule(where: str, schedule) -> None:
+    form = ("a list of [from_step, H] pairs of integers >= 1 with from_step strictly ascending (empty: sync_every "
+            "throughout)")
+    if not isinstance(schedule, tuple):
+        raise ConfigError(f"{where}.sync_every_schedule must be {form}; got {schedule!r}")
+    last = 0
+    for entry in schedule:
+        if not (isinstance(entry, tuple) and len(entry) == 2
+                and all(isinstance(v, int) and not isinstance(v, bool) and v >= 1 for v in entry)):
+            shown = list(entry) if isinstance(entry, tuple) else entry
+            raise ConfigError(f"{where}.sync_every_schedule must be {form}; got the entry {shown!r}")
+        if entry[0] <= last:
+            raise ConfigError(f"{where}.sync_every_schedule must be {form}; got from_step {entry[0]} after {last}")
+        last = entry[0]
 
 
 @dataclass(frozen=True)
@@ -103,7 +154,11 @@ class OuterSettings(StatefulSettings):
     """What the whole DiLoCo family shares: H, the outer optimizer, the inner optimizer's
     implementation, streaming."""
 
-    sync_every: int = 128  # H: inner steps per outer step
+    sync_every: int = 128  # H: inner steps per outer step (before sync_every_schedule's first entry)
+    # H growing during training: [from_step, H] pairs (this replica's inner steps, from_step >= 1
+    # strictly ascending, H >= 1); H(t) is the H of the last entry with from_step <= t, else
+    # sync_every, and each fragment's next sync comes H(its last sync) steps after it. Empty: sync_every throughout.
+    sync_every_schedule: tuple = ()
     outer_lr: float = 0.7  # the outer optimizer's lr, whichever it is
     # The torch optimizer stepping the anchors: "sgd" takes outer_momentum and nesterov (fields of
     # the methods that have outer momentum), "adam"/"adamw" outer_betas and outer_eps.
@@ -122,9 +177,53 @@ class OuterSettings(StatefulSettings):
     outer_momentum = 0.0
     nesterov = False
 
+    def __post_init__(self):
+        # JSON gives the pairs as lists: tuples, as the keyword form and a frozen object want
+        schedule = self.sync_every_schedule
+        if isinstance(schedule, (list, tuple)) and all(isinstance(e, (list, tuple)) for e in schedule):
+            object.__setattr__(self, "sync_every_schedule", tuple(tuple(e) for e in schedule))
+
+    # -- the sync schedule: a pure function of the step (nothing to checkpoint) ------------------
+    def smallest_interval(self) -> int:
+        return min([self.sync_every, *(h for _, h in self.sync_every_schedule)])
+
+    def _sync_runs(self, fragment: int):
+        """The fragment's sync steps as runs of equal spacing: (first sync step of the run, its H,
+        the step the run stops before, None for the last), one per schedule segment it syncs in.
+        Its first sync is at (fragment + 1) * sync_every // fragments, each next at the last + H(last)."""
+        starts = [start for start, _ in self.sync_every_schedule]
+        s = (fragment + 1) * self.sync_every // self.streaming.fragments
+        for h, end in zip([self.sync_every, *(h for _, h in self.sync_every_schedule)], [*starts, None]):
+            if end is not None and s >= end:
+                continue  # no sync of this fragment falls in this segment
+            yield s, h, end
+            if end is None:
+                return
+            s += -(-(end - s) // h) * h  # the run's first sync at or past its end
+
+    def next_sync(self, fragment: int, step: int) -> int:
+        """The first local step >= ``step`` at which ``fragment`` syncs."""
+        for s, h, end in self._sync_runs(fragment):
+            at = s if step <= s else s + -(-(step - s) // h) * h
+            if end is None or at < end:
+                return at
+        raise AssertionError("unreachable: the last run has no end")
+
+    def syncs_in(self, steps: int, fragment: int = 0) -> int:
+        """How many syncs ``fragment`` makes in local steps 1 .. ``steps`` (what a sync's bytes
+        are multiplied by over a budget)."""
+        count = 0
+        for s, h, end in self._sync_runs(fragment):
+            last = steps if end is None else min(steps, end - 1)
+            if s > last:
+                break
+            count += (last - s) // h + 1
+        return count
+
     def check(self, where: str) -> None:
         super().check(where)
         check_int(where, "sync_every", self.sync_every, 1)
+        _check_schedule(where, self.sync_every_schedule)
         check_positive(where, "outer_lr", self.outer_lr)
         check_choice(where, "outer_optimizer", self.outer_optimizer, OUTER_OPTIMIZERS)
         if not isinstance(self.outer_betas, tuple) or len(self.outer_betas) != 2:
@@ -140,7 +239,7 @@ class OuterSettings(StatefulSettings):
                               f"got {self.inner_impl!r}")
         check_positive(where, "inner_muon_lr", self.inner_muon_lr)
         check_fraction(where, "inner_muon_momentum", self.inner_muon_momentum)
-        self.streaming.check_against(where, self.sync_every)
+        self.streaming.check_against(where, self.smallest_interval())
 
     def unused_keys(self) -> dict[str, str]:
         out = super().unused_keys()
@@ -243,10 +342,10 @@ class SparseLoCoSettings(OuterSettings, ErrorFeedbackSettings):
 
 
 # The settings a checkpoint saved before they existed lacks (the outer optimizer's, the inner
-# optimizer's choice, the overlapped landing); it was made with their defaults.
+# optimizer's choice, the overlapped landings, the growing H); it was made with their defaults.
 _OUTER_OPTIMIZER_KEYS = ("outer_optimizer", "outer_betas", "outer_eps", "outer_weight_decay")
 _INNER_OPTIMIZER_KEYS = ("inner_optimizer", "inner_muon_lr", "inner_muon_momentum")
-_LANDING_KEYS = ("carry_local_steps",)
+_LANDING_KEYS = ("carry_local_steps", "eager", "sync_every_schedule")
 # Settings of dct_diloco and sparseloco since removed, with the values their checkpoints hold when unused.
 _REMOVED_KEYS = {"subset_fraction": 1.0, "low_rank": 0}
 
@@ -362,9 +461,7 @@ class OuterLoop(LowcommOptimizer):
         return out
 
     def _sends_at(self, fragment: int, step: int) -> bool:
-        h = self.settings.sync_every
-        offset = (fragment + 1) * h // self.settings.streaming.fragments
-        return step >= offset and (step - offset) % h == 0
+        return self.settings.next_sync(fragment, step) == step
 
     # -- the step ----------------------------------------------------------------------------
     def _update(self, params):
@@ -416,10 +513,7 @@ class OuterLoop(LowcommOptimizer):
 
     def steps_to_next_sync(self, step: int) -> int:
         """Inner steps from local step ``step`` to the next one at which a fragment syncs."""
-        ahead = 1
-        while not any(self._sends_at(f, step + ahead) for f in range(self.settings.streaming.fragments)):
-            ahead += 1
-        return ahead
+        return min(self.settings.next_sync(f, step + 1) for f in range(self.settings.streaming.fragments)) - step
 
     def _send(self, fragment: list[torch.Tensor], owned: list[torch.Tensor], step: int) -> None:
         for p in fragment:
@@ -430,22 +524,51 @@ class OuterLoop(LowcommOptimizer):
                     # in the parameter's own dtype: an exact copy, so the progress is exact whatever state_dtype
                     self.state[p]["sent_from"] = p.detach().clone()
             deltas = [self.state[p]["anchor"] - p.to(self.state_dtype) for p in owned]
+            # eager's local outer gradient, copied: the dense all-reduce averages the deltas in place
+            own = [d.clone() for d in deltas] if self.settings.streaming.eager else None
             self._in_flight[tuple(id(p) for p in fragment)] = (owned, self._start_combine(owned, deltas))
+            if own is not None:
+                self._apply_eager(owned, own)
+        if self.settings.streaming.eager:  # the parameters moved at the send: an outer step now
+            self._share(fragment)
+            for p in fragment:
+                self.state[p]["outer_steps"] += 1
 
     def _land(self, fragment: list[torch.Tensor], owned: list[torch.Tensor]) -> None:
+        eager = self.settings.streaming.eager
         if owned:
             in_flight = self._in_flight.pop(tuple(id(p) for p in fragment), None)
             # After state_dict() (a checkpoint) the landed result waits in the state instead.
             updates = in_flight[1].wait() if in_flight else [self.state[p].pop("landed_update") for p in owned]
-            carried = None
-            if self.settings.streaming.carry_local_steps:
-                carried = [p.float() - self.state[p].pop("sent_from").float() for p in owned]
-            self._apply_outer(owned, updates, carried)
-        self._share(fragment)
+            if eager:  # kept for the next send's step; the parameters stay as they are
+                for p, mean in zip(owned, updates):
+                    self.state[p]["eager_mean"].copy_(mean)
+            else:
+                carried = None
+                if self.settings.streaming.carry_local_steps:
+                    carried = [p.float() - self.state[p].pop("sent_from").float() for p in owned]
+                self._apply_outer(owned, updates, carried)
+        if not eager:
+            self._share(fragment)
         for p in fragment:
             state = self.state[p]
             del state["sync_sent_at"]
-            state["outer_steps"] += 1
+            if not eager:
+                state["outer_steps"] += 1
+
+    def _apply_eager(self, params: list[torch.Tensor], own: list[torch.Tensor]) -> None:
+        """``eager``'s outer step at the send (see :class:`StreamingSettings`): along the last
+        landed mean plus (this replica's pseudo-gradients now - at the last sync) / M."""
+        replicas = self.transport.world_size
+        updates = []
+        for p, mine in zip(params, own):
+            state = self.state[p]
+            if "eager_mean" not in state:  # before the first sync: nothing landed, nothing of ours in it
+                state["eager_mean"] = torch.zeros_like(state["anchor"])
+                state["eager_own"] = torch.zeros_like(state["anchor"])
+            updates.append(state["eager_mean"].float() + (mine.float() - state["eager_own"].float()) / replicas)
+            state["eager_own"].copy_(mine)
+        self._apply_outer(params, updates)
 
     def _sync_now(self, fragment: list[torch.Tensor], owned: list[torch.Tensor]) -> None:
         """A fragment's sync, sent and landed in this step (sync_delay 0). Where a driver
@@ -521,8 +644,10 @@ class OuterLoop(LowcommOptimizer):
 
     # -- checkpointing: outer state here, the inner optimizer's under "inner" ---------------
     def replica_tensors(self):
-        # Between outer steps the replicas' parameters differ by design; their anchors never do.
-        return [self.state[p].get("anchor", p) for p in self._owned(self._current_params())]
+        # Between outer steps the replicas' parameters differ by design; their anchors never do,
+        # but with eager (each anchor steps along its own share): there the landed means are alike.
+        held = "eager_mean" if self.settings.streaming.eager else "anchor"
+        return [self.state[p].get(held, self.state[p].get("anchor", p)) for p in self._owned(self._current_params())]
 
     def state_dict(self):
         # A sync in flight cannot be saved: let it land now and keep its result for its step.

@@ -1,5 +1,5 @@
 """The methods' recipes: each method's settings as tuned on the reference task (2 workers; see
-docs/results.md), shared by ``ds-lowcomm compare`` (which trains with them), the planner (which
+docs/results/which-recipe.md), shared by ``ds-lowcomm compare`` (which trains with them), the planner (which
 prices them) and the benchmarks. ``configs/*.json`` are the same recipes as DeepSpeed configs users
 copy (tests/test_configs_shipped.py keeps them equal)."""
 
@@ -16,10 +16,10 @@ MTDAO_TWO_MOMENTA = {"method": "mtdao", "sync_every": 32, "momentum_betas": [0.9
 # and the lowcomm settings; a recipe (and --config's override of it) may also set the spec's
 # ``weight_decay``, ``clip_grad`` and ``lr_decay``, and ``warm_start`` f: its lowcomm ``switch_step``
 # and the warm-up are f x --steps (mtdao's authors warm up over their warm start; 0: none). Chosen on
-# this task with 2 workers; see docs/results.md.
+# this task with 2 workers; see lab/notes/reference-task.md.
 RECIPES: dict[str, dict] = {
     "adamw": {"lr": 1e-3, "lowcomm": {"method": "adamw"}},
-    # the 900-step sweep of docs/bench/sweep.csv: lr 2e-3 and Psyche's decay 0.995 reach adamw's
+    # the 900-step sweep of lab/notes/reference-task/2026-11-24-sweeps.csv: lr 2e-3 and Psyche's decay 0.995 reach adamw's
     # loss in 195 steps (lr 1e-3, decay 0.9: 285; adamw: 225), at the same bytes
     "demo": {"lr": 2e-3, "lowcomm": {"method": "demo", "topk": 1, "chunk": 8, "decay": 0.995, "value_dtype": "int8"}},
     "diloco": {"lr": 1e-3, "lowcomm": {"method": "diloco", "sync_every": 20}},
@@ -35,7 +35,7 @@ RECIPES: dict[str, dict] = {
     "mtdao": {"lr": 1e-3, "clip_grad": 1.0, "lr_decay": "none", "warm_start": 1 / 3, "lowcomm": MTDAO_PUBLISHED},
     # Dion's published defaults (rank 1/4, mu 0.95); the lr of its orthonormal step (0.02) and AdamW's of
     # the rest (4e-3) from the exploration of issue 41: 190 steps to the tuned adamw's loss on seed 0
-    # (docs/benchmarks.md, "Issue 41"; matrix_lr 0.04: 220; rank 1/32: 490)
+    # (lab/notes/muon-outer-loop.md; matrix_lr 0.04: 220; rank 1/32: 490)
     "dion": {"lr": 4e-3, "lowcomm": {"method": "dion", "rank_fraction": 0.25, "matrix_lr": 0.02}},
 }
 # Spec fields a recipe (or --config's override for a method) may set beside lr and lowcomm
@@ -46,7 +46,7 @@ RECIPE_FIELDS = ("weight_decay", "clip_grad", "lr_decay")
 # as one sign bit with a per-tensor scale, error feedback decayed 0.95). Its inner optimizer is the
 # user's dense one at the user's own settings (:func:`sign_recipe`): an inner lr tuned on the
 # 446k-parameter reference model cost 37% more steps at 128M, where dense Muon's own lr inside the
-# loop reached parity (docs/benchmarks.md, "At the sizes users train").
+# loop reached parity (docs/results/model-size.md).
 SIGN_OUTER = {"method": "dct_diloco", "sync_every": 5, "outer_lr": 1.0, "outer_momentum": 0.0, "topk": 64, "chunk": 8,
               "transform": "none", "value_dtype": "sign", "decay": 0.95, "average": "world"}
 DENSE_FORMS = ("muon", "adamw")

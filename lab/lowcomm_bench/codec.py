@@ -377,6 +377,18 @@ def bench_share(args) -> list[dict]:
 # ---------------------------------------------------------------------------------------------
 
 
+def read_typed_csv(path, ints=(), floats=()) -> list[dict]:
+    """A benchmark's CSV rows, the columns ``ints`` and ``floats`` typed (None where empty)."""
+    out = []
+    with open(path, newline="") as f:
+        for r in csv.DictReader(f):
+            for keys, kind in ((ints, int), (floats, float)):
+                for k in keys:
+                    r[k] = kind(r[k]) if r.get(k) not in (None, "") else None
+            out.append(r)
+    return out
+
+
 def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")

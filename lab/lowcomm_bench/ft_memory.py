@@ -18,7 +18,7 @@ is the peak of the live tensors:
   a GPU's memory where the parameters are on one; 0 where it is copied straight to CPU memory).
 
 ``--also LABEL=DIR`` measures another checkout of ds_lowcomm the same way, in rows of its own
-(docs/bench/ft_memory.csv's "before": the commit before issue 44's changes, ``git worktree add
+(docs/bench/fault-tolerance/2026-11-27-cpu-memory.csv's "before": the commit before issue 44's changes, ``git worktree add
 DIR 63636f6``). Linux only (``/proc``).
 """
 

@@ -23,12 +23,13 @@ in its own process with its own time limit (a part that hangs or fails costs onl
 - ``scale`` (issue 55; not in the default parts: a call of its own, first whenever a GPU is lent,
   ``--parts scale --budget-s 480``): dense Muon against the one-bit recipe at the same 128M model,
   the recipe's inner optimizer at dense Muon's settings, H 5, 10 and 20, one seed, 300 steps,
-  evaluations every 10 (:mod:`lowcomm_bench.scale`); its rows go into docs/bench/scale.csv.
+  evaluations every 10 (:mod:`lowcomm_bench.scale`); its rows go into docs/bench/model-size/steps-to-target.csv.
 
 Each part writes ``<date>-<gpu>-<part>.csv`` under ``--out``; the run ends with ``<date>-<gpu>-
 summary.json`` (the machine, each part's status, seconds and error) and a short table.
 ``--dry-run`` runs the same parts on the CPU at tiny sizes (the test suite runs it, so the script
-cannot rot before a GPU is lent): the tests part then only collects the GPU tests.
+cannot rot before a GPU is lent): the tests part then only collects the GPU tests, and without
+``--out`` the files go to a new temporary folder (the run prints it), not beside the GPU figures.
 On a GPU the ``methods`` part records demo's in-training codec throughput as ``ds-lowcomm plan``'s
 GPU default (ds_lowcomm/measured.json, :mod:`lowcomm_bench.measured`; from a CSV fetched from a lent
 machine: ``python -m lowcomm_bench measured --gpu-csv docs/bench/gpu/<date>-<gpu>-methods.csv``).
@@ -47,6 +48,7 @@ import re
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -493,6 +495,17 @@ def part_scale(args, part: str) -> float:
     return max(1.0, args.steps / 24 * len(args.entries.split(",")) / len(METHOD_ENTRIES))
 
 
+def default_out(dry_run: bool) -> str:
+    """Where a run writes without ``--out``: a GPU's figures beside the committed ones
+    (docs/bench/gpu), a dry run's (the CPU at tiny sizes: no evidence of anything) a new temporary
+    folder, so that neither the suite nor a user's try leaves files in the checkout."""
+    if dry_run:
+        return tempfile.mkdtemp(prefix="gpu_check-dry-run-")
+    from .committed import BENCH
+
+    return str(BENCH / "gpu")
+
+
 def orchestrate(args) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -535,12 +548,14 @@ def orchestrate(args) -> dict:
     print(f"\n== gpu_check on {device} ({info['torch']}, CUDA {info['cuda']}), {info['date']}")
     for part, s in status.items():
         print(f"  {part:<14} {s['status']:<28} {s['seconds']:7.1f} s")
+    print(f"  files in {out}")
     return summary
 
 
 def main(argv: list[str] | None = None) -> dict | None:
     ap = argparse.ArgumentParser(prog="python -m lowcomm_bench gpu_check", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="docs/bench/gpu", help="where the dated CSVs go (on the lent machine: $OUT)")
+    ap.add_argument("--out", default=None, help="where the dated CSVs go (on the lent machine: $OUT; default "
+                    "docs/bench/gpu, for a dry run a new temporary folder)")
     ap.add_argument("--dry-run", action="store_true", help="the same parts on the CPU at tiny sizes")
     ap.add_argument("--budget-s", type=float, default=420.0, help="wall-clock seconds for all parts together")
     ap.add_argument("--parts", default=",".join(DEFAULT_PARTS),
@@ -560,6 +575,7 @@ def main(argv: list[str] | None = None) -> dict | None:
     bad = [e for e in args.entries.split(",") if e not in METHOD_ENTRIES]
     if bad:
         raise SystemExit(f"--entries must name {', '.join(METHOD_ENTRIES)}; got {', '.join(bad)}")
+    args.out = args.out or default_out(args.dry_run)
     args.steps = args.steps or (6 if args.dry_run else 24)
     args.batch = args.batch or (2 if args.dry_run else 8)
     args.repeats = args.repeats or (1 if args.dry_run else 10)

@@ -27,7 +27,6 @@ left out of the key, so a new field does not void old runs): a stopped invocatio
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import hashlib
 import json
@@ -38,7 +37,7 @@ from ds_lowcomm.optim.recipes import sign_recipe
 from lowcomm_task.spec import TrainSpec
 from lowcomm_task.workers import run_local_workers
 
-from .codec import write_csv
+from .codec import read_typed_csv, write_csv
 from .runs import at_target
 from .scale import loss_at_step, parameters_of
 from .sweep import parse_grid, train_one
@@ -54,8 +53,27 @@ DENSE = "muon"
 DEFAULT_MUON_GRID = '{"peer.muon_lr": [0.02, 0.03, 0.05], "lr": [0.008]}'
 # Each candidate: a grid of lowcomm settings over the recipe (sign_recipe's keys and the outer
 # loop's), three configurations each (dense Muon's tuning budget).
-CANDIDATES: dict[str, dict] = {
+CANDIDATES: dict[str, dict | list] = {
     "recipe": {"sync_every": [20, 30, 50]},
+    # DiLoCo's outer Nesterov momentum (outer lr 0.7, momentum 0.9) and around it: the same
+    # momentum at a smaller lr (0.2: about the recipe's step in a steady direction), a lighter one
+    "nesterov": [{"sync_every": 30, "outer_lr": 0.7, "outer_momentum": 0.9},
+                 {"sync_every": 30, "outer_lr": 0.2, "outer_momentum": 0.9},
+                 {"sync_every": 30, "outer_lr": 0.6, "outer_momentum": 0.5}],
+    # two bits an element (a 4-level lookup per tensor): twice the bytes a sync, so H twice as long
+    "two_bit": {"value_dtype": ["2bit"], "sync_every": [40, 60, 80]},
+    # Streaming DiLoCo: each sync carries one of the fragments in turn, landing a step later, mixed
+    # half and half with the local fragment (the paper's alpha 0.5)
+    "streaming": {"sync_every": [30], "fragments": [2, 3, 5], "sync_delay": [1], "fragment_mix": [0.5]},
+    # H growing during training: H 5 for 100 steps, reaching 30 / 50 / 80 before mid-budget (of
+    # 3000); 101 / 84 / 76 syncs to step 2000 (H 20 throughout: 100), so the bytes can reach 400x
+    # DDP's (a ramp that stays short until step 1500 syncs about 160 times there)
+    "growing": {"sync_every": [5], "sync_every_schedule": [[[100, 10], [300, 20], [600, 30]],
+                                                           [[100, 10], [300, 25], [800, 50]],
+                                                           [[100, 10], [300, 30], [1000, 80]]]},
+    # eager updates at long H: the outer step at the send, the others' shares one sync late. The
+    # result does not depend on sync_delay (>= 1 only says when the sync is waited for), so H varies.
+    "eager": {"sync_every": [20, 30, 50], "sync_delay": [1], "eager": [True]},
 }
 
 
@@ -86,6 +104,11 @@ class Runner:
         tmp.write_text(json.dumps(result))
         tmp.replace(path)
         return result
+
+
+def configs_of(candidate: dict | list) -> list[dict]:
+    """A candidate's configurations: its grid's product, or its list of configurations as given."""
+    return [dict(c) for c in candidate] if isinstance(candidate, list) else parse_grid(json.dumps(candidate))
 
 
 def train_one_bytes(rank: int, world: int, spec, peer) -> dict:
@@ -140,18 +163,10 @@ def recipe_settings(dense_settings: dict, candidate: dict) -> dict:
 
 
 def read_csv(path: str | Path) -> list[dict]:
-    ints = ("parameters", "replicas", "budget", "seed", "H", "steps_to_target", "last_step")
-    floats = ("bytes_sent_per_worker", "bytes_received_per_worker", "target_loss", "steps_interpolated",
-              "final_val_loss", "vs_ddp_bf16")
-    out = []
-    with open(path, newline="") as f:
-        for r in csv.DictReader(f):
-            for k in ints:
-                r[k] = int(r[k]) if r.get(k) not in (None, "") else None
-            for k in floats:
-                r[k] = float(r[k]) if r.get(k) not in (None, "") else None
-            out.append(r)
-    return out
+    """A long_h.csv's rows, typed as the benchmark writes them."""
+    return read_typed_csv(path, ("parameters", "replicas", "budget", "seed", "H", "steps_to_target", "last_step"),
+                          ("bytes_sent_per_worker", "bytes_received_per_worker", "target_loss", "steps_interpolated",
+                           "final_val_loss", "vs_ddp_bf16"))
 
 
 def summarize(rows: list[dict]) -> list[dict]:
@@ -208,6 +223,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--within", type=float, default=1.10, help="a candidate's pick: fewest bytes within this x dense")
     ap.add_argument("--budget-configs", type=int, default=None, help="refuse a grid of another size")
     ap.add_argument("--seeds", default="1,2,3", help="the measuring seeds (tuning is on seed 0)")
+    ap.add_argument("--seed-candidates", default=None,
+                    help="comma list: only these candidates run the measuring seeds (default: every one); the "
+                         "others stop at their tuning (dropped on their seed-0 numbers)")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--backend", default="gloo")
@@ -240,7 +258,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         dense_grid = parse_grid(args.muon_grid)
     if args.budget_configs is not None and not tuned_from:
-        sizes = {"muon": len(dense_grid), **{c: len(parse_grid(json.dumps(grids[c]))) for c in names}}
+        sizes = {"muon": len(dense_grid), **{c: len(configs_of(grids[c])) for c in names}}
         wrong = {k: v for k, v in sizes.items() if v != args.budget_configs}
         if wrong:
             raise SystemExit(f"--budget-configs {args.budget_configs}: these grids differ: {wrong}")
@@ -276,7 +294,7 @@ def main(argv: list[str] | None = None) -> dict:
             chosen[name] = json.loads(best_rows[0]["settings"])
             continue
         cand_rows = []
-        for combo in parse_grid(json.dumps(grids[name])):
+        for combo in configs_of(grids[name]):
             settings = recipe_settings(dense_best, combo)
             run = recipe_run(settings, 0, name)
             cand_rows.append(row_of(name, run, target, "tune", 0, settings, common))
@@ -296,6 +314,8 @@ def main(argv: list[str] | None = None) -> dict:
         rows.append(row_of(DENSE, dense_seed_run, target, "seed", seed, dense_best, common))
         log(f"seed {seed} muon: steps {rows[-1]['steps_to_target']}")
         for name, settings in chosen.items():
+            if args.seed_candidates is not None and name not in args.seed_candidates.split(","):
+                continue
             rows.append(row_of(name, recipe_run(settings, seed, name), target, "seed", seed, settings, common))
             log(f"seed {seed} {name}: steps {rows[-1]['steps_to_target']}")
     summary = summarize(rows)

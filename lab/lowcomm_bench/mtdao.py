@@ -16,7 +16,7 @@ seed) read from each run's evaluations.
     $B --entries adamw --grid '{"lr": [0.001, 0.002, 0.003, 0.004]}' --seeds 0      # tuning
     $B --entries mtdao --grid '{"lr": [0.0005, 0.001, 0.0015, 0.002]}' --seeds 0
     $B --entries adamw,mtdao,local_adam,diloco,demo --grid '{"lr": [...]}' --seeds 1,2,3   # each at its best
-    $B --table --target 2.0 --csv docs/bench/mtdao.csv                                   # the table
+    $B --table --target 2.0 --csv docs/bench/peers/<date>-cpu-mtdao-authors-recipe.csv   # the table
 """
 
 from __future__ import annotations

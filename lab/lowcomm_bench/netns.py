@@ -79,7 +79,7 @@ def tbf_args(rate: str) -> list[str]:
     a 14 KB peak bucket, 1.3x), so a message under the burst crosses up to 0.5 ms early (a 14 KB one
     in about 0.02 ms instead of 0.11 ms), and bulk transfers hold the rate (1 MB: medians 1.02x and
     1.06x in two sets of runs on a busy machine).
-    Measured figures: docs/benchmarks.md, "Test hosts"."""
+    Measured figures: lab/notes/test-hosts.md."""
     bits = rate_bits(rate)
     if bits <= PEAK_MAX_BITS:
         mtu = max(1600, 1514 + int(bits / 8 * 100e-6))

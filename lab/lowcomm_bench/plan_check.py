@@ -3,11 +3,12 @@
 Three checks, each against something the planner did not compute itself:
 
 - **Step time** (``plan_check.csv``): every shaped-link run of the committed benchmarks is
-  predicted and set beside its measured step: the network benchmark (docs/bench/network-2h.json,
-  network-4h.json: every method), the fair time-to-loss benchmark (time_to_loss.json: ds_lowcomm's
-  adamw, whose all-reduce follows the backward pass, DDP with its all-reduce overlapped with the
-  backward pass in fp32 and with the bf16 hook, demo) and the streaming benchmark (streaming.csv:
-  the step where a DiLoCo or a streaming fragment's sync lands). The planner's one measured input
+  predicted and set beside its measured step: the network benchmark (every method on 2 and 4
+  hosts), the fair time-to-loss benchmark against AdamW (ds_lowcomm's adamw, whose all-reduce
+  follows the backward pass, DDP with its all-reduce overlapped with the backward pass in fp32 and
+  with the bf16 hook, demo), the time-to-loss runs against dense Muon (the outer methods with Muon
+  inside, blocking and overlapped) and the streaming benchmark (the step where a DiLoCo or a
+  streaming fragment's sync lands); the files are :mod:`lowcomm_bench.committed`'s. The planner's one measured input
   is the compute, as a user gives it: the entry's step on the unshaped link of the same hosts (a
   run of its own), less the codec seconds that run's ledger timed; the planner then adds its own
   codec seconds (the CPU default, not the measured ones) and the link's communication. The target
@@ -40,11 +41,12 @@ from ds_lowcomm import plan as planner
 from ds_lowcomm.optim.recipes import MTDAO_TWO_MOMENTA, RECIPES
 from ds_lowcomm.optim.registry import LowcommConfig, planned_wire
 
+from . import committed
 from .codec import write_csv
 from .netns import rate_bits
 from .runs import LINKS
 
-# The recipes the committed network runs (docs/bench/network-*.json) were made with, where they
+# The recipes the committed network runs were made with, where they
 # changed since: mtdao's before issue 43 (no warm start)
 MEASURED_WITH = {"mtdao": MTDAO_TWO_MOMENTA}
 COLUMNS = ["source", "setting", "method", "compute_s", "measured_step_s", "predicted_step_s", "timed_codec_s_per_step",
@@ -53,10 +55,6 @@ WIRE_COLUMNS = ["workers", "method", "syncs", "socket_bytes_per_sync", "predicte
                 "predicted_wire_bytes_per_sync", "gloo_framing_bytes_per_sync", "ledger_bytes_per_sync",
                 "ledger_received_bytes_per_sync"]
 STEP_WITHIN, BYTES_WITHIN = 0.15, 0.005
-# adamw and demo on 2 hosts re-measured with the codec of 2026-11-27 (network-2h.json's runs, of
-# 2026-11-23, predate the multi-tensor codec): python -m lowcomm_bench network --hosts 2 --repeats 3
-# --methods adamw,demo
-NETWORK_TODAY = "network-2h-2026-11-27.json"
 
 
 def _plan_row(method: str, settings: dict, *, hosts: int, rate: str | None, latency_ms: float, compute_s: float,
@@ -134,15 +132,16 @@ def time_to_loss_rows(path: Path, entries: dict | None = None, source: str | Non
     return out
 
 
-# issue 41's outer entries with Muon inside, blocking and overlapped (sync_delay, carry_local_steps),
-# by the time-to-loss run (under docs/bench/issue41/) that timed them
+# The outer entries with Muon inside, blocking and overlapped (sync_delay, carry_local_steps), by
+# the time-to-loss run against dense Muon that timed them (its JSON)
 TUNED_OUTER_ENTRIES = {"overlap": ("muloco_dct", "muloco_dct_overlap", "muloco_sparse", "muloco_sparse_overlap"),
                        "sign": ("muloco_sign", "muloco_sign_h10", "muloco_sign_overlap")}
+TUNED_OUTER_RUNS = {"overlap": committed.MUON_TOPK_OVERLAP_TTL, "sign": committed.MUON_RECIPES_TTL}
 
 
 def tuned_outer_rows(path: Path, sweep_csv: Path, entry_names: tuple[str, ...]) -> list[dict]:
-    """:func:`time_to_loss_rows` of a time-to-loss run with ``--from-sweep`` (issue 41's overlap
-    runs) for the ds_lowcomm outer entries, each planned at the settings it ran with (its variant's,
+    """:func:`time_to_loss_rows` of a time-to-loss run with ``--from-sweep`` (the runs against
+    dense Muon) for the ds_lowcomm outer entries, each planned at the settings it ran with (its variant's,
     the sweep's best row over them): the blocking sync waited for, the overlapped one hidden behind
     sync_delay steps."""
     from .time_to_loss import entry_spec
@@ -156,7 +155,7 @@ def tuned_outer_rows(path: Path, sweep_csv: Path, entry_names: tuple[str, ...]) 
         spec, _ = with_settings(*entry_spec(entry, args["steps"], args["eval_every"], model), tuned[entry]["settings"])
         lowcomm = dict(spec.lowcomm)
         entries[entry] = (lowcomm.pop("method"), lowcomm, False, 4)
-    return time_to_loss_rows(path, entries, source=f"issue41/{path.parent.name}")
+    return time_to_loss_rows(path, entries)
 
 
 def streaming_rows(path: Path) -> list[dict]:
@@ -214,7 +213,7 @@ def gloo_framing_per_round() -> float:
 
 
 # Beside the recipes: the one-bit outer loop (every element a sign bit, no transform) with each
-# exchange: the compressed all-reduce (auto's from 4 workers) and the all-gather
+# exchange (the compressed all-reduce and the all-gather)
 WIRE_VARIANTS = {f"dct_diloco_sign_{exchange}": ("dct_diloco", {"topk": 64, "chunk": 8, "transform": "none",
                                                                "value_dtype": "sign", "exchange": exchange})
                  for exchange in ("all_reduce", "all_gather")}
@@ -297,17 +296,18 @@ def measure_wire(workers: int, methods: list[str], steps: int = 4, n_layer: int 
 
 def step_rows(bench: Path) -> list[dict]:
     """Every measured step of the committed benchmarks under ``bench`` beside the planner's."""
-    return [*network_rows(bench / "network-2h.json"), *network_rows(bench / "network-4h.json"),
-            *network_rows(bench / NETWORK_TODAY), *time_to_loss_rows(bench / "time_to_loss.json"),
-            *streaming_rows(bench / "streaming.csv"),
+    return [*(row for name in (committed.NETWORK_2_HOSTS, committed.NETWORK_4_HOSTS, committed.NETWORK_2_HOSTS_TODAY)
+              for row in network_rows(bench / name)),
+            *time_to_loss_rows((bench / committed.ADAMW_TTL).with_suffix(".json")),
+            *streaming_rows(bench / committed.STREAMING),
             *(row for run, names in TUNED_OUTER_ENTRIES.items()
-              for row in tuned_outer_rows(bench / f"issue41/{run}/time_to_loss.json", bench / "issue41/tuning_rows.csv",
-                                          names))]
+              for row in tuned_outer_rows((bench / TUNED_OUTER_RUNS[run]).with_suffix(".json"),
+                                          bench / committed.MUON_TUNING, names))]
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
     ap = argparse.ArgumentParser(prog="python -m lowcomm_bench plan_check", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--bench", default="docs/bench", help="where the measured benchmark files are")
+    ap.add_argument("--bench", default=str(committed.BENCH), help="where the measured benchmark files are")
     ap.add_argument("--out", default="runs/bench/plan_check")
     ap.add_argument("--workers", default="2,4", help="worker counts of the bytes-at-the-socket runs ('' : none)")
     args = ap.parse_args(argv)

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import subprocess
 from pathlib import Path
 
@@ -67,7 +68,7 @@ def powersgd_all_reduces(shapes, rank: int, min_compression_rate: float = 2.0) -
     plain = ps = qs = 0
     for s in shapes:
         n = s[0]
-        m = planner.math.prod(s) // n
+        m = math.prod(s) // n
         r = min(n, m, rank)
         if (n + m) * r * min_compression_rate < n * m:
             ps, qs = ps + n * r, qs + m * r
@@ -85,7 +86,7 @@ def planned(entry: str, spec, peer: dict | None, model: dict, replicas: int) -> 
                                   for n in powersgd_all_reduces(shapes, peer["rank"]))
     if peer is not None:  # DDP: one all-reduce of every gradient a step, fp32 or bf16 (its hooks; no health flag)
         grad = 2 if peer.get("compress") == "bf16" else 4
-        n = sum(planner.math.prod(s) for s in shapes) * grad
+        n = sum(math.prod(s) for s in shapes) * grad
         return "ddp", 1, planner.wire_bytes(planner.Message("ddp", "all_reduce", n), replicas)
     cfg = LowcommConfig.from_dict(spec.lowcomm)
     wire = planned_wire(cfg, shapes, matrices=matrices, replicas=replicas)

@@ -26,7 +26,6 @@ so an interrupted invocation resumes where it stopped.
 from __future__ import annotations
 
 import argparse
-import csv
 import dataclasses
 import hashlib
 import json
@@ -36,7 +35,7 @@ from pathlib import Path
 from ds_lowcomm.optim.recipes import DENSE_FORMS, sign_recipe
 from lowcomm_task.workers import run_local_workers
 
-from .codec import write_csv
+from .codec import read_typed_csv, write_csv
 from .runs import at_target
 from .sweep import parse_grid, train_one
 from .time_to_loss import bytes_to_target, entry_spec, steps_to_target
@@ -190,22 +189,18 @@ def largest_h_within(summary: list[dict], form: str, ratio: float, parameters=No
 
 def read_csv(path: str | Path) -> list[dict]:
     """A scale.csv's rows, typed as the benchmark writes them."""
-    ints, floats = ("parameters", "seed", "H", "steps_to_target", "last_step", "budget"), \
-        ("steps_interpolated", "target_loss", "bytes_sent_per_worker", "final_val_loss")
-    out = []
-    with open(path, newline="") as f:
-        for r in csv.DictReader(f):
-            for k in ints:
-                r[k] = int(r[k]) if r.get(k) not in (None, "") else None
-            for k in floats:
-                r[k] = float(r[k]) if r.get(k) not in (None, "") else None
-            out.append(r)
-    return out
+    return read_typed_csv(path, ("parameters", "seed", "H", "steps_to_target", "last_step", "budget"),
+                          ("steps_interpolated", "target_loss", "bytes_sent_per_worker", "final_val_loss"))
+
+
+def summary_path(out: str | Path) -> Path:
+    """Where :func:`collect` writes the summary of ``out``: beside it, ``<stem>-summary.csv``."""
+    return Path(out).with_name(f"{Path(out).stem}-summary.csv")
 
 
 def collect(out: str | Path, sources: list[str]) -> list[dict]:
     """Every run's rows of ``sources`` (scale.csv files: CPU sizes, a GPU check's -scale.csv) into
-    ``out`` (docs/bench/scale.csv), and their summary beside it (``scale_summary.csv``); a row that
+    ``out`` (docs/bench/model-size/steps-to-target.csv), and their summary beside it (:func:`summary_path`); a row that
     ``out`` already holds (same entry, size, device, role, seed, H, settings) is replaced."""
     key = ("entry", "parameters", "device", "role", "seed", "H", "settings")
     rows = {}
@@ -216,7 +211,7 @@ def collect(out: str | Path, sources: list[str]) -> list[dict]:
                                                 r["seed"], r["entry"] != DENSE_ENTRY[r["form"]], r["H"]))
     Path(out).parent.mkdir(parents=True, exist_ok=True)
     write_csv(Path(out), rows, COLUMNS)
-    write_csv(Path(out).with_name("scale_summary.csv"), summarize(rows), SUMMARY_COLUMNS)
+    write_csv(summary_path(out), summarize(rows), SUMMARY_COLUMNS)
     return rows
 
 

@@ -40,7 +40,7 @@ both are done and the rows carry the estimate beside the measured seconds (``est
 ``estimate_within_range``: within the seeds' range).
 
 The ratio moves with the link here: bytes and compute both grow with the model, so a larger model
-barely moves it, while a slower link (or fewer tokens per step) does. docs/benchmarks.md places
+barely moves it, while a slower link (or fewer tokens per step) does. lab/notes/test-hosts.md places
 real deployments on the same axis. Needs root (network namespaces).
 """
 

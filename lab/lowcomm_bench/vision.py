@@ -23,7 +23,7 @@ from lowcomm_task.spec import TrainSpec
 from lowcomm_task.train import train_worker
 from lowcomm_task.workers import run_local_workers
 
-# Per-method recipes for this task (chosen on 2-worker runs; see docs/benchmarks.md).
+# Per-method recipes for this task (chosen on 2-worker runs; see docs/results/model-size.md).
 RECIPES = {
     "adamw": {"lr": 3e-3, "lowcomm": {"method": "adamw"}},
     "demo": {"lr": 3e-3, "lowcomm": {"method": "demo", "topk": 2, "chunk": 8, "decay": 0.9, "value_dtype": "int8"}},

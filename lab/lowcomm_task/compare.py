@@ -36,7 +36,7 @@ from .workers import run_local_workers
 
 # Entries beside the methods: dense Muon, the baseline of the recommended recipe (PyTorch DDP, then
 # torch's Muon on the hidden matrices and AdamW on the rest, at its settings tuned on this task over
-# 15 configurations: docs/bench/issue41/muon_sweep.csv), and that recipe (the one-bit outer loop,
+# 15 configurations: the muon rows of docs/bench/slow-links/2026-11-27-cpu-muon-tuning.csv), and that recipe (the one-bit outer loop,
 # ds_lowcomm.optim.recipes.sign_recipe) with its inner optimizer at exactly dense Muon's settings.
 DENSE_MUON = {"lr": 0.008, "muon_lr": 0.05, "muon_momentum": 0.95}
 ENTRIES = {
