@@ -32,7 +32,7 @@ def _parser(commands: dict | None = None) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="ds-lowcomm", description="Low-communication distributed training.")
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("plan", help="predict each method's bytes, step time, memory and speed-up for a model, "
-                                    "cluster and link (ds_lowcomm/plan.py)")
+                                    "cluster and link (ds_lowcomm/plan/)")
     add_arguments(p)
     for name, command in commands.items():
         command.add_arguments(sub.add_parser(name, help=command.HELP))

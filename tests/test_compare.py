@@ -9,6 +9,7 @@ import sys
 import pytest
 
 from ds_lowcomm import plan as planner
+from ds_lowcomm.optim.registry import planned_ledger
 
 REQUIRED = ["method", "workers", "steps", "final_train_loss", "final_val_loss", "bytes_sent_per_worker", "wall_s"]
 
@@ -71,17 +72,17 @@ def test_compare_runs_dense_muon_and_the_recipe_at_its_settings(compare_run):
 
 
 def test_the_planner_bytes_are_the_ledgers(compare_run):
-    """ds-lowcomm plan's bytes per sync (from the codec's wire format and the dense syncs' layout)
-    are what each method's ledger counted in the run, op by op: int8 (demo), bf16 (dct_diloco),
-    2-bit (sparseloco), fp16 (mtdao's compressed sync) values and the dense fp32 syncs."""
+    """What each method declares it sends (``planned_wire``, which ds-lowcomm plan prices) is what
+    its ledger counted in the run, op by op: int8 (demo), bf16 (dct_diloco), 2-bit (sparseloco),
+    fp16 (mtdao's compressed sync) and sign (the recommended recipe) values and the dense fp32 syncs."""
     out, _ = compare_run
     shapes = planner.gpt_shapes(n_layer=1, n_embd=32, vocab=256, seq_len=32)
     for row in json.loads((out / "results.json").read_text()):
-        if row["method"] in ("muon", "muloco_sign"):  # not methods: DDP's ledger, and dct_diloco's below
+        if row["method"] == "muon":  # not a method: DDP's ledger (the recipe's settings name dct_diloco)
             continue
         assert row["num_params"] == sum(math.prod(s) for s in shapes)
         ledger = {op: (v["calls"], v["sent"]) for op, v in row["ledger"]["by_op"].items() if op != "setup"}
-        assert ledger == planner.planned_ledger(row["method"], row["settings"], shapes, steps=6), row["method"]
+        assert ledger == planned_ledger(row["settings"], shapes, 6), row["method"]
 
 
 def _write_overrides(path):

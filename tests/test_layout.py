@@ -26,7 +26,7 @@ LAYERS = {
     "ds_lowcomm.deepspeed": 4,
     "megatron_patches": 4,
     "ds_lowcomm.cli": 5,  # finds the laboratory's commands by entry point, never by import
-    "ds_lowcomm.plan": 5,  # the planner: reads the codec, the methods' settings and recipes, measured.json
+    "ds_lowcomm.plan": 5,  # the planner: prices the methods' declarations, reads the recipes and measured.json
     # the laboratory (lab/, its own distribution): nothing of the library imports it
     "lowcomm_task": 6,
     "lowcomm_bench": 7,
@@ -137,7 +137,7 @@ def test_the_package_holds_the_library_only():
     tomllib = pytest.importorskip("tomllib")
 
     assert _find(ROOT / "pyproject.toml") == {"ds_lowcomm", "ds_lowcomm.codec", "ds_lowcomm.comm", "ds_lowcomm.optim",
-                                              "ds_lowcomm.deepspeed", "megatron_patches"}
+                                              "ds_lowcomm.deepspeed", "ds_lowcomm.plan", "megatron_patches"}
     assert _find(LAB / "pyproject.toml") == {"lowcomm_task", "lowcomm_bench"}
     data = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
     assert data == {"ds_lowcomm": ["measured.json"]} and (ROOT / "ds_lowcomm" / "measured.json").is_file()

@@ -8,8 +8,10 @@ from dataclasses import dataclass
 import torch
 
 from ..comm import ReplicaShard, Transport
+from ..comm.wire import WirePlan, dense_mean_messages, elements
 from ..settings import ConfigError, Settings, check_fraction, check_nonnegative, check_positive
 from .base import LowcommOptimizer
+from .muon import dense_state_bytes
 
 
 @dataclass(frozen=True)
@@ -74,3 +76,17 @@ class AllReduceAdamW(LowcommOptimizer, torch.optim.AdamW):
         if committed:  # else no replica could commit it: every replica skips this step alike
             torch.optim.AdamW.step(self)
         self._share(params)
+
+    # -- declared costs (see LowcommOptimizer.planned_wire) --
+    @classmethod
+    def local_optimizer(cls, settings, given=None):
+        # AdamW here; the planner's dense Muon baseline is DDP's same all-reduce before torch's Muon
+        return given or "adamw"
+
+    @classmethod
+    def planned_wire(cls, settings, shapes, *, grad_bytes=4, **_):
+        return WirePlan.every_step(dense_mean_messages("all_reduce", [elements(shapes) * grad_bytes]), gradients=True)
+
+    @classmethod
+    def planned_state_bytes(cls, settings, shapes, *, matrices=None, param_bytes=4, local_optimizer=None):
+        return dense_state_bytes(cls.local_optimizer(settings, local_optimizer), shapes, matrices, param_bytes)

@@ -19,6 +19,7 @@ from ..codec import FLOAT_DTYPES
 from ..comm import (ByteLedger, Pending, Pieces, ReplicaShard, Routes, SparseAllGather, TorchDistTransport,
                     Transport, all_finite, assert_same_across_ranks, start_all_reduce_mean_)
 from ..comm.consistency import gather_json, settings_differences
+from ..comm.wire import WirePlan
 from ..settings import Settings, check_choice
 
 STATE_DTYPES = tuple(FLOAT_DTYPES)
@@ -242,6 +243,38 @@ class LowcommOptimizer(torch.optim.Optimizer):
     def _update(self, params: list[torch.Tensor]) -> None:
         """One step of the method on ``params`` (gradients in ``p.grad``), its syncs included."""
         raise NotImplementedError
+
+    # -- what the method costs, declared from its settings and the tensor shapes ---------------
+    # ``planned_wire`` and ``planned_state_bytes`` say what a run of the method sends and keeps for
+    # tensors of ``shapes`` (one worker's): the ledger tests check them against what the method
+    # books and holds, and ``ds-lowcomm plan`` prices them. ``matrices``: one bool per shape, whether
+    # that tensor takes an orthogonalised step (Muon's, dion's), as ``takes_muon_step`` decides.
+    @classmethod
+    def planned_wire(cls, settings: Settings, shapes, *, matrices=None, replicas: int = 2, grad_bytes: int = 4,
+                     param_bytes: int = 4) -> WirePlan:
+        """What the method puts on the wire among ``replicas`` workers: the messages of a sync and
+        their schedule. ``grad_bytes``: an element of a dense gradient mean (2 in bf16);
+        ``param_bytes``: an element of the parameters."""
+        raise NotImplementedError(f"{cls.__name__} declares no wire plan")
+
+    @classmethod
+    def planned_state_bytes(cls, settings: Settings, shapes, *, matrices=None, param_bytes: int = 4,
+                            local_optimizer: str | None = None) -> float:
+        """Bytes of state the method holds for tensors of ``shapes`` past a sync (step counters
+        left out), its per-step or inner optimizer's included: ``local_optimizer`` where something
+        outside the settings chooses that (DeepSpeed's Muon section; :meth:`local_optimizer`)."""
+        raise NotImplementedError(f"{cls.__name__} declares no state")
+
+    @staticmethod
+    def state_element_bytes(settings: StatefulSettings) -> int:
+        """Bytes an element of the method's state takes (its ``state_dtype``)."""
+        return FLOAT_DTYPES[settings.state_dtype].itemsize
+
+    @classmethod
+    def local_optimizer(cls, settings: Settings, given: str | None = None) -> str | None:
+        """The dense optimizer that takes the method's local steps ("adamw", "muon"), where it has
+        one (None: the method's own update): ``given`` (DeepSpeed's optimizer section), else its own."""
+        return given
 
     # -- the exchange protocol: how a driver runs the method's syncs from outside ---------------
     # Every sync of a method goes through _run_exchange(changes, run): ``run`` sends it and lands

@@ -14,6 +14,7 @@ import torch
 
 from ..codec import CodecSettings
 from ..comm import Pending, ReplicaShard, Transport
+from ..comm.wire import WirePlan, elements, sparse_all_gather_message
 from ..settings import check_bool, check_choice, check_fraction, check_positive
 from .adamw import AdamSettings
 from .base import LowcommOptimizer, StatefulSettings
@@ -295,6 +296,19 @@ class DeMo(LowcommOptimizer):
             for m, b in zip(momenta, before):
                 m.lerp_(b, keep)
         return pending
+
+    # -- declared costs (see LowcommOptimizer.planned_wire) --
+    @classmethod
+    def planned_wire(cls, settings, shapes, **_):
+        # with overlap the exchange started in one step is waited for in the next
+        return WirePlan.every_step([sparse_all_gather_message("sparse_all_gather", shapes, settings.codec,
+                                                              overlap_steps=int(settings.overlap))])
+
+    @classmethod
+    def planned_state_bytes(cls, settings, shapes, **_):
+        # the momentum; the running sum of the means (mean_momentum); update adam's second moment
+        tensors = 1 + bool(settings.mean_momentum) + (settings.update == "adam")
+        return tensors * cls.state_element_bytes(settings) * elements(shapes)
 
 
 # Newton-Schulz's quintic iteration (Jordan et al., Muon), coefficients chosen to push every

@@ -34,6 +34,7 @@ import torch
 
 from ..codec import orthonormal_columns, shared_randn
 from ..comm import ReplicaShard, Transport, start_all_reduce_mean_
+from ..comm.wire import WirePlan, dense_mean_messages
 from ..settings import ConfigError, check_choice, check_fraction, check_nonnegative, check_positive
 from .adamw import AdamSettings
 from .base import LowcommOptimizer, StatefulSettings
@@ -170,6 +171,33 @@ class Dion(LowcommOptimizer):
             x.add_(step.to(p.dtype), alpha=-lr * math.sqrt(x.shape[0] / x.shape[1]))
         for (p, group), g in zip(rest, dense):
             adamw_step_(p, g, self.state[p], group, self.state_dtype)
+
+    # -- declared costs (see LowcommOptimizer.planned_wire) --
+    @staticmethod
+    def _factors(settings, shapes, matrices) -> tuple[list[tuple[int, int, int]], int]:
+        """((rows, cols, r) of each matrix viewed tall, the other tensors' elements)."""
+        if matrices is None:
+            raise ConfigError("plan: dion's bytes and state need which tensors take its orthonormal step (matrices)")
+        factors = [(max(s[0], math.prod(s[1:])), min(s[0], math.prod(s[1:])), dion_rank(s, settings.rank_fraction))
+                   for s, m in zip(shapes, matrices) if m and len(s) >= 2]
+        others = sum(math.prod(s) for s, m in zip(shapes, matrices) if not (m and len(s) >= 2))
+        return factors, others
+
+    @classmethod
+    def planned_wire(cls, settings, shapes, *, matrices=None, **_):
+        factors, others = cls._factors(settings, shapes, matrices)
+        wire = WIRE_DTYPES[settings.value_dtype].itemsize
+        first = sum(rows * r for rows, _, r in factors) + others  # every P, with the others' gradients
+        second = sum(cols * r for _, cols, r in factors)  # every R
+        return WirePlan.every_step([*dense_mean_messages("dion_all_reduce", [first * wire]),
+                                    *dense_mean_messages("dion_all_reduce", [second * wire])])
+
+    @classmethod
+    def planned_state_bytes(cls, settings, shapes, *, matrices=None, **_):
+        # momentum and Q on the matrices, AdamW's two moments on the rest, all in state_dtype
+        factors, others = cls._factors(settings, shapes, matrices)
+        elements = sum(rows * cols + cols * r for rows, cols, r in factors) + 2 * others
+        return elements * cls.state_element_bytes(settings)
 
 
 def adamw_step_(p: torch.Tensor, grad: torch.Tensor, state: dict, group: dict, dtype: torch.dtype) -> None:

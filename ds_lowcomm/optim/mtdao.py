@@ -40,6 +40,7 @@ import torch
 
 from ..codec import CodecSettings
 from ..comm import ReplicaShard, Transport
+from ..comm.wire import WirePlan, dense_mean_messages, elements, sparse_all_gather_message
 from ..settings import ConfigError, check_bool, check_choice, check_fraction, check_int, check_positive
 from .adamw import AdamSettings
 from .base import LowcommOptimizer, StatefulSettings
@@ -346,3 +347,34 @@ class MTDAO(LowcommOptimizer):
                 delta = delta.add(buf, alpha=mu) if nesterov else buf
             anchor.add_(delta, alpha=-lr)
             p.copy_(anchor)
+
+    # -- declared costs (see LowcommOptimizer.planned_wire) --
+    @classmethod
+    def planned_wire(cls, settings, shapes, *, grad_bytes=4, param_bytes=4, **_):
+        periods = settings.periods()
+        if len(set(periods.values())) != 1:
+            raise ConfigError("plan: mtdao with different periods per state is not declared; give one sync_every")
+        numel, state = elements(shapes), cls.state_element_bytes(settings)
+        if settings.sync_codec == "dense":  # everything due at once: one flat all-reduce per dtype
+            by_dtype: dict[int, int] = {}
+            for name in periods:  # the parameters in their own dtype, the moments in state_dtype
+                size = param_bytes if name == "param" else state
+                by_dtype[size] = by_dtype.get(size, 0) + numel * size
+            sync = dense_mean_messages("mtdao_all_reduce", list(by_dtype.values()))
+        else:  # everything but v compressed in one all-gather; v dense
+            compressed = [s for name in periods if name != "v" for s in shapes]
+            sync = [*dense_mean_messages("mtdao_all_reduce", [numel * state]),
+                    sparse_all_gather_message("mtdao_sparse_all_gather", compressed, settings.codec)]
+        warm = dense_mean_messages("mtdao_grad_all_reduce", [numel * grad_bytes])  # the warm start's gradient mean
+        return WirePlan(settings.sync_every, (tuple(sync),), (settings.sync_every,), settings.switch_step, tuple(warm))
+
+    @classmethod
+    def planned_state_bytes(cls, settings, shapes, **_):
+        state = cls.state_element_bytes(settings)
+        moments = len(settings.momentum_betas)
+        per = state * (moments + 1)  # the first moments and v
+        if settings.sync_codec == "topk":  # each compressed quantity's last synced value and unsent change, fp32
+            per += 2 * 4 * (1 + moments)
+        if settings.outer_optimizer != "none":  # the anchor and the outer momentum
+            per += 2 * state
+        return per * elements(shapes)

@@ -11,6 +11,7 @@ token, not a linear map), the output head (tied to the embedding or not) and eve
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable
 
 import torch
@@ -89,6 +90,26 @@ def split_told_params(params: Iterable, what: str) -> tuple[list, list]:
                           "Muon is run: hidden matrices orthogonalised, embeddings, head and 1-D by AdamW) or tag "
                           "every parameter with p.use_muon = True/False")
     return muon, other
+
+
+DENSE_OPTIMIZERS = ("adamw", "muon")
+
+
+def dense_state_bytes(optimizer: str, shapes, matrices, param_bytes: int) -> float:
+    """Bytes of state a dense ``optimizer`` keeps for tensors of ``shapes``, in the parameters'
+    dtype (``param_bytes`` an element; step counters left out): "adamw", torch's AdamW (exp_avg,
+    exp_avg_sq); "muon", :class:`MuonWithAdamW` (torch's Muon's momentum buffer on the 2-D tensors
+    that take its step, ``matrices``: one bool per shape; AdamW's two moments on the rest)."""
+    from ..comm.wire import elements
+    from ..settings import ConfigError, check_choice
+
+    check_choice("plan", "optimizer", optimizer, DENSE_OPTIMIZERS)
+    if optimizer == "adamw":
+        return 2 * param_bytes * elements(shapes)
+    if matrices is None:
+        raise ConfigError("plan: Muon's state needs which tensors take its step (matrices)")
+    on_matrices = sum(math.prod(s) for s, m in zip(shapes, matrices) if m and len(s) == 2)
+    return param_bytes * on_matrices + 2 * param_bytes * (elements(shapes) - on_matrices)
 
 
 class MuonWithAdamW(torch.optim.Optimizer):

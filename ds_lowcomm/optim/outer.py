@@ -677,6 +677,44 @@ class OuterLoop(LowcommOptimizer):
         # The load replaced the anchors and their state: the outer optimizer is rebuilt around them.
         self.anchor_optimizer, self._anchor_ids = None, set()
 
+    # -- declared costs (see LowcommOptimizer.planned_wire) --
+    @classmethod
+    def local_optimizer(cls, settings, given=None):
+        return given or settings.inner_optimizer  # given: DeepSpeed's Muon section as the inner optimizer
+
+    @classmethod
+    def planned_wire(cls, settings, shapes, *, replicas=2, **_):
+        from ..comm.wire import WirePlan  # (the declarations' imports stay beside them)
+
+        h, n = settings.sync_every, settings.streaming.fragments
+        parts = [list(shapes)] if n <= 1 else [
+            [tuple(t.shape) for t in group]
+            for group in contiguous_fragments([torch.empty(s, device="meta") for s in shapes], n)]
+        # fragment f syncs after steps (f + 1) H // P, then every H (_sends_at)
+        return WirePlan(h, tuple(tuple(cls._planned_sync(settings, part, replicas)) for part in parts),
+                        tuple((f + 1) * h // n for f in range(len(parts))))
+
+    @classmethod
+    def _planned_sync(cls, settings, shapes, replicas: int) -> list:
+        """The messages of one sync of tensors of ``shapes`` (``_start_combine``'s)."""
+        raise NotImplementedError
+
+    @classmethod
+    def planned_state_bytes(cls, settings, shapes, *, matrices=None, param_bytes=4, local_optimizer=None):
+        from ..comm.wire import elements
+        from .muon import dense_state_bytes
+
+        state = cls.state_element_bytes(settings)
+        if settings.outer_optimizer == "sgd":
+            outer = state if settings.outer_momentum else 0  # its momentum buffer
+        else:
+            outer = 2 * state  # Adam's two moments
+        # carry_local_steps: while a sync is in flight, a copy of its parameters at the send (their
+        # own dtype); counted whole, the peak with one fragment
+        carried = param_bytes if settings.streaming.carry_local_steps else 0
+        inner = dense_state_bytes(cls.local_optimizer(settings, local_optimizer), shapes, matrices, param_bytes)
+        return inner + (state + outer + carried) * elements(shapes)  # + the anchor
+
 
 class DiLoCo(OuterLoop):
     method = "diloco"
@@ -685,6 +723,13 @@ class DiLoCo(OuterLoop):
     def _start_combine(self, params, deltas):
         pending = self._start_mean_(params, deltas, "outer_all_reduce")
         return Pending(lambda: (pending.wait(), deltas)[1], None)
+
+    @classmethod
+    def _planned_sync(cls, settings, shapes, replicas):
+        from ..comm.wire import dense_mean_messages, elements
+
+        return dense_mean_messages("outer_all_reduce", [elements(shapes) * cls.state_element_bytes(settings)],
+                                   settings.streaming.sync_delay)
 
 
 class DCTDiLoCo(OuterLoop):
@@ -775,6 +820,22 @@ class DCTDiLoCo(OuterLoop):
             lowcomm = {k: v for k, v in lowcomm.items() if k not in old}
             state_dict = {**state_dict, "state": states, "lowcomm": {**lowcomm, "settings": saved}}
         super().load_state_dict(state_dict)
+
+    @classmethod
+    def _planned_sync(cls, settings, shapes, replicas):
+        from ..comm.wire import compressed_all_reduce_messages, sparse_all_gather_message
+
+        delay = settings.streaming.sync_delay
+        if resolve_exchange(settings.exchange, settings.codec, replicas) == "all_reduce":
+            return compressed_all_reduce_messages("outer_compressed_all_reduce", shapes, replicas, delay)
+        return [sparse_all_gather_message("outer_sparse_all_gather", shapes, settings.codec, delay)]
+
+    @classmethod
+    def planned_state_bytes(cls, settings, shapes, **kwargs):
+        from ..comm.wire import elements
+
+        residual = cls.state_element_bytes(settings) * elements(shapes)  # the error feedback
+        return super().planned_state_bytes(settings, shapes, **kwargs) + residual
 
 
 class SparseLoCo(DCTDiLoCo):

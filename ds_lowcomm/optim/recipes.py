@@ -71,3 +71,41 @@ def sign_recipe(dense: str, muon_lr: float | None = None, muon_momentum: float =
     elif muon_lr is not None:
         raise ConfigError("sign_recipe: muon_lr is for dense 'muon' only; the AdamW form takes the run's lr")
     return section
+
+
+# -- what ``ds-lowcomm plan`` prices by name ---------------------------------------------------
+# Each entry: its lowcomm section (the method included), ``optimizer``, the dense optimizer of its
+# local steps where the section does not choose it (as DeepSpeed's Muon section does), and
+# ``baseline``, the dense entry its measured steps ratio is against (ds_lowcomm/measured.json holds
+# each ratio under the entry's name: never here).
+#
+# The dense baselines users train with: the gradients' all-reduce every step (DDP's; ds_lowcomm's
+# adamw books the same bytes) before AdamW, or before torch's Muon on the hidden matrices and AdamW
+# on the rest (compare's dense Muon).
+DENSE_BASELINES: dict[str, dict] = {
+    "adamw": {"lowcomm": RECIPES["adamw"]["lowcomm"], "optimizer": "adamw", "baseline": "adamw",
+              "about": "dense AdamW: the gradients all-reduced, then AdamW"},
+    "muon": {"lowcomm": RECIPES["adamw"]["lowcomm"], "optimizer": "muon", "baseline": "muon",
+             "about": "dense Muon: the gradients all-reduced, then Muon on the hidden matrices, AdamW on the rest"},
+}
+# The recipes users are told to run (the README), each around its dense baseline: the one-bit outer
+# loop with dense Muon inside (configs/muloco_sign*.json), the same at H 10 (fewer bytes, a few more
+# steps) and with AdamW (configs/adamw_sign.json). ``measured_as``: the entry under which the scale
+# benchmark measured it (at its H), where that is another name.
+RECOMMENDED: dict[str, dict] = {
+    "muloco_sign": {"lowcomm": SIGN_OUTER, "optimizer": "muon", "baseline": "muon"},
+    "muloco_sign_h10": {"lowcomm": {**SIGN_OUTER, "sync_every": 10}, "optimizer": "muon", "baseline": "muon",
+                        "measured_as": "muloco_sign"},
+    "adamw_sign": {"lowcomm": SIGN_OUTER, "optimizer": "adamw", "baseline": "adamw"},
+}
+# Every entry priced by name: the compare recipes (their ratios are against adamw), the dense
+# baselines, the recommended recipes
+PLANNED: dict[str, dict] = {
+    **{name: {"lowcomm": r["lowcomm"], "baseline": "adamw", **({"warm_start": r["warm_start"]} if "warm_start" in r else {})}
+       for name, r in RECIPES.items()},
+    **DENSE_BASELINES, **RECOMMENDED,
+}
+# Settings a recipe leaves to the user: a config runs the recipe whatever they are (its dense
+# optimizer's own, which the recipe takes from the user's dense run; which collective carries the
+# same payload). The local optimizer itself (inner_optimizer, or a DeepSpeed Muon section) must match.
+USER_SETTINGS = ("inner_optimizer", "inner_muon_lr", "inner_muon_momentum", "inner_impl", "exchange", "compile")

@@ -17,6 +17,7 @@ import torch
 
 from ..comm import ReplicaShard, TorchDistTransport, Transport
 from ..comm.settings import CommSettings
+from ..comm.wire import WirePlan
 from ..settings import ConfigError, Settings, check_choice
 from .adamw import AdamSettings, AllReduceAdamW
 from .base import LowcommOptimizer
@@ -96,6 +97,40 @@ class LowcommConfig:
         if name in flat:
             return flat[name]
         raise AttributeError(f"{name!r} is not a setting of method {self.method!r}")
+
+
+def _config(cfg: "LowcommConfig | dict") -> LowcommConfig:
+    return cfg if isinstance(cfg, LowcommConfig) else LowcommConfig.from_dict(cfg, where="plan")
+
+
+def planned_wire(cfg: "LowcommConfig | dict", shapes, *, matrices=None, replicas: int = 2, grad_bytes: int = 4,
+                 param_bytes: int = 4) -> WirePlan:
+    """What ``cfg``'s method puts on the wire for tensors of ``shapes`` among ``replicas`` workers,
+    as its class declares it (:meth:`LowcommOptimizer.planned_wire`)."""
+    cfg = _config(cfg)
+    return METHOD_CLASSES[cfg.method].planned_wire(cfg.settings, shapes, matrices=matrices, replicas=replicas,
+                                                   grad_bytes=grad_bytes, param_bytes=param_bytes)
+
+
+def planned_state_bytes(cfg: "LowcommConfig | dict", shapes, *, matrices=None, param_bytes: int = 4,
+                        local_optimizer: str | None = None) -> float:
+    """The bytes of state ``cfg``'s method holds for tensors of ``shapes``, as its class declares it."""
+    cfg = _config(cfg)
+    return METHOD_CLASSES[cfg.method].planned_state_bytes(cfg.settings, shapes, matrices=matrices,
+                                                          param_bytes=param_bytes, local_optimizer=local_optimizer)
+
+
+def planned_ledger(cfg: "LowcommConfig | dict", shapes, steps: int, *, matrices=None,
+                   replicas: int = 2) -> dict[str, tuple[int, int]]:
+    """What a run of ``steps`` steps of ``cfg``'s method records in its ledger per op (start-up
+    left out): (calls, bytes sent), by its declared wire plan."""
+    return planned_wire(cfg, shapes, matrices=matrices, replicas=replicas).ledger(steps)
+
+
+def local_optimizer(cfg: "LowcommConfig | dict", given: str | None = None) -> str | None:
+    """The dense optimizer of ``cfg``'s local steps ("adamw", "muon"; None: the method's own update)."""
+    cfg = _config(cfg)
+    return METHOD_CLASSES[cfg.method].local_optimizer(cfg.settings, given)
 
 
 def _apex_fused_adamw(params, adam: AdamSettings):

@@ -4,10 +4,12 @@ the library's package data, which ``ds-lowcomm plan`` reads), and how the benchm
 Each figure is written by the benchmark that measures it, with where it comes from and its date:
 the GPU codec throughput by ``gpu_check`` (its ``methods`` part on a GPU, not a dry run), the CPU
 codec throughput by ``plan_scale --record`` (at each width it ran: the planner follows the model's
-size between them), the steps ratios by ``time_to_loss --record``. With no option this prints them;
-``--gpu-csv PATH`` records the GPU codec throughput from a gpu_check ``<date>-<gpu>-methods.csv``
-(one fetched from a lent machine, whose own copy of the file stays there), ``--plan-scale-csv
-PATH`` the CPU's from a plan_scale.csv. A figure is not replaced by an older one (its ``date``) unless ``--force``.
+size between them), the compare recipes' steps ratios by ``time_to_loss --record``. With no option
+this prints them; ``--gpu-csv PATH`` records the GPU codec throughput from a gpu_check
+``<date>-<gpu>-methods.csv`` (one fetched from a lent machine, whose own copy of the file stays
+there), ``--plan-scale-csv PATH`` the CPU's from a plan_scale.csv, ``--scale-summary-csv PATH`` the
+recommended recipes' steps ratios against their dense baselines from a ``scale`` summary (at each
+model size it holds). A figure is not replaced by an older one (its ``date``) unless ``--force``.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import tempfile
 from pathlib import Path
 
+from ds_lowcomm.optim.recipes import RECOMMENDED
 from ds_lowcomm.plan import MEASURED_PATH, load_measured
 
 
@@ -70,11 +73,44 @@ def cpu_codec_entry(rows: list[dict], source: str, date: str | None = None) -> d
                       f"size between them), {date} ({source})"}
 
 
+def recipe_ratio_entries(rows: list[dict], source: str, date: str | None = None) -> dict[str, dict]:
+    """The steps ratios of each recommended recipe (recipes.RECOMMENDED) against its dense baseline
+    in a ``scale`` summary's rows (scale_summary.csv: the median steps over the seeds to the dense
+    run's target): the rows of its entry (``measured_as``) at its H, one ratio per model size (``by_parameters``; where a
+    size was run twice, the run over more seeds), as ``steps_ratio`` entries; a recipe the rows do
+    not hold at its H is left out."""
+    date = date or datetime.date.today().isoformat()
+    out = {}
+    for name, recipe in RECOMMENDED.items():
+        h, baseline, entry = recipe["lowcomm"]["sync_every"], recipe["baseline"], recipe.get("measured_as", name)
+        dense = {(r["parameters"], r["device"]): r for r in rows if r["entry"] == baseline and r["form"] == baseline}
+        runs: dict[int, dict] = {}
+        for r in rows:
+            if (r["entry"] == entry and r["form"] == baseline and int(r["H"]) == h and r.get("ratio_to_dense") not in (None, "")
+                    and (r["parameters"], r["device"]) in dense):
+                size, seeds = int(r["parameters"]), len(str(r["seeds"]).split(","))
+                if size not in runs or seeds > len(str(runs[size]["seeds"]).split(",")):
+                    runs[size] = r
+        if not runs:
+            continue
+        sizes = sorted(runs)
+        measured = "; ".join(
+            f"{n / 1e6:.3g}M parameters ({runs[n]['device']}, seeds {runs[n]['seeds']}): {float(runs[n]['median_steps']):g} "
+            f"over {float(dense[(runs[n]['parameters'], runs[n]['device'])]['median_steps']):g} steps" for n in sizes)
+        out[name] = {"value": float(runs[sizes[-1]]["ratio_to_dense"]), "baseline": baseline, "sync_every": h,
+                     "by_parameters": [[n, float(runs[n]["ratio_to_dense"])] for n in sizes], "csv": source, "date": date,
+                     "source": f"{source}, H {h} against dense {baseline}, median steps to its target: {measured}"}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m lowcomm_bench measured", description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu-csv", default=None, metavar="PATH", help="record the GPU codec throughput of this gpu_check methods CSV")
     ap.add_argument("--plan-scale-csv", default=None, metavar="PATH",
                     help="record the CPU codec throughput of this plan_scale.csv (what plan_scale --record writes)")
+    ap.add_argument("--scale-summary-csv", default=None, metavar="PATH",
+                    help="record the recommended recipes' steps ratios of this scale summary (scale_summary.csv)")
+    ap.add_argument("--date", default=None, help="the date of --scale-summary-csv's runs (default: the file's)")
     ap.add_argument("--force", action="store_true", help="record even where the file's figure is newer")
     ap.add_argument("--file", default=str(MEASURED_PATH), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -91,6 +127,15 @@ def main(argv: list[str] | None = None) -> dict:
         if entry is None:
             raise SystemExit(f"{args.plan_scale_csv}: no demo row with a codec time in it")
         record("codec_gbps", "cpu", entry, Path(args.file), args.force)
+    if args.scale_summary_csv:
+        with open(args.scale_summary_csv) as f:
+            rows = list(csv.DictReader(f))
+        date = args.date or datetime.date.fromtimestamp(os.path.getmtime(args.scale_summary_csv)).isoformat()
+        entries = recipe_ratio_entries(rows, args.scale_summary_csv, date)
+        if not entries:
+            raise SystemExit(f"{args.scale_summary_csv}: no recommended recipe at its H with a steps ratio in it")
+        for name, entry in entries.items():
+            record("steps_ratio", name, entry, Path(args.file), args.force)
     data = load_measured(Path(args.file))
     for section in ("codec_gbps", "steps_ratio"):
         for key, e in data[section].items():

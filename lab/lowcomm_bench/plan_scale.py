@@ -16,6 +16,7 @@ from pathlib import Path
 
 from ds_lowcomm import plan as planner
 from ds_lowcomm.optim.recipes import RECIPES
+from ds_lowcomm.optim.registry import planned_state_bytes, planned_wire
 from lowcomm_task.model import GPTConfig
 from lowcomm_task.spec import TrainSpec
 from lowcomm_task.train import train_worker
@@ -64,14 +65,15 @@ def main(argv: list[str] | None = None) -> list[dict]:
             spec = _spec(method, width, args.steps, args.sync_every)
             per_rank = run_local_workers(_worker, 2, spec)
             settings = per_rank[0]["settings"]
-            every, messages = planner.sync_messages(method, settings, shapes)
-            syncs = args.steps // every
+            wire = planned_wire(settings, shapes)
+            messages = wire.messages
+            syncs = args.steps // wire.sync_every
             sent = [sum(v["sent"] for op, v in r["ledger"]["by_op"].items() if op != "setup") for r in per_rank]
             codec = sum(r["codec_s"] for r in per_rank) / len(per_rank)
             coded = sum(m.codec_elements for m in messages)
             rss = max(r["peak_rss_kb"] for r in per_rank) / 1024
             adamw_rss = rss if method == "adamw" else adamw_rss
-            added = (planner.state_bytes_per_element(method, settings) - planner.state_bytes_per_element("adamw", {}))
+            added = (planned_state_bytes(settings, shapes) - planned_state_bytes({"method": "adamw"}, shapes)) / elements
             rows.append({"method": method, "width": width, "parameters": elements, "syncs": syncs,
                          "measured_bytes_per_sync": max(sent) / syncs, "predicted_bytes_per_sync": sum(m.nbytes for m in messages),
                          "codec_s_per_sync": codec / syncs, "codec_ns_per_element": 1e9 * codec / syncs / coded if coded else None,

@@ -1,8 +1,9 @@
 """``python -m lowcomm_bench replica_bytes``: bytes each worker sends on its link per step as
 replicas grow, measured on test hosts (2, 4 and 8 here) and computed from the wire format beyond
-(16, 64, 256) with the planner's formula (:func:`ds_lowcomm.plan.wire_bytes_per_step`: a ring
-all-gather forwards (n - 1) payloads, a ring all-reduce sends 2 (n - 1) / n of its buffer, the
-compressed all-reduce's all-to-all its (n - 1) parts; each receives what it sends).
+(16, 64, 256) with the planner's formula (the method's declared messages,
+:func:`ds_lowcomm.optim.registry.planned_wire`, on the wire as :func:`ds_lowcomm.plan.wire_bytes`
+puts them: a ring all-gather forwards (n - 1) payloads, a ring all-reduce sends 2 (n - 1) / n of
+its buffer, the compressed all-reduce's all-to-all its (n - 1) parts; each receives what it sends).
 
 ``--exchanges``: for the outer methods with a dense sign / 2-bit payload (dct_diloco, sparseloco),
 one row per ``lowcomm.exchange`` setting (auto, all_gather, all_reduce; the ``exchange`` column is
@@ -28,12 +29,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import subprocess
 from pathlib import Path
 
 from ds_lowcomm import plan as planner
-from ds_lowcomm.optim.outer import EXCHANGES
-from ds_lowcomm.optim.registry import LowcommConfig
+from ds_lowcomm.optim.outer import EXCHANGES, resolve_exchange
+from ds_lowcomm.optim.registry import LowcommConfig, planned_wire
 
 from .codec import write_csv
 from .hosts import run_on_hosts
@@ -66,7 +68,7 @@ def powersgd_all_reduces(shapes, rank: int, min_compression_rate: float = 2.0) -
     plain = ps = qs = 0
     for s in shapes:
         n = s[0]
-        m = planner.math.prod(s) // n
+        m = math.prod(s) // n
         r = min(n, m, rank)
         if (n + m) * r * min_compression_rate < n * m:
             ps, qs = ps + n * r, qs + m * r
@@ -84,17 +86,17 @@ def planned(entry: str, spec, peer: dict | None, model: dict, replicas: int) -> 
                                   for n in powersgd_all_reduces(shapes, peer["rank"]))
     if peer is not None:  # DDP: one all-reduce of every gradient a step, fp32 or bf16 (its hooks; no health flag)
         grad = 2 if peer.get("compress") == "bf16" else 4
-        n = sum(planner.math.prod(s) for s in shapes) * grad
+        n = sum(math.prod(s) for s in shapes) * grad
         return "ddp", 1, planner.wire_bytes(planner.Message("ddp", "all_reduce", n), replicas)
-    settings = LowcommConfig.from_dict(spec.lowcomm).effective()
-    every, messages = planner.sync_messages(settings["method"], settings, shapes, matrices=matrices, replicas=replicas)
-    return settings["method"], every, sum(planner.wire_bytes(m, replicas) for m in messages)
+    cfg = LowcommConfig.from_dict(spec.lowcomm)
+    wire = planned_wire(cfg, shapes, matrices=matrices, replicas=replicas)
+    return cfg.method, wire.sync_every, sum(planner.wire_bytes(m, replicas) for m in wire.messages)
 
 
 def exchange_used(spec, replicas: int) -> str | None:
     """What an outer method's ``lowcomm.exchange`` resolves to at ``replicas`` (None: no such setting)."""
-    settings = LowcommConfig.from_dict(spec.lowcomm).effective()
-    return planner.outer_exchange(settings, replicas) if "exchange" in settings else None
+    settings = LowcommConfig.from_dict(spec.lowcomm).settings
+    return resolve_exchange(settings.exchange, settings.codec, replicas) if hasattr(settings, "exchange") else None
 
 
 def measure(entry: str, spec, peer: dict | None, model: dict, n: int, h: int, measured: bool,
