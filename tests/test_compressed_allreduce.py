@@ -198,12 +198,16 @@ def _replay(n: int, exchanges: int = EXCHANGES, senders=lambda e: None, inputs=_
 
 
 def _wire(sizes: list[int], n: int, bounds: list[int]) -> tuple[list[int], int, int]:
-    """From the wire format, for tensors of ``sizes`` end to end cut at ``bounds`` into n chunks:
+    """From the wire format, for tensors of ``sizes`` (laid end to end as a snake draft deals them,
+    largest first, into n heaps, heap after heap) cut at ``bounds`` into n chunks:
     phase 1's part to each chunk's owner (its sign bits, the scale of each tensor it touches, a
     flag byte; every part at the largest one's size), phase 2's part (each chunk's counts mod n in ceil(log2 n) bits, each touched
     tensor's shared scale (4 bytes) and contributor count (1 byte); every part at the largest one's
     size), and the least largest part any cut into n non-empty chunks could have (by dynamic
     programming over every cut)."""
+    ranked = sorted(range(len(sizes)), key=lambda k: (-sizes[k], k))  # the flat order: a snake draft into n heaps
+    heaps = [[k for i, k in enumerate(ranked) if (i % n if (i // n) % 2 == 0 else n - 1 - i % n) == j] for j in range(n)]
+    sizes = [sizes[k] for heap in heaps for k in heap]
     starts = [sum(sizes[:k]) for k in range(len(sizes) + 1)]
     width = max(1, math.ceil(math.log2(n)))
 

@@ -76,16 +76,23 @@ class CompressedAllReduce:
             raise ValueError(f"{op}: at most {(1 << 16) - 1} ranks; got {n}")
         self.width = count_bits(n)
         self.count_bytes = 1 if n < 256 else 2  # a piece's contributor count m, up to n
+        # The flat tensor holds the pieces in the order :func:`_dealt` gives: small tensors spread
+        # over the chunks, not all in one, so every chunk carries about as many scales; and the bytes
+        # are the same whatever order the pieces come in (Muon's groups reorder them)
+        self.piece_sizes, self.order = sizes, _dealt(sizes, n)
         starts = [0]
-        for size in sizes:
-            starts.append(starts[-1] + size)
-        self.piece_sizes, self.piece_starts = sizes, starts[:-1]
+        for k in self.order:
+            starts.append(starts[-1] + sizes[k])
+        self.piece_starts = [0] * len(sizes)  # each piece's first element in the flat tensor
+        for q, k in enumerate(self.order):
+            self.piece_starts[k] = starts[q]
         # chunk j is elements bounds[j]:bounds[j + 1], cut so that every chunk's phase 2 part (its
         # counts and its pieces' headers) is as large as the others': every rank then sends and
         # receives about the same bytes (an all-gather's parts are equal: the largest sets them all)
         self.bounds = _balanced_bounds(starts, n, lambda lo, hi: self._part_bytes(starts, lo, hi))
         # per chunk: the pieces it touches, as (piece index, elements of the piece inside the chunk)
-        self.segments = [_segments(starts, lo, hi) for lo, hi in zip(self.bounds, self.bounds[1:])]
+        self.segments = [[(self.order[q], count) for q, count in _segments(starts, lo, hi)]
+                         for lo, hi in zip(self.bounds, self.bounds[1:])]
         # every part of phase 1 travels at the largest one's size too (each rank sends and receives alike)
         self.phase1_bytes = max(packed_nbytes(self.chunk_numel(j), 1) + SCALE_BYTES * len(self.segments[j]) + 1
                                 for j in range(n))
@@ -122,7 +129,7 @@ class CompressedAllReduce:
         flag = health_flag(healthy and all_finite(pieces), self.transport)
         parts = []
         if flag == HEALTHY:
-            flat = torch.cat([p.reshape(-1).float() for p in pieces])
+            flat = torch.cat([pieces[k].reshape(-1).float() for k in self.order])
             scales = torch.stack(torch._foreach_norm(pieces, 1, dtype=torch.float32)) / torch.tensor(
                 self.piece_sizes, dtype=torch.float32, device=device)
             negative = flat < 0
@@ -209,7 +216,9 @@ class CompressedAllReduce:
                 sent = torch.where(counted, self._per_element(shared, j) * (2.0 * own.float() - 1.0), 0.0)
                 self._subtract(pieces, j, sent)
             offset += self.phase1_bytes
-        out = self._split(torch.cat(means), buffers)
+        flat = torch.cat(means)  # the pieces in their flat order, back in theirs
+        mean = torch.cat([flat[self.piece_starts[k] : self.piece_starts[k] + size] for k, size in enumerate(self.piece_sizes)])
+        out = self._split(mean, buffers)
         self.transport.ledger.add_time("codec", settled_seconds(start, device))
         return out
 
@@ -263,6 +272,17 @@ def _as_uint(data: torch.Tensor, width: int) -> torch.Tensor:
     """Little-endian unsigned integers of ``width`` bytes (1 or 2) -> int64 values."""
     grouped = data.reshape(-1, width).to(torch.int64)
     return grouped[:, 0] if width == 1 else grouped[:, 0] | (grouped[:, 1] << 8)
+
+
+def _dealt(sizes: list[int], n: int) -> list[int]:
+    """The pieces of ``sizes`` in the order the flat tensor holds them: dealt to n heaps as a draft
+    goes, largest first, the order of the heaps reversed every round (large and small pieces mixed
+    in each, as many pieces in each), heap after heap. It depends on the sizes alone."""
+    heaps: list[list[int]] = [[] for _ in range(n)]
+    for i, k in enumerate(sorted(range(len(sizes)), key=lambda k: (-sizes[k], k))):
+        round_, place = divmod(i, n)
+        heaps[place if round_ % 2 == 0 else n - 1 - place].append(k)
+    return [k for heap in heaps for k in heap]
 
 
 def _segments(starts: list[int], lo: int, hi: int) -> list[tuple[int, int]]:
