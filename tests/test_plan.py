@@ -353,12 +353,12 @@ def test_the_hf_benchmark_configs_and_verdict():
 
 def test_the_replica_bytes_are_the_planners_at_every_measured_count():
     """bench replica_bytes (committed.ONE_BIT_BYTES_PER_SYNC): the one-bit recipe measured on
-    2, 4 and 8 test hosts with its exchange chosen by auto (the compressed all-reduce from 3) and
+    2, 4 and 8 test hosts with its exchange chosen by auto (the compressed all-reduce from 4) and
     with the all-gather. Each row's formula is the planner's now (and plan() prices the same at
     that replica count); the workers' ledgers received exactly the formula's bytes per sync (the
     larger of their sent and received columns); every host's veth sent and received the formula's
     bytes framed into full segments, within 5% (small messages carry more headers). The recipe at
-    8 replicas: at most 2x its bytes at 2, where the all-gather's are 7x."""
+    8 replicas: at most half the all-gather's bytes (3.5x its bytes at 2, where the all-gather's are 7x)."""
     import csv
     import dataclasses
 
@@ -390,7 +390,8 @@ def test_the_replica_bytes_are_the_planners_at_every_measured_count():
                 assert abs(veth / float(r["framed_bytes_per_sync"]) - 1) <= 0.05, r
             measured[(r["exchange"], n)] = max(sent, received)
     assert {n for _, n in measured} == {2, 4, 8}
-    assert measured[("auto", 8)] <= 2 * measured[("auto", 2)]
+    assert measured[("auto", 8)] <= 0.5 * measured[("all_gather", 8)]  # at most half the all-gather's
+    assert measured[("auto", 8)] <= 3.5 * measured[("auto", 2)]
     assert measured[("all_gather", 8)] == pytest.approx(7 * measured[("auto", 2)], rel=0.01)
 
 

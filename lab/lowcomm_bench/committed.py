@@ -43,8 +43,8 @@ NETWORK_4_HOSTS = "slow-links/2026-11-23-cpu-network-4hosts.json"
 NETWORK_2_HOSTS_TODAY = "slow-links/2026-11-27-cpu-network-2hosts-adamw-demo.json"  # the codec of 2026-11-27
 
 # bytes and steps as replicas grow (python -m lowcomm_bench replica_bytes, bench sweep)
-ONE_BIT_BYTES_PER_SYNC = "replicas/2026-11-29-cpu-one-bit-bytes-per-sync.csv"
-ONE_BIT_STEPS = "replicas/2026-11-29-cpu-one-bit-steps-to-target.csv"
+ONE_BIT_BYTES_PER_SYNC = "replicas/2026-12-01-cpu-one-bit-bytes-per-sync.csv"
+ONE_BIT_STEPS = "replicas/2026-12-01-cpu-one-bit-steps-to-target.csv"
 BYTES_PER_STEP_BY_METHOD = "replicas/2026-11-27-cpu-bytes-per-step-by-method.csv"
 SHARDED_REPLICA_BYTES = "replicas/2026-11-22-cpu-sharded-replica-bytes.csv"
 WORKERS_AND_SIZE_BYTES = "replicas/2026-11-22-cpu-bytes-by-workers-and-size.csv"
