@@ -220,6 +220,8 @@ def main(argv: list[str] | None = None) -> dict:
                          "'recipe={\"sync_every\": [20, 30, 50]}'")
     ap.add_argument("--tuned-from", default=None,
                     help="a long_h.csv: dense Muon's and each candidate's best there run here untuned")
+    ap.add_argument("--tune-dense", action="store_true",
+                    help="with --tuned-from: dense Muon tuned here over --muon-grid all the same (another model size)")
     ap.add_argument("--within", type=float, default=1.10, help="a candidate's pick: fewest bytes within this x dense")
     ap.add_argument("--budget-configs", type=int, default=None, help="refuse a grid of another size")
     ap.add_argument("--seeds", default="1,2,3", help="the measuring seeds (tuning is on seed 0)")
@@ -251,7 +253,7 @@ def main(argv: list[str] | None = None) -> dict:
     tuned_from = read_csv(args.tuned_from) if args.tuned_from else None
     base, base_peer = entry_spec(DENSE, args.budget, args.eval_every, model)
     base = dataclasses.replace(base, warmup=args.warmup, batch=args.batch, device=args.device, backend=args.backend)
-    if tuned_from:
+    if tuned_from and not args.tune_dense:
         best_dense = min((r for r in tuned_from if r["entry"] == DENSE and r["role"] == "tune"),
                          key=lambda r: r["final_val_loss"])
         dense_grid = [json.loads(best_dense["settings"])]
@@ -292,6 +294,9 @@ def main(argv: list[str] | None = None) -> dict:
             if not best_rows:
                 raise SystemExit(f"--tuned-from {args.tuned_from}: no measured row of {name}")
             chosen[name] = json.loads(best_rows[0]["settings"])
+            if args.tune_dense:  # the candidate's outer settings around this size's tuned dense Muon
+                chosen[name] = {**chosen[name], **{k: v for k, v in dense_best.items() if not k.startswith("peer.")},
+                                "lowcomm.inner_muon_lr": dense_best["peer.muon_lr"]}
             continue
         cand_rows = []
         for combo in configs_of(grids[name]):
