@@ -44,10 +44,10 @@ from .sweep import parse_grid, train_one
 from .time_to_loss import entry_spec, steps_to_target
 from .tuning import parse_seeds, with_settings
 
-COLUMNS = ["entry", "parameters", "replicas", "budget", "seed", "H", "steps_to_target", "bytes_sent_per_worker",
+COLUMNS = ["entry", "parameters", "replicas", "budget", "seed", "H", "schedule", "steps_to_target", "bytes_sent_per_worker",
            "bytes_received_per_worker", "settings", "role", "target_loss", "steps_interpolated", "final_val_loss",
            "last_step", "device", "vs_ddp_bf16"]
-SUMMARY_COLUMNS = ["entry", "parameters", "replicas", "budget", "H", "seeds", "steps", "median_steps", "ratio_to_muon",
+SUMMARY_COLUMNS = ["entry", "parameters", "replicas", "budget", "H", "schedule", "seeds", "steps", "median_steps", "ratio_to_muon",
                    "median_bytes_per_worker", "vs_ddp_bf16", "target_loss", "settings"]
 DENSE = "muon"
 DEFAULT_MUON_GRID = '{"peer.muon_lr": [0.02, 0.03, 0.05], "lr": [0.008]}'
@@ -132,6 +132,8 @@ def row_of(entry, run, target, role, seed, settings, common) -> dict:
     interp = at_target(history, target, "step")
     return {**common, "entry": entry, "role": role, "seed": seed,
             "H": settings.get("lowcomm.sync_every", 1) if entry != DENSE else 1,
+            # H's growth, where it grows: [from_step, H] pairs
+            "schedule": json.dumps(settings["lowcomm.sync_every_schedule"]) if settings.get("lowcomm.sync_every_schedule") else "",
             "steps_to_target": steps_to_target(history, target),
             "steps_interpolated": None if interp is None else round(interp, 2), "target_loss": target,
             "bytes_sent_per_worker": sent, "bytes_received_per_worker": received,
@@ -188,7 +190,8 @@ def summarize(rows: list[dict]) -> list[dict]:
                                            for r in group)
             ddp = ddp_bf16_bytes(size, replicas, dense_steps) if dense_steps else None
             out.append({"entry": entry, "parameters": size, "replicas": replicas, "budget": budget,
-                        "H": group[0]["H"], "seeds": ",".join(str(r["seed"]) for r in group),
+                        "H": group[0]["H"], "schedule": group[0].get("schedule", ""),
+                        "seeds": ",".join(str(r["seed"]) for r in group),
                         "steps": ",".join(str(r["steps_to_target"]) for r in group), "median_steps": med,
                         "ratio_to_muon": round(med / dense_steps, 4) if med and dense_steps else None,
                         "median_bytes_per_worker": per_worker,
