@@ -10,6 +10,7 @@ import pytest
 from ds_lowcomm.optim.recipes import SIGN_OUTER, sign_recipe
 from ds_lowcomm.settings import ConfigError
 from lowcomm_bench import scale
+from lowcomm_bench.codec import summary_path
 
 
 def test_sign_recipe_takes_the_inner_settings_from_the_dense_run():
@@ -62,4 +63,4 @@ def test_summary_medians_ratios_and_largest_h_per_size(tmp_path):
     assert len(collected) == len(rows)
     again = scale.collect(tmp_path / "scale.csv", [str(tmp_path / "b.csv")])  # rows replaced, not doubled
     assert len(again) == len(rows)
-    assert (tmp_path / "scale-summary.csv").exists() and scale.summary_path(tmp_path / "scale.csv").exists()
+    assert (tmp_path / "scale-summary.csv").exists() and summary_path(tmp_path / "scale.csv").exists()

@@ -389,6 +389,36 @@ def read_typed_csv(path, ints=(), floats=()) -> list[dict]:
     return out
 
 
+def summary_path(out) -> Path:
+    """Where a collected CSV's summary goes: beside it, ``<stem>-summary.csv``."""
+    return Path(out).with_name(f"{Path(out).stem}-summary.csv")
+
+
+def collect_csv(out, sources: list[str], read, key: tuple, order, columns: list[str], summarize,
+                summary_columns: list[str]) -> list[dict]:
+    """Every row of ``sources`` (a benchmark's CSVs, read by ``read``) into ``out`` and their summary
+    beside it (:func:`summary_path`); a row ``out`` already holds with the same ``key`` columns is
+    replaced; rows sorted by ``order``."""
+    rows = {}
+    for path in ([out] if Path(out).exists() else []) + list(sources):
+        for r in read(path):
+            rows[tuple(r[k] for k in key)] = r
+    rows = sorted(rows.values(), key=order)
+    Path(out).parent.mkdir(parents=True, exist_ok=True)
+    write_csv(Path(out), rows, columns)
+    write_csv(summary_path(out), summarize(rows), summary_columns)
+    return rows
+
+
+def collect_args(argv: list[str], what: str) -> tuple[str, list[str]] | None:
+    """``--collect OUT SOURCE...`` as a benchmark's first arguments: (OUT, SOURCEs); None without it."""
+    if argv[:1] != ["--collect"]:
+        return None
+    if len(argv) < 3:
+        raise SystemExit(f"--collect OUT SOURCE [SOURCE...]: the {what} to write, then the runs' CSVs")
+    return argv[1], argv[2:]
+
+
 def write_csv(path: Path, rows: list[dict], columns: list[str]) -> None:
     with open(path, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=columns, extrasaction="ignore")

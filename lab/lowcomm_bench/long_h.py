@@ -37,7 +37,7 @@ from ds_lowcomm.optim.recipes import sign_recipe
 from lowcomm_task.spec import TrainSpec
 from lowcomm_task.workers import run_local_workers
 
-from .codec import read_typed_csv, write_csv
+from .codec import collect_args, collect_csv, read_typed_csv, write_csv
 from .runs import at_target
 from .scale import loss_at_step, parameters_of
 from .sweep import parse_grid, train_one
@@ -200,26 +200,13 @@ def summarize(rows: list[dict]) -> list[dict]:
     return out
 
 
-def summary_path(out: str | Path) -> Path:
-    """Where :func:`collect` writes the summary of ``out``: beside it, ``<stem>-summary.csv``."""
-    return Path(out).with_name(f"{Path(out).stem}-summary.csv")
-
-
 def collect(out: str | Path, sources: list[str]) -> list[dict]:
     """Every row of ``sources`` (long_h.csv files: sizes, replica counts) into ``out``
     (docs/bench/long_h.csv) and their summary beside it; a row ``out`` already holds (same entry,
     size, replicas, budget, role, seed, settings) is replaced."""
-    key = ("entry", "parameters", "replicas", "budget", "role", "seed", "settings")
-    rows = {}
-    for path in ([out] if Path(out).exists() else []) + list(sources):
-        for r in read_csv(path):
-            rows[tuple(r[k] for k in key)] = r
-    rows = sorted(rows.values(), key=lambda r: (r["parameters"], r["replicas"], r["budget"], r["role"] != "tune",
-                                                r["seed"], r["entry"] != DENSE))
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    write_csv(Path(out), rows, COLUMNS)
-    write_csv(summary_path(out), summarize(rows), SUMMARY_COLUMNS)
-    return rows
+    return collect_csv(out, sources, read_csv, ("entry", "parameters", "replicas", "budget", "role", "seed", "settings"),
+                       lambda r: (r["parameters"], r["replicas"], r["budget"], r["role"] != "tune", r["seed"],
+                                  r["entry"] != DENSE), COLUMNS, summarize, SUMMARY_COLUMNS)
 
 
 def _median(values):
@@ -230,10 +217,9 @@ def main(argv: list[str] | None = None) -> dict:
     import sys
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--collect"]:  # --collect OUT SOURCE...
-        if len(argv) < 3:
-            raise SystemExit("--collect OUT SOURCE [SOURCE...]: the long_h.csv to write, then the runs' CSVs")
-        rows = collect(argv[1], argv[2:])
+    collecting = collect_args(argv, "long_h.csv")
+    if collecting:
+        rows = collect(*collecting)
         return {"rows": rows, "summary": summarize(rows)}
     ap = argparse.ArgumentParser(prog="python -m lowcomm_bench long_h", description=__doc__.split("\n\n")[0])
     ap.add_argument("--n-layer", type=int, default=2)

@@ -35,7 +35,7 @@ from pathlib import Path
 from ds_lowcomm.optim.recipes import DENSE_FORMS, sign_recipe
 from lowcomm_task.workers import run_local_workers
 
-from .codec import read_typed_csv, write_csv
+from .codec import collect_args, collect_csv, read_typed_csv, write_csv
 from .runs import at_target
 from .sweep import parse_grid, train_one
 from .time_to_loss import bytes_to_target, entry_spec, steps_to_target
@@ -193,26 +193,13 @@ def read_csv(path: str | Path) -> list[dict]:
                           ("steps_interpolated", "target_loss", "bytes_sent_per_worker", "final_val_loss"))
 
 
-def summary_path(out: str | Path) -> Path:
-    """Where :func:`collect` writes the summary of ``out``: beside it, ``<stem>-summary.csv``."""
-    return Path(out).with_name(f"{Path(out).stem}-summary.csv")
-
-
 def collect(out: str | Path, sources: list[str]) -> list[dict]:
     """Every run's rows of ``sources`` (scale.csv files: CPU sizes, a GPU check's -scale.csv) into
     ``out`` (docs/bench/model-size/steps-to-target.csv), and their summary beside it (:func:`summary_path`); a row that
     ``out`` already holds (same entry, size, device, role, seed, H, settings) is replaced."""
-    key = ("entry", "parameters", "device", "role", "seed", "H", "settings")
-    rows = {}
-    for path in ([out] if Path(out).exists() else []) + list(sources):
-        for r in read_csv(path):
-            rows[tuple(r[k] for k in key)] = r
-    rows = sorted(rows.values(), key=lambda r: (r["parameters"], r["device"], r["form"], r["role"] != "tune",
-                                                r["seed"], r["entry"] != DENSE_ENTRY[r["form"]], r["H"]))
-    Path(out).parent.mkdir(parents=True, exist_ok=True)
-    write_csv(Path(out), rows, COLUMNS)
-    write_csv(summary_path(out), summarize(rows), SUMMARY_COLUMNS)
-    return rows
+    return collect_csv(out, sources, read_csv, ("entry", "parameters", "device", "role", "seed", "H", "settings"),
+                       lambda r: (r["parameters"], r["device"], r["form"], r["role"] != "tune", r["seed"],
+                                  r["entry"] != DENSE_ENTRY[r["form"]], r["H"]), COLUMNS, summarize, SUMMARY_COLUMNS)
 
 
 def _median(values):
@@ -223,10 +210,9 @@ def main(argv: list[str] | None = None) -> dict:
     import sys
 
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["--collect"]:  # --collect OUT SOURCE...
-        if len(argv) < 3:
-            raise SystemExit("--collect OUT SOURCE [SOURCE...]: the scale.csv to write, then the runs' CSVs")
-        rows = collect(argv[1], argv[2:])
+    collecting = collect_args(argv, "scale.csv")
+    if collecting:
+        rows = collect(*collecting)
         return {"rows": rows, "summary": summarize(rows)}
     ap = argparse.ArgumentParser(prog="python -m lowcomm_bench scale", description=__doc__.split("\n\n")[0])
     ap.add_argument("--n-layer", type=int, default=2)
