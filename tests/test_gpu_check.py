@@ -25,34 +25,36 @@ def _rows(path: Path) -> list[dict]:
 
 @pytest.fixture(scope="module")
 def dry_run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("gpu_check")
+    """One dry run of every part, as a user runs it: no --out (nor $OUT), so into a new temporary
+    folder that it names (under the test's own TMPDIR here)."""
+    import re
+
+    from lowcomm_bench.committed import BENCH
+
+    tmp = tmp_path_factory.mktemp("gpu_check_tmp")
     measured = plan.MEASURED_PATH.read_bytes()
-    proc = subprocess.run(["bash", str(ROOT / "launch" / "gpu_check.sh"), "--dry-run", "--out", str(out),
-                           "--parts", ",".join(gpu_check.PARTS)],
-                          env={**os.environ, "PYTHON": sys.executable}, capture_output=True, text=True, timeout=600)
+    committed = sorted(p.name for p in (BENCH / "gpu").iterdir())
+    env = {k: v for k, v in os.environ.items() if k != "OUT"}
+    proc = subprocess.run(["bash", str(ROOT / "launch" / "gpu_check.sh"), "--dry-run", "--parts", ",".join(gpu_check.PARTS)],
+                          env={**env, "PYTHON": sys.executable, "TMPDIR": str(tmp)}, capture_output=True, text=True,
+                          timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     assert plan.MEASURED_PATH.read_bytes() == measured  # a dry run records nothing for the planner
+    out = Path(re.search(r"files in (\S+)", proc.stdout)[1])
     files = {p.name.split("-", 4)[-1].rsplit(".", 1)[0]: p for p in out.iterdir()}
-    return proc.stdout, files
+    return proc.stdout, files, out, tmp, committed
 
 
-def test_a_dry_run_writes_outside_the_checkout(tmp_path):
+def test_a_dry_run_writes_outside_the_checkout(dry_run):
     """Without --out (and $OUT) a dry run writes into a new temporary folder, which it names, never
     into docs/bench/gpu beside the GPU figures; a GPU run's default is docs/bench/gpu."""
-    import re
     import shutil
     import tempfile
 
     from lowcomm_bench.committed import BENCH
 
-    committed = sorted(p.name for p in (BENCH / "gpu").iterdir())
-    env = {k: v for k, v in os.environ.items() if k != "OUT"}
-    proc = subprocess.run(["bash", str(ROOT / "launch" / "gpu_check.sh"), "--dry-run", "--parts", "codec", "--budget-s", "120"],
-                          env={**env, "PYTHON": sys.executable, "TMPDIR": str(tmp_path)}, capture_output=True, text=True,
-                          timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    out = Path(re.search(r"files in (\S+)", proc.stdout)[1])
-    assert out.parent == tmp_path and {p.name.split("-", 4)[-1] for p in out.iterdir()} >= {"codec.csv", "summary.json"}
+    _, files, out, tmp, committed = dry_run
+    assert out.parent == tmp and {"codec", "summary"} <= set(files)
     assert sorted(p.name for p in (BENCH / "gpu").iterdir()) == committed
     assert Path(gpu_check.default_out(dry_run=False)) == BENCH / "gpu"
     fresh = Path(gpu_check.default_out(dry_run=True))
@@ -61,7 +63,7 @@ def test_a_dry_run_writes_outside_the_checkout(tmp_path):
 
 
 def test_every_part_ends_well(dry_run):
-    stdout, files = dry_run
+    stdout, files = dry_run[:2]
     summary = json.loads(files["summary"].read_text())
     assert summary["dry_run"] and summary["device"] == "cpu"
     assert {part: s["status"] for part, s in summary["parts"].items()} == {part: "ok" for part in gpu_check.PARTS}
@@ -69,7 +71,7 @@ def test_every_part_ends_well(dry_run):
 
 
 def test_methods_train_and_replicas_agree(dry_run):
-    _, files = dry_run
+    _, files = dry_run[:2]
     rows = {r["entry"]: r for r in _rows(files["methods"])}
     assert set(rows) == set(gpu_check.METHOD_ENTRIES)
     for entry, r in rows.items():
@@ -106,7 +108,7 @@ def test_a_longer_methods_part_for_a_few_entries():
 
 
 def test_codec_newton_schulz_and_tests_parts(dry_run):
-    _, files = dry_run
+    _, files = dry_run[:2]
     codec = _rows(files["codec"])
     assert {r["case"] for r in codec} == set(gpu_check.CODEC_CASES)
     assert all(float(r["gbps_bf16"]) > 0 and int(r["wire_bytes"]) > 0 for r in codec)
