@@ -37,7 +37,7 @@ def test_flat_section_lands_in_the_components_and_back(path):
     cfg = split_config(json.loads(path.read_text())).lowcomm
     effective = cfg.effective()
     for key, value in section.items():
-        assert effective[key] == (tuple(value) if isinstance(value, list) else value), key
+        assert effective[key] == _tupled(value), key
     assert LowcommConfig.from_dict(effective) == cfg
     owners = {"method": cfg, "transport": cfg.comm, "replica_size": cfg.comm}
     settings = cfg.settings
@@ -47,7 +47,12 @@ def test_flat_section_lands_in_the_components_and_back(path):
     for key, value in section.items():
         owner = owners.get(key, settings)
         got = getattr(owner, key)
-        assert (list(got) if isinstance(got, tuple) else got) == value, key
+        assert got == _tupled(value), key
+
+
+def _tupled(value):
+    """A JSON list as the settings hold it: tuples, nested ones too (sync_every_schedule's pairs)."""
+    return tuple(_tupled(v) for v in value) if isinstance(value, list) else value
 
 
 @pytest.mark.parametrize("path", sorted((CONFIGS[0].parent / "megatron").glob("*.json")), ids=lambda p: p.name)
@@ -73,3 +78,24 @@ def test_mtdao_recipe_warm_start_follows_the_run_length():
     old, = build_specs(["mtdao"], TrainSpec(steps=300, warmup=20),
                        {"mtdao": {"warm_start": 0, "clip_grad": 0.0, "lr_decay": "cosine"}}, workers=2)
     assert ("switch_step" not in old.lowcomm, old.warmup, old.clip_grad, old.lr_decay) == (True, 20, 0.0, "cosine")
+
+
+@pytest.mark.parametrize("name", ["muloco_sign_long", "muloco_sign_long_zero2_bf16"])
+def test_the_long_h_configs_run_the_recipe_the_benchmark_picked(name):
+    """configs/muloco_sign_long*.json: the outer settings of recipes.RECOMMENDED's long-H recipe (what
+    the planner prices and docs/bench/long_h.csv measured), the inner Muon at the lr dense Muon was
+    tuned to over that benchmark's budget (the recipe runs its inner optimizer at the dense settings)."""
+    import csv
+
+    from ds_lowcomm.optim.recipes import RECOMMENDED, USER_SETTINGS
+    from lowcomm_bench.committed import BENCH, LONG_H
+
+    raw = json.loads((CONFIGS[0].parent / f"{name}.json").read_text())
+    recipe = RECOMMENDED["muloco_sign_long"]["lowcomm"]
+    assert {k: v for k, v in raw["lowcomm"].items() if k not in USER_SETTINGS} == recipe
+    rows = [r for r in csv.DictReader(open(BENCH / LONG_H)) if r["entry"] == "muon" and r["role"] == "tune"
+            and r["parameters"] == "445952" and r["replicas"] == "2"]
+    tuned = json.loads(min(rows, key=lambda r: float(r["final_val_loss"]))["settings"])
+    muon_lr = raw["lowcomm"].get("inner_muon_lr") or raw["optimizer"]["params"]["muon_lr"]
+    assert muon_lr == tuned["peer.muon_lr"]
+    assert raw["optimizer"]["params"].get("lr", raw["optimizer"]["params"].get("adam_lr")) == tuned["lr"]

@@ -158,3 +158,8 @@ def test_scale_part_runs_the_recipe_at_the_dense_settings(dry_run):
         assert settings["lr"] == 0.008 and settings["lowcomm.inner_muon_lr"] == 0.03
         assert settings["lowcomm.sync_every"] == h and settings["lowcomm.value_dtype"] == "sign"
         assert float(r["bytes_sent_per_worker"]) * 10 < float(dense[0]["bytes_sent_per_worker"])
+    # the long-H recipe (recipes.RECOMMENDED's), its growth of H scaled from 3000 steps to the 12 here
+    long, = [r for r in rows if r["entry"] == "muloco_sign_long"]
+    settings = json.loads(long["settings"])
+    assert settings["lowcomm.sync_every"] == 5 and settings["lowcomm.inner_muon_lr"] == 0.03
+    assert settings["lowcomm.sync_every_schedule"] == [[1, 10], [2, 20], [3, 30]] and int(long["H"]) == 30

@@ -413,17 +413,18 @@ def test_the_measured_ratios_are_the_scale_benchmarks():
     against the baseline recipes.RECOMMENDED names; no figure typed by hand."""
     import csv
 
-    from lowcomm_bench.committed import BENCH, ROOT, SCALE_SUMMARY
-    from lowcomm_bench.measured import recipe_ratio_entries
+    from lowcomm_bench.committed import BENCH, LONG_H_SUMMARY, ROOT, SCALE_SUMMARY
+    from lowcomm_bench.measured import long_h_ratio_entries, recipe_ratio_entries
 
     measured = planner.load_measured()["steps_ratio"]
     recorded = {name: measured[name] for name in RECOMMENDED}
-    summary = str((BENCH / SCALE_SUMMARY).relative_to(ROOT))
-    rows = list(csv.DictReader(open(BENCH / SCALE_SUMMARY)))
+    # the long-H recipe's from the long_h benchmark's summary (budgets of thousands of steps)
+    derive = {"scale": (SCALE_SUMMARY, recipe_ratio_entries), "long_h": (LONG_H_SUMMARY, long_h_ratio_entries)}
     for name, entry in recorded.items():
-        assert entry["csv"] == summary, name  # recorded from the committed summary (re-record where it moved)
-        derived = recipe_ratio_entries(rows, entry["csv"], entry["date"])[name]
-        assert derived == entry, name
+        rel, derived_from = derive[RECOMMENDED[name].get("measured_in", "scale")]
+        assert entry["csv"] == str((BENCH / rel).relative_to(ROOT)), name  # the committed summary (re-record where it moved)
+        rows = list(csv.DictReader(open(BENCH / rel)))
+        assert derived_from(rows, entry["csv"], entry["date"])[name] == entry, name
         assert entry["baseline"] == RECOMMENDED[name]["baseline"]
     assert [n for n, _ in recorded["muloco_sign"]["by_parameters"]] == [445952, 4837376]
 
@@ -478,7 +479,8 @@ def test_dense_muons_state_is_what_torchs_muon_holds():
 @pytest.mark.parametrize("config,recipe,baseline", [
     ("muloco_sign_zero2_bf16", "muloco_sign", "muon"), ("muloco_sign", "muloco_sign", "muon"),
     ("muloco_sign_zero1_bf16", "muloco_sign", "muon"), ("adamw_sign", "adamw_sign", "adamw"),
-    ("h10", "muloco_sign_h10", "muon"), ("muloco_sign_overlap", None, "muon")])
+    ("h10", "muloco_sign_h10", "muon"), ("muloco_sign_overlap", None, "muon"),
+    ("muloco_sign_long", "muloco_sign_long", "muon"), ("muloco_sign_long_zero2_bf16", "muloco_sign_long", "muon")])
 def test_a_config_is_priced_as_the_recipe_it_runs(tmp_path, capsys, config, recipe, baseline):
     """--config of a shipped recipe config: its own row at its own settings (H, codec, exchange at the
     replica count, the inner optimizer: DeepSpeed's Muon section in the ZeRO 2 config, ds_lowcomm's
@@ -502,7 +504,9 @@ def test_a_config_is_priced_as_the_recipe_it_runs(tmp_path, capsys, config, reci
     assert list(rows) == ["adamw", *([baseline] if baseline != "adamw" else []), config]
     row, raw = rows[config], json.loads(path.read_text())
     assert (row["recipe"], row["baseline"], row["optimizer"]) == (recipe, baseline, baseline)
-    assert row["sync_every"] == raw["lowcomm"]["sync_every"] and row["settings"]["value_dtype"] == "sign"
+    schedule = raw["lowcomm"].get("sync_every_schedule")  # a growing H is priced at its last value
+    assert row["sync_every"] == (schedule[-1][1] if schedule else raw["lowcomm"]["sync_every"])
+    assert row["settings"]["value_dtype"] == "sign"
     assert row["ops"] == ["outer_compressed_all_reduce_scatter", "outer_compressed_all_reduce_gather"]
     assert result["inputs"]["zero_stage"] == raw["zero_optimization"]["stage"]
     assert result["inputs"]["grad_bytes"] == (2 if raw.get("bf16", {}).get("enabled") else 4)

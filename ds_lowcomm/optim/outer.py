@@ -686,7 +686,9 @@ class OuterLoop(LowcommOptimizer):
     def planned_wire(cls, settings, shapes, *, replicas=2, **_):
         from ..comm.wire import WirePlan  # (the declarations' imports stay beside them)
 
-        h, n = settings.sync_every, settings.streaming.fragments
+        # a growing H priced at its last value: a long run spends nearly all its steps there
+        schedule = settings.sync_every_schedule
+        h, n = (schedule[-1][1] if schedule else settings.sync_every), settings.streaming.fragments
         parts = [list(shapes)] if n <= 1 else [
             [tuple(t.shape) for t in group]
             for group in contiguous_fragments([torch.empty(s, device="meta") for s in shapes], n)]

@@ -50,6 +50,9 @@ RECIPE_FIELDS = ("weight_decay", "clip_grad", "lr_decay")
 SIGN_OUTER = {"method": "dct_diloco", "sync_every": 5, "outer_lr": 1.0, "outer_momentum": 0.0, "topk": 64, "chunk": 8,
               "transform": "none", "value_dtype": "sign", "decay": 0.95, "average": "world"}
 DENSE_FORMS = ("muon", "adamw")
+# The long-H recipe's growth of H ([from_step, H]: H 5 to step 100, then 10, 20, and 30 from step
+# 600): the long_h benchmark's pick over a 3000-step budget (docs/results/long-intervals.md)
+LONG_SCHEDULE = [[100, 10], [300, 20], [600, 30]]
 
 
 def sign_recipe(dense: str, muon_lr: float | None = None, muon_momentum: float = 0.95, **outer) -> dict:
@@ -90,12 +93,16 @@ DENSE_BASELINES: dict[str, dict] = {
 }
 # The recipes users are told to run (the README), each around its dense baseline: the one-bit outer
 # loop with dense Muon inside (configs/muloco_sign*.json), the same at H 10 (fewer bytes, a few more
-# steps) and with AdamW (configs/adamw_sign.json). ``measured_as``: the entry under which the scale
-# benchmark measured it (at its H), where that is another name.
+# steps), the long-H form (H growing from 5 to 30 over the first 600 steps: configs/muloco_sign_long*.json)
+# and with AdamW (configs/adamw_sign.json). ``measured_as``: the entry under which a benchmark
+# measured it (at its H), where that is another name; ``measured_in``: which benchmark ("scale",
+# the default, or "long_h": budgets of thousands of steps).
 RECOMMENDED: dict[str, dict] = {
     "muloco_sign": {"lowcomm": SIGN_OUTER, "optimizer": "muon", "baseline": "muon"},
     "muloco_sign_h10": {"lowcomm": {**SIGN_OUTER, "sync_every": 10}, "optimizer": "muon", "baseline": "muon",
                         "measured_as": "muloco_sign"},
+    "muloco_sign_long": {"lowcomm": {**SIGN_OUTER, "sync_every_schedule": LONG_SCHEDULE}, "optimizer": "muon",
+                         "baseline": "muon", "measured_as": "growing", "measured_in": "long_h"},
     "adamw_sign": {"lowcomm": SIGN_OUTER, "optimizer": "adamw", "baseline": "adamw"},
 }
 # Every entry priced by name: the compare recipes (their ratios are against adamw), the dense

@@ -53,6 +53,10 @@ WORKERS_AND_SIZE_BYTES = "replicas/2026-11-22-cpu-bytes-by-workers-and-size.csv"
 SCALE = "model-size/steps-to-target.csv"
 SCALE_SUMMARY = "model-size/steps-to-target-summary.csv"
 CNN = "model-size/2026-11-22-cpu-cnn-digits.csv"
+# long outer intervals over long budgets (python -m lowcomm_bench long_h; --collect writes both):
+# dense Muon and each long-H candidate, tuned alike, at 2 and 8 replicas and two model sizes
+LONG_H = "long_h.csv"
+LONG_H_SUMMARY = "long_h-summary.csv"
 CNN_ABLATION = "model-size/2026-11-23-cpu-cnn-digits-ablation.csv"
 
 # replicas killed and restarted (python -m lowcomm_bench faults, absent)

@@ -131,6 +131,7 @@ def render_recipes(page: Path) -> str:
                      f"{times(faster[0])} / {times(faster[1])} faster | reference GPT "
                      f"({_params(reference_parameters())}), 2 replicas, {dense['seeds']} seeds "
                      f"({csv_link(page, rel, 'time to loss')}) |")
+    lines += _long_h_recipe_rows(page)
     for size in sorted({int(r["parameters"]) for r in scale}):
         for form, entry, situation, config in (
                 ("muon", "muloco_sign", f"Muon: H against model size (here {_params(size)} parameters)", "muloco_sign"),
@@ -152,6 +153,39 @@ def render_recipes(page: Path) -> str:
                          f"not measured | reference GPT at {_params(size)}, 2 replicas, {n_seeds} seeds, CPU "
                          f"({csv_link(page, committed.SCALE, 'model size')}) |")
     return head + "\n".join(lines) + "\n"
+
+
+def _long_h_recipe_rows(page: Path) -> list[str]:
+    """The long-H recipe's row (recipes.RECOMMENDED's muloco_sign_long): its measured entry at its
+    H and growth in the long_h summary, per model size and replica count."""
+    from ds_lowcomm.optim.recipes import RECOMMENDED
+
+    if not (BENCH / committed.LONG_H_SUMMARY).exists():
+        return []
+    recipe = RECOMMENDED["muloco_sign_long"]
+    section = recipe["lowcomm"]
+    schedule = [list(e) for e in section.get("sync_every_schedule", ())]
+    how = f"H {section['sync_every']}" + "".join(f", {h} from step {step}" for step, h in schedule)
+    if section.get("outer_momentum"):
+        how += f", outer lr {section['outer_lr']} and Nesterov momentum {section['outer_momentum']}"
+    lines = []
+    rows = _rows(committed.LONG_H_SUMMARY)
+    for r in rows:
+        if r["entry"] != recipe["measured_as"] or int(r["H"]) != section["sync_every"] or \
+                (json.loads(r["schedule"]) if r["schedule"] else []) != schedule:
+            continue
+        dense = next(d for d in rows if d["entry"] == "muon" and (d["parameters"], d["replicas"], d["budget"]) ==
+                     (r["parameters"], r["replicas"], r["budget"]))
+        ratio = times(float(r["ratio_to_muon"])) if r["ratio_to_muon"] else "missed on a seed"
+        lines.append(f"| You train for thousands of steps and want the fewest bytes | "
+                     f"{_config_links(page, '[muloco_sign_long.json](configs/muloco_sign_long.json)')} or "
+                     f"{_config_links(page, '[muloco_sign_long_zero2_bf16.json](configs/muloco_sign_long_zero2_bf16.json)')} "
+                     f"(DeepSpeed's Muon section): {how} | {r['median_steps']} vs "
+                     f"{dense['median_steps']} ({ratio}) | {times(float(r['vs_ddp_bf16']))} (DDP + Muon, bf16 gradients) | "
+                     f"not measured | reference GPT ({_params(int(r['parameters']))}), {r['replicas']} replicas, "
+                     f"{len(r['seeds'].split(','))} seeds, a {r['budget']}-step budget "
+                     f"({csv_link(page, committed.LONG_H, 'long intervals')}) |")
+    return lines
 
 
 COMPARE_ORDER = ("muon", "muloco_sign", "adamw", "demo", "diloco", "dct_diloco", "sparseloco", "mtdao")
@@ -365,6 +399,64 @@ def render_streaming(page: Path) -> str:
     return captioned(["link", "variant", "ordinary step, s", "step where a sync lands, s", "stall per sync, s",
                  "blocked in comm over the run, s", "wall, s", "held-out loss"], body,
                      f"(2 test hosts, a 3.2M-parameter GPT, 60 steps, medians of 3; {csv_link(page, committed.STREAMING)})")
+
+
+# -- long outer intervals -------------------------------------------------------------------------
+def _schedule(r: dict) -> str:
+    """H as the row ran it: one value, or its growth ("5, 10 from 100, ...")."""
+    if not r.get("schedule"):
+        return str(r["H"])
+    return ", ".join([str(r["H"])] + [f"{h} from {step}" for step, h in json.loads(r["schedule"])])
+
+
+def _how(settings: str) -> str:
+    """What a long-H row changes over the recipe: its values and outer step, its overlap."""
+    s = json.loads(settings)
+    parts = []
+    if s.get("lowcomm.value_dtype", "sign") != "sign":
+        parts.append(f"{s['lowcomm.value_dtype']} values")
+    if s.get("lowcomm.outer_momentum"):
+        parts.append(f"outer lr {s['lowcomm.outer_lr']}, Nesterov {s['lowcomm.outer_momentum']}")
+    if s.get("lowcomm.fragments", 1) > 1:
+        parts.append(f"{s['lowcomm.fragments']} fragments, mixed {s.get('lowcomm.fragment_mix', 0)}")
+    if s.get("lowcomm.eager"):
+        parts.append("eager")
+    if s.get("lowcomm.sync_delay"):
+        parts.append(f"landing {s['lowcomm.sync_delay']} step(s) on")
+    return "; ".join(parts) or "the recipe"
+
+
+def render_long_h(page: Path) -> str:
+    """Per model size, replica count and budget: dense Muon and each measured candidate, median
+    steps to the target over seeds 1-3 and bytes per worker to it against DDP's with bf16 gradients."""
+    body = []
+    for r in _rows(committed.LONG_H_SUMMARY):
+        dense = r["entry"] == "muon"
+        body.append([_params(int(r["parameters"])), r["replicas"], r["budget"], "dense Muon" if dense else r["entry"],
+                     "" if dense else _schedule(r), "" if dense else _how(r["settings"]),
+                     r["steps"].replace("None", "missed").replace(",", ", "), r["median_steps"] or "-",
+                     times(float(r["ratio_to_muon"])) if r["ratio_to_muon"] else "missed on a seed",
+                     _mb(float(r["median_bytes_per_worker"])), times(float(r["vs_ddp_bf16"])) if r["vs_ddp_bf16"] else "-"])
+    return captioned(["parameters", "replicas", "budget", "entry", "H", "over the recipe", "steps to the target, seeds 1-3",
+                      "median", "vs dense Muon", "MB per worker to the target", "fewer bytes than DDP, bf16 gradients"],
+                     body, f"(CPU, gloo; the target dense Muon's held-out loss at 2/3 of the budget; "
+                           f"{csv_link(page, committed.LONG_H)}, {csv_link(page, committed.LONG_H_SUMMARY, 'medians')})")
+
+
+def render_long_h_tuning(page: Path) -> str:
+    """Each candidate's configurations on the tuning seed, steps and bytes to the target."""
+    rows = [r for r in _rows(committed.LONG_H) if r["role"] == "tune"]
+    body = []
+    for r in rows:
+        sent = max(float(r["bytes_sent_per_worker"]), float(r["bytes_received_per_worker"] or 0))
+        body.append([_params(int(r["parameters"])), r["replicas"], "dense Muon" if r["entry"] == "muon" else r["entry"],
+                     "" if r["entry"] == "muon" else _schedule(r),
+                     f"Muon lr {json.loads(r['settings'])['peer.muon_lr']}" if r["entry"] == "muon" else _how(r["settings"]),
+                     r["steps_to_target"] or "missed", f"{float(r['final_val_loss']):.4f}", _mb(sent)])
+    return captioned(["parameters", "replicas", "entry", "H", "configuration", "steps to the target, seed 0",
+                      "held-out loss at its last evaluation", "MB per worker to the target"], body,
+                     f"(seed 0, each entry's configurations; dense Muon by its Muon lr, each run its whole budget; "
+                     f"{csv_link(page, committed.LONG_H)})")
 
 
 # -- model size -----------------------------------------------------------------------------------
@@ -612,6 +704,7 @@ RENDER = {
        for name, (rel, entries, links, bytes_vs) in TTL_TABLES.items()},
     "streaming": render_streaming,
     "scale": render_scale, "cnn": render_cnn, "cnn_ablation": render_cnn_ablation,
+    "long_h": render_long_h, "long_h_tuning": render_long_h_tuning,
     "faults": render_faults, "faults_peers": render_faults_peers, "absent": render_absent,
     "codec_cpu": render_codec_cpu, "codec_h100": render_codec_h100, "codec_share": render_codec_share,
     "megatron": render_megatron, "hf_trainer": render_hf_trainer, "hf_one_bit": render_hf_one_bit,

@@ -22,8 +22,8 @@ in its own process with its own time limit (a part that hangs or fails costs onl
 - ``tests``: ``pytest tests/test_gpu.py`` (the 33 GPU tests, skipped in CI), in parallel workers;
 - ``scale`` (issue 55; not in the default parts: a call of its own, first whenever a GPU is lent,
   ``--parts scale --budget-s 480``): dense Muon against the one-bit recipe at the same 128M model,
-  the recipe's inner optimizer at dense Muon's settings, H 5, 10 and 20, one seed, 300 steps,
-  evaluations every 10 (:mod:`lowcomm_bench.scale`); its rows go into docs/bench/model-size/steps-to-target.csv.
+  the recipe's inner optimizer at dense Muon's settings, H 5 and the long-H recipe (H growing to
+  30, its growth scaled to the budget), one seed, 390 steps, evaluations every 10 (:mod:`lowcomm_bench.scale`); its rows go into docs/bench/model-size/steps-to-target.csv.
 
 Each part writes ``<date>-<gpu>-<part>.csv`` under ``--out``; the run ends with ``<date>-<gpu>-
 summary.json`` (the machine, each part's status, seconds and error) and a short table.
@@ -61,8 +61,9 @@ DEFAULT_PARTS = ("codec", "newton_schulz", "methods", "deepspeed", "tests")
 # Each part's share of the budget (seconds, before the budget's end cuts it) on a GPU
 PART_LIMITS = {"codec": 60, "newton_schulz": 40, "methods": 250, "deepspeed": 90, "tests": 240, "scale": 480}
 # The scale part: dense Muon (muon_lr 0.03, lr 0.008: its 128M settings) against the one-bit recipe at
-# its settings (derived) at each H, one seed, 300 steps, evaluations every 10 (lowcomm_bench.scale)
-SCALE = {"gpu": {"budget": 300, "warmup": 40, "eval_every": 10, "sync_every": "5,10,20", "batch": 8},
+# its settings (derived) at H 5 and the long-H recipe (its growth of H scaled to the budget), one
+# seed, 390 steps (three runs of what four of 300 took; 2/3 of it an evaluation), evaluations every 10 (lowcomm_bench.scale)
+SCALE = {"gpu": {"budget": 390, "warmup": 40, "eval_every": 10, "sync_every": "5", "batch": 8},
          "dry": {"budget": 12, "warmup": 2, "eval_every": 4, "sync_every": "2,4", "batch": 2}}
 SCALE_DENSE = '{"peer.muon_lr": [0.03], "lr": [0.008]}'
 ROOT = Path(__file__).resolve().parents[2]  # the repository (tests/ and ds_lowcomm/ beside lab/)
@@ -402,7 +403,7 @@ def part_tests(args) -> list[dict]:
 def part_scale_check(args) -> list[dict]:
     """Dense Muon against the one-bit recipe at 128M parameters (issue 55): ``bench scale`` on the
     one GPU, one seed (0: the dense run is its own tuning run, at the settings it had at 128M), the
-    recipe's inner optimizer at the dense settings, H 5, 10 and 20; its per-run rows."""
+    recipe's inner optimizer at the dense settings, H 5 and the long-H recipe; its per-run rows."""
     from .scale import main as scale_main
 
     kind = "dry" if args.dry_run else "gpu"
@@ -412,7 +413,7 @@ def part_scale_check(args) -> list[dict]:
                          "--n-head", str(model["n_head"]), "--seq-len", str(model["seq_len"]),
                          "--batch", str(cfg["batch"]), "--budget", str(cfg["budget"]), "--warmup", str(cfg["warmup"]),
                          "--eval-every", str(cfg["eval_every"]), "--forms", "muon", "--muon-grid", SCALE_DENSE,
-                         "--seeds", "0", "--sync-every", cfg["sync_every"], "--out", str(out),
+                         "--seeds", "0", "--sync-every", cfg["sync_every"], "--long", "--out", str(out),
                          "--device", "cpu" if args.dry_run else "cuda"])
     return result["rows"]
 

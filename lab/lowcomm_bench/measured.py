@@ -9,7 +9,7 @@ this prints them; ``--gpu-csv PATH`` records the GPU codec throughput from a gpu
 ``<date>-<gpu>-methods.csv`` (one fetched from a lent machine, whose own copy of the file stays
 there), ``--plan-scale-csv PATH`` the CPU's from a plan_scale.csv, ``--scale-summary-csv PATH`` the
 recommended recipes' steps ratios against their dense baselines from a ``scale`` summary (at each
-model size it holds). A figure is not replaced by an older one (its ``date``) unless ``--force``.
+model size it holds), ``--long-h-summary-csv PATH`` the long-H recipe's from a ``long_h`` summary. A figure is not replaced by an older one (its ``date``) unless ``--force``.
 """
 
 from __future__ import annotations
@@ -82,6 +82,8 @@ def recipe_ratio_entries(rows: list[dict], source: str, date: str | None = None)
     date = date or datetime.date.today().isoformat()
     out = {}
     for name, recipe in RECOMMENDED.items():
+        if recipe.get("measured_in", "scale") != "scale":
+            continue
         h, baseline, entry = recipe["lowcomm"]["sync_every"], recipe["baseline"], recipe.get("measured_as", name)
         dense = {(r["parameters"], r["device"]): r for r in rows if r["entry"] == baseline and r["form"] == baseline}
         runs: dict[int, dict] = {}
@@ -103,6 +105,35 @@ def recipe_ratio_entries(rows: list[dict], source: str, date: str | None = None)
     return out
 
 
+def long_h_ratio_entries(rows: list[dict], source: str, date: str | None = None) -> dict[str, dict]:
+    """The steps ratios of the recommended recipes measured by ``long_h`` (``measured_in``) against
+    dense Muon in a long_h summary's rows (long_h-summary.csv): the rows of its entry
+    (``measured_as``) at its H and H's growth, at 2 replicas (where its settings were tuned), one
+    ratio per model size, as ``steps_ratio`` entries; a recipe the rows do not hold is left out."""
+    date = date or datetime.date.today().isoformat()
+    out = {}
+    for name, recipe in RECOMMENDED.items():
+        if recipe.get("measured_in") != "long_h":
+            continue
+        section, entry = recipe["lowcomm"], recipe.get("measured_as", name)
+        h, schedule = section["sync_every"], [list(e) for e in section.get("sync_every_schedule", ())]
+        runs = {int(r["parameters"]): r for r in rows
+                if r["entry"] == entry and int(r["H"]) == h and int(r["replicas"]) == 2
+                and (json.loads(r["schedule"]) if r.get("schedule") else []) == schedule
+                and r.get("ratio_to_muon") not in (None, "")}
+        dense = {int(r["parameters"]): r for r in rows if r["entry"] == "muon" and int(r["replicas"]) == 2}
+        sizes = sorted(n for n in runs if n in dense)
+        if not sizes:
+            continue
+        measured = "; ".join(
+            f"{n / 1e6:.3g}M parameters ({runs[n]['budget']}-step budget, seeds {runs[n]['seeds']}): "
+            f"{float(runs[n]['median_steps']):g} over {float(dense[n]['median_steps']):g} steps" for n in sizes)
+        out[name] = {"value": float(runs[sizes[-1]]["ratio_to_muon"]), "baseline": recipe["baseline"], "sync_every": h,
+                     "by_parameters": [[n, float(runs[n]["ratio_to_muon"])] for n in sizes], "csv": source, "date": date,
+                     "source": f"{source}, {entry} against dense muon at 2 replicas, median steps to its target: {measured}"}
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(prog="python -m lowcomm_bench measured", description=__doc__.split("\n\n")[0])
     ap.add_argument("--gpu-csv", default=None, metavar="PATH", help="record the GPU codec throughput of this gpu_check methods CSV")
@@ -110,7 +141,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="record the CPU codec throughput of this plan_scale.csv (what plan_scale --record writes)")
     ap.add_argument("--scale-summary-csv", default=None, metavar="PATH",
                     help="record the recommended recipes' steps ratios of this scale summary (scale_summary.csv)")
-    ap.add_argument("--date", default=None, help="the date of --scale-summary-csv's runs (default: the file's)")
+    ap.add_argument("--long-h-summary-csv", default=None, metavar="PATH",
+                    help="record the long-H recipes' steps ratios of this long_h summary (long_h-summary.csv)")
+    ap.add_argument("--date", default=None, help="the date of the summary's runs (default: the file's)")
     ap.add_argument("--force", action="store_true", help="record even where the file's figure is newer")
     ap.add_argument("--file", default=str(MEASURED_PATH), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -134,6 +167,15 @@ def main(argv: list[str] | None = None) -> dict:
         entries = recipe_ratio_entries(rows, args.scale_summary_csv, date)
         if not entries:
             raise SystemExit(f"{args.scale_summary_csv}: no recommended recipe at its H with a steps ratio in it")
+        for name, entry in entries.items():
+            record("steps_ratio", name, entry, Path(args.file), args.force)
+    if args.long_h_summary_csv:
+        with open(args.long_h_summary_csv) as f:
+            rows = list(csv.DictReader(f))
+        date = args.date or datetime.date.fromtimestamp(os.path.getmtime(args.long_h_summary_csv)).isoformat()
+        entries = long_h_ratio_entries(rows, args.long_h_summary_csv, date)
+        if not entries:
+            raise SystemExit(f"{args.long_h_summary_csv}: no recommended long-H recipe with a steps ratio in it")
         for name, entry in entries.items():
             record("steps_ratio", name, entry, Path(args.file), args.force)
     data = load_measured(Path(args.file))

@@ -32,7 +32,7 @@ import json
 import statistics
 from pathlib import Path
 
-from ds_lowcomm.optim.recipes import DENSE_FORMS, sign_recipe
+from ds_lowcomm.optim.recipes import DENSE_FORMS, RECOMMENDED, sign_recipe
 from lowcomm_task.workers import run_local_workers
 
 from .codec import collect_args, collect_csv, read_typed_csv, write_csv
@@ -69,6 +69,24 @@ def derived_recipe(form: str, dense_settings: dict, sync_every: int) -> dict:
         muon["muon_momentum"] = dense_settings["peer.muon_momentum"]
     section = sign_recipe(form, sync_every=sync_every, **muon)
     return {**spec_keys, **{f"lowcomm.{k}": v for k, v in section.items()}}
+
+
+LONG_ENTRY = "muloco_sign_long"
+LONG_BUDGET = 3000  # the budget over which the long-H recipe's growth of H was picked (long_h)
+
+
+def long_recipe(dense_settings: dict, budget: int) -> dict:
+    """The long-H recipe (recipes.RECOMMENDED's muloco_sign_long) around the dense Muon run's settings,
+    its growth of H scaled from its 3000-step budget to ``budget`` (each from_step at least one past
+    the last): the same shape of H over a shorter run."""
+    section = RECOMMENDED[LONG_ENTRY]["lowcomm"]
+    settings = derived_recipe("muon", dense_settings, section["sync_every"])
+    settings.update({f"lowcomm.{k}": section[k] for k in ("outer_lr", "outer_momentum")})
+    schedule, last = [], 0
+    for step, h in section.get("sync_every_schedule", ()):
+        last = max(last + 1, round(step * budget / LONG_BUDGET))
+        schedule.append([last, h])
+    return {**settings, **({"lowcomm.sync_every_schedule": schedule} if schedule else {})}
 
 
 class Runner:
@@ -149,6 +167,14 @@ def run_form(form: str, args, runner: Runner, model: dict, common: dict, log) ->
                                                         lowcomm={}), None, settings)
             rows.append(row_of(RECIPE_NAME[form], form, runner(spec, None), target, "seed", seed, h, settings, common))
             log(f"{form} seed {seed} {RECIPE_NAME[form]} H {h}: steps {rows[-1]['steps_to_target']}")
+        if form == "muon" and args.long:  # the long-H recipe, its row's H the last of its growth
+            settings = long_recipe(best_combo, args.budget)
+            spec, _ = with_settings(dataclasses.replace(recipe_base, label=LONG_ENTRY, seed=seed, stop_at_val_loss=target,
+                                                        lowcomm={}), None, settings)
+            schedule = settings.get("lowcomm.sync_every_schedule")
+            h = schedule[-1][1] if schedule else settings["lowcomm.sync_every"]
+            rows.append(row_of(LONG_ENTRY, form, runner(spec, None), target, "seed", seed, h, settings, common))
+            log(f"{form} seed {seed} {LONG_ENTRY} H {h}: steps {rows[-1]['steps_to_target']}")
     return rows
 
 
@@ -230,6 +256,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--adamw-grid", default=None, help=f"dense AdamW's tuning grid (default {DEFAULT_GRIDS['adamw']})")
     ap.add_argument("--seeds", default="1,2,3", help="the measuring seeds (tuning is on seed 0)")
     ap.add_argument("--sync-every", default="5,10,20", help="the recipe's H values, comma list")
+    ap.add_argument("--long", action="store_true",
+                    help="with form muon, also the long-H recipe (muloco_sign_long), its growth of H scaled to --budget")
     ap.add_argument("--workers", type=int, default=2)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--backend", default="gloo")
