@@ -434,10 +434,11 @@ def render_long_h(page: Path) -> str:
         dense = r["entry"] == "muon"
         body.append([_params(int(r["parameters"])), r["replicas"], r["budget"], "dense Muon" if dense else r["entry"],
                      "" if dense else _schedule(r), "" if dense else _how(r["settings"]),
-                     r["steps"].replace("None", "missed").replace(",", ", "), r["median_steps"] or "-",
+                     r["seeds"].replace(",", ", "), r["steps"].replace("None", "missed").replace(",", ", "),
+                     r["median_steps"] or "-",
                      times(float(r["ratio_to_muon"])) if r["ratio_to_muon"] else "missed on a seed",
                      _mb(float(r["median_bytes_per_worker"])), times(float(r["vs_ddp_bf16"])) if r["vs_ddp_bf16"] else "-"])
-    return captioned(["parameters", "replicas", "budget", "entry", "H", "over the recipe", "steps to the target, seeds 1-3",
+    return captioned(["parameters", "replicas", "budget", "entry", "H", "over the recipe", "seeds", "steps to the target",
                       "median", "vs dense Muon", "MB per worker to the target", "fewer bytes than DDP, bf16 gradients"],
                      body, f"(CPU, gloo; the target dense Muon's held-out loss at 2/3 of the budget; "
                            f"{csv_link(page, committed.LONG_H)}, {csv_link(page, committed.LONG_H_SUMMARY, 'medians')})")
