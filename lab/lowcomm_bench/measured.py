@@ -160,22 +160,16 @@ def main(argv: list[str] | None = None) -> dict:
         if entry is None:
             raise SystemExit(f"{args.plan_scale_csv}: no demo row with a codec time in it")
         record("codec_gbps", "cpu", entry, Path(args.file), args.force)
-    if args.scale_summary_csv:
-        with open(args.scale_summary_csv) as f:
+    for path, derive, what in ((args.scale_summary_csv, recipe_ratio_entries, "recommended recipe at its H"),
+                               (args.long_h_summary_csv, long_h_ratio_entries, "recommended long-H recipe")):
+        if not path:
+            continue
+        with open(path) as f:
             rows = list(csv.DictReader(f))
-        date = args.date or datetime.date.fromtimestamp(os.path.getmtime(args.scale_summary_csv)).isoformat()
-        entries = recipe_ratio_entries(rows, args.scale_summary_csv, date)
+        date = args.date or datetime.date.fromtimestamp(os.path.getmtime(path)).isoformat()
+        entries = derive(rows, path, date)
         if not entries:
-            raise SystemExit(f"{args.scale_summary_csv}: no recommended recipe at its H with a steps ratio in it")
-        for name, entry in entries.items():
-            record("steps_ratio", name, entry, Path(args.file), args.force)
-    if args.long_h_summary_csv:
-        with open(args.long_h_summary_csv) as f:
-            rows = list(csv.DictReader(f))
-        date = args.date or datetime.date.fromtimestamp(os.path.getmtime(args.long_h_summary_csv)).isoformat()
-        entries = long_h_ratio_entries(rows, args.long_h_summary_csv, date)
-        if not entries:
-            raise SystemExit(f"{args.long_h_summary_csv}: no recommended long-H recipe with a steps ratio in it")
+            raise SystemExit(f"{path}: no {what} with a steps ratio in it")
         for name, entry in entries.items():
             record("steps_ratio", name, entry, Path(args.file), args.force)
     data = load_measured(Path(args.file))
