@@ -160,19 +160,19 @@ def _long_h_recipe_rows(page: Path) -> list[str]:
     H and growth in the long_h summary, per model size and replica count."""
     from ds_lowcomm.optim.recipes import RECOMMENDED
 
+    from .measured import runs_recipe
+
     if not (BENCH / committed.LONG_H_SUMMARY).exists():
         return []
-    recipe = RECOMMENDED["muloco_sign_long"]
-    section = recipe["lowcomm"]
-    schedule = [list(e) for e in section.get("sync_every_schedule", ())]
+    section = RECOMMENDED["muloco_sign_long"]["lowcomm"]
+    schedule = section.get("sync_every_schedule", ())
     how = f"H {section['sync_every']}" + "".join(f", {h} from step {step}" for step, h in schedule)
     if section.get("outer_momentum"):
         how += f", outer lr {section['outer_lr']} and Nesterov momentum {section['outer_momentum']}"
     lines = []
     rows = _rows(committed.LONG_H_SUMMARY)
     for r in rows:
-        if r["entry"] != recipe["measured_as"] or int(r["H"]) != section["sync_every"] or \
-                (json.loads(r["schedule"]) if r["schedule"] else []) != schedule:
+        if not runs_recipe(r, "muloco_sign_long"):
             continue
         dense = next(d for d in rows if d["entry"] == "muon" and (d["parameters"], d["replicas"], d["budget"]) ==
                      (r["parameters"], r["replicas"], r["budget"]))

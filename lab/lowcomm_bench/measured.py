@@ -105,6 +105,16 @@ def recipe_ratio_entries(rows: list[dict], source: str, date: str | None = None)
     return out
 
 
+def runs_recipe(row: dict, name: str) -> bool:
+    """Whether a long_h summary row ran recipes.RECOMMENDED's ``name``: its entry (``measured_as``)
+    at the recipe's H and growth of H."""
+    recipe = RECOMMENDED[name]
+    section = recipe["lowcomm"]
+    return (row["entry"] == recipe.get("measured_as", name) and int(row["H"]) == section["sync_every"]
+            and (json.loads(row["schedule"]) if row.get("schedule") else [])
+            == [list(e) for e in section.get("sync_every_schedule", ())])
+
+
 def long_h_ratio_entries(rows: list[dict], source: str, date: str | None = None) -> dict[str, dict]:
     """The steps ratios of the recommended recipes measured by ``long_h`` (``measured_in``) against
     dense Muon in a long_h summary's rows (long_h-summary.csv): the rows of its entry
@@ -116,11 +126,9 @@ def long_h_ratio_entries(rows: list[dict], source: str, date: str | None = None)
         if recipe.get("measured_in") != "long_h":
             continue
         section, entry = recipe["lowcomm"], recipe.get("measured_as", name)
-        h, schedule = section["sync_every"], [list(e) for e in section.get("sync_every_schedule", ())]
+        h = section["sync_every"]
         runs = {int(r["parameters"]): r for r in rows
-                if r["entry"] == entry and int(r["H"]) == h and int(r["replicas"]) == 2
-                and (json.loads(r["schedule"]) if r.get("schedule") else []) == schedule
-                and r.get("ratio_to_muon") not in (None, "")}
+                if runs_recipe(r, name) and int(r["replicas"]) == 2 and r.get("ratio_to_muon") not in (None, "")}
         dense = {int(r["parameters"]): r for r in rows if r["entry"] == "muon" and int(r["replicas"]) == 2}
         sizes = sorted(n for n in runs if n in dense)
         if not sizes:
