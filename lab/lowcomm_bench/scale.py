@@ -32,7 +32,7 @@ import json
 import statistics
 from pathlib import Path
 
-from ds_lowcomm.optim.recipes import DENSE_FORMS, RECOMMENDED, sign_recipe
+from ds_lowcomm.optim.recipes import DENSE_FORMS, RECOMMENDED, SIGN_OUTER, sign_recipe
 from lowcomm_task.workers import run_local_workers
 
 from .codec import collect_args, collect_csv, read_typed_csv, write_csv
@@ -60,14 +60,14 @@ def parameters_of(model: dict) -> int:
     return sum(p.numel() for p in GPT(GPTConfig(**model)).parameters())
 
 
-def derived_recipe(form: str, dense_settings: dict, sync_every: int) -> dict:
+def derived_recipe(form: str, dense_settings: dict, sync_every: int, **outer) -> dict:
     """The recipe's grid settings over its entry: the dense run's own (its lr, warm-up, Muon lr) and
-    the lowcomm section of :func:`sign_recipe` at H ``sync_every``."""
+    the lowcomm section of :func:`sign_recipe` at H ``sync_every`` (and ``outer``'s other outer settings)."""
     spec_keys = {k: v for k, v in dense_settings.items() if not k.startswith("peer.")}
     muon = {"muon_lr": dense_settings["peer.muon_lr"]} if form == "muon" else {}
     if form == "muon" and "peer.muon_momentum" in dense_settings:
         muon["muon_momentum"] = dense_settings["peer.muon_momentum"]
-    section = sign_recipe(form, sync_every=sync_every, **muon)
+    section = sign_recipe(form, sync_every=sync_every, **muon, **outer)
     return {**spec_keys, **{f"lowcomm.{k}": v for k, v in section.items()}}
 
 
@@ -80,8 +80,7 @@ def long_recipe(dense_settings: dict, budget: int) -> dict:
     its growth of H scaled from its 3000-step budget to ``budget`` (each from_step at least one past
     the last): the same shape of H over a shorter run."""
     section = RECOMMENDED[LONG_ENTRY]["lowcomm"]
-    settings = derived_recipe("muon", dense_settings, section["sync_every"])
-    settings.update({f"lowcomm.{k}": section[k] for k in ("outer_lr", "outer_momentum")})
+    settings = derived_recipe("muon", dense_settings, **{k: v for k, v in section.items() if k in SIGN_OUTER})
     schedule, last = [], 0
     for step, h in section.get("sync_every_schedule", ()):
         last = max(last + 1, round(step * budget / LONG_BUDGET))
