@@ -39,13 +39,6 @@ from ds_lowcomm.config import ConfigError, LowcommConfig, check_lr
         ({"method": "diloco", "sync_delay": 1, "carry_local_steps": True, "fragment_mix": 0.5},
          r"lowcomm.carry_local_steps and lowcomm.fragment_mix are two ways to land a sync: set fragment_mix to 0"),
         ({"method": "diloco", "sync_delay": 1, "carry_local_steps": 1}, r"lowcomm.carry_local_steps must be"),
-        # eager landing
-        ({"method": "dct_diloco", "eager": True}, r"lowcomm.eager needs lowcomm.sync_delay >= 1 \(with 0 a sync lands"),
-        ({"method": "diloco", "sync_delay": 1, "eager": True, "fragment_mix": 0.5},
-         r"lowcomm.eager and lowcomm.fragment_mix are two ways to land a sync"),
-        ({"method": "sparseloco", "sync_delay": 1, "eager": True, "carry_local_steps": True},
-         r"lowcomm.eager and lowcomm.carry_local_steps are two ways to land a sync"),
-        ({"method": "diloco", "sync_delay": 1, "eager": "yes"}, r"lowcomm.eager must be true or false; got 'yes'"),
         # H growing during training
         *[({"method": "diloco", "sync_every_schedule": bad}, r"lowcomm.sync_every_schedule must be a list of "
            r"\[from_step, H\] pairs of integers >= 1 with from_step strictly ascending \(empty: sync_every throughout\); got " + got)

@@ -22,7 +22,7 @@ SAMPLE = {
     "sync_every": (8,), "outer_lr": (0.5,), "outer_optimizer": ("adam", "sgd"), "outer_betas": ((0.8, 0.9),),
     "outer_eps": (1e-7,), "outer_weight_decay": (0.1,), "inner_impl": ("apex",), "inner_optimizer": ("muon",),
     "inner_muon_lr": (0.05,), "inner_muon_momentum": (0.9,), "fragments": (2,), "sync_delay": (1,),
-    "fragment_mix": (0.5,), "carry_local_steps": (True,), "eager": (True,), "sync_every_schedule": (((4, 8),),),
+    "fragment_mix": (0.5,), "carry_local_steps": (True,), "sync_every_schedule": (((4, 8),),),
     "outer_momentum": (0.5,), "nesterov": (False,),
     "momentum_betas": ((0.99,),), "momentum_weights": ((0.5,),), "momentum_sync_every": ((3,),),
     "second_moment_sync_every": (4,), "sync_codec": ("topk",), "switch_step": (3,), "warm_betas": ((0.8, 0.99),),
@@ -35,7 +35,7 @@ ACTIVE_WITH = {
     "beta2": {"update": "adam"}, "eps": {"update": "adam"},  # demo's update adam (mtdao reads its beta2 always)
     "outer_betas": {"outer_optimizer": "adam"}, "outer_eps": {"outer_optimizer": "adam"},
     "inner_muon_lr": {"inner_optimizer": "muon"}, "inner_muon_momentum": {"inner_optimizer": "muon"},
-    "carry_local_steps": {"sync_delay": 1}, "eager": {"sync_delay": 1},
+    "carry_local_steps": {"sync_delay": 1},
     "warm_betas": {"switch_step": 3},
     # mtdao: its outer SGD's, its codec's
     "outer_lr": {"outer_optimizer": "sgd"}, "outer_momentum": {"outer_optimizer": "sgd"},

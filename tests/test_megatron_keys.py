@@ -22,7 +22,7 @@ SAMPLE = {
     "keep_sent": "0.5", "beta2": "0.99", "eps": "1e-06", "sync_every": "7", "outer_lr": "0.5",
     "outer_optimizer": ("adam", "sgd"), "outer_betas": "0.8,0.9", "outer_eps": "1e-07", "outer_weight_decay": "0.1",
     "inner_impl": "apex", "inner_optimizer": "muon", "inner_muon_lr": "0.05", "inner_muon_momentum": "0.9",
-    "fragments": "2", "sync_delay": "1", "fragment_mix": "0.5", "carry_local_steps": "true", "eager": "true",
+    "fragments": "2", "sync_delay": "1", "fragment_mix": "0.5", "carry_local_steps": "true",
     "sync_every_schedule": "[[4, 8]]", "outer_momentum": "0.5",
     "nesterov": "false", "momentum_betas": "0.99", "momentum_weights": "0.5", "momentum_sync_every": "3",
     "second_moment_sync_every": "4", "sync_codec": "topk", "switch_step": "3", "warm_betas": "0.8,0.99",
@@ -38,7 +38,7 @@ def _config(section: dict):
 
 # what a key needs beside it to be read at all (fragments divide the sync period; carrying local steps
 # needs steps in flight; demo's beta2 and eps are its adam update's; ...), where the method has those keys
-REQUIRES = {"fragments": {"sync_every": 8}, "carry_local_steps": {"sync_delay": 1}, "eager": {"sync_delay": 1},
+REQUIRES = {"fragments": {"sync_every": 8}, "carry_local_steps": {"sync_delay": 1},
             "fragment_mix": {"fragments": 2, "sync_every": 8}, "beta2": {"update": "adam"}, "eps": {"update": "adam"},
             "outer_betas": {"outer_optimizer": "adam"}, "outer_eps": {"outer_optimizer": "adam"},
             "warm_betas": {"switch_step": 3}, "switch_lr_scale": {"switch_step": 3},

@@ -82,10 +82,22 @@ def _sgd_case(rank, world, settings):
 
     def earlier_format(sd):  # what a checkpoint saved before outer_optimizer (and the landings, the schedule) were settings holds
         settings = sd["lowcomm"]["settings"]
-        for key in ("outer_optimizer", "outer_betas", "outer_eps", "outer_weight_decay", "carry_local_steps", "eager",
+        for key in ("outer_optimizer", "outer_betas", "outer_eps", "outer_weight_decay", "carry_local_steps",
                     "sync_every_schedule"):
             del settings[key]
         return sd
+
+    def with_eager(on):  # what a checkpoint saved while eager was a setting (since removed) holds
+        def edit(sd):
+            sd["lowcomm"]["settings"]["eager"] = on
+            return sd
+        return edit
+
+    try:
+        resumed_tiny(build, rank, checkpoint, SGD_SAVE_AT, SGD_SAVE_AT, with_eager(True))
+        eager_refused = None
+    except ValueError as err:
+        eager_refused = str(err)
 
     return {
         "params": [p.detach().clone() for p in params],
@@ -97,6 +109,8 @@ def _sgd_case(rank, world, settings):
         "fragments": [[position[id(p)] for p in f] for f in opt.fragments_of(params)],
         "resumed": resumed_tiny(build, rank, checkpoint, SGD_SAVE_AT, SGD_STEPS),
         "resumed_earlier_format": resumed_tiny(build, rank, checkpoint, SGD_SAVE_AT, SGD_STEPS, earlier_format),
+        "resumed_eager_off": resumed_tiny(build, rank, checkpoint, SGD_SAVE_AT, SGD_STEPS, with_eager(False)),
+        "eager_refused": eager_refused,
         "reference": _diloco_by_definition(rank, world, **settings),
     }
 
@@ -161,6 +175,9 @@ def test_default_sgd_is_bit_for_bit_the_hand_written_outer_step(case, runs):
         # also from a checkpoint whose settings predate outer_optimizer
         assert same_bits(result["resumed"], result["params"]), (case, rank)
         assert same_bits(result["resumed_earlier_format"], result["params"]), (case, rank)
+        # and from one saved while eager was a setting: off, it resumes; on, it is refused by name
+        assert same_bits(result["resumed_eager_off"], result["params"]), (case, rank)
+        assert "saved with lowcomm.eager, a setting this release removed" in result["eager_refused"], (case, rank)
 
 
 def _adam_replay():

@@ -1,8 +1,8 @@
 """Streaming outer sync (fragments on a staggered schedule, landing sync_delay steps later) in 2
 real gloo processes, against single-process replays written from the definitions: Streaming
-DiLoCo's landings, H growing during training (sync_every_schedule), and eager updates (arXiv
-2502.12996) with plain diloco and with dct_diloco's one-bit compressed all-reduce; each resumed
-from a checkpoint taken with a sync in flight."""
+DiLoCo's landings, H growing during training (sync_every_schedule), and dct_diloco's one-bit
+compressed all-reduce on fragments in flight; each resumed from a checkpoint taken with a sync in
+flight."""
 
 import numpy as np
 import pytest
@@ -111,13 +111,10 @@ def _carry_bf16_state(rank, world):
 # sync (sent at 11) in flight.
 GROW = dict(sync_every=4, sync_every_schedule=((7, 3), (16, 5)), fragments=2, sync_delay=2)
 GROW_STEPS, GROW_SAVE_AT = 24, 12
-# Eager updates: plain diloco with 2 fragments (sends at 2, 6, 10 and 4, 8, 12), saved at step 7
-# with fragment 0's sync in flight; dct_diloco's one-bit compressed all-reduce (sends at 1, 4, 7,
-# 10 and 3, 6, 9, 12), saved at step 7 with fragment 0's in flight.
-EAGER = dict(sync_every=4, fragments=2, sync_delay=2, eager=True)
-EAGER_STEPS, EAGER_SAVE_AT = 14, 7
-SIGN_EAGER = dict(sync_every=3, fragments=2, sync_delay=1, eager=True, value_dtype="sign", transform="none", chunk=4,
-                  topk=16, exchange="all_reduce", decay=0.9, outer_lr=0.8, outer_momentum=0.5, nesterov=True)
+# dct_diloco's one-bit compressed all-reduce on 2 fragments landing a step later (sends at 1, 4, 7,
+# 10, 13 and 3, 6, 9, 12), saved at step 7 with fragment 0's in flight.
+SIGN_STREAMING = dict(sync_every=3, fragments=2, sync_delay=1, value_dtype="sign", transform="none", chunk=4,
+                      topk=16, exchange="all_reduce", decay=0.9, outer_lr=0.8, outer_momentum=0.5, nesterov=True)
 SIGN_STEPS, SIGN_SAVE_AT = 13, 7
 
 
@@ -135,8 +132,7 @@ def _run_and_resume(rank, build, steps, save_at):
             checkpoint = tiny_checkpoint(opt, model)
     params = list(model.parameters())
     return {"final": [p.detach().clone() for p in params], "sent": sent, "in_flight_at_save": in_flight_at_save,
-            "anchors": [opt.state[p]["anchor"].clone() for p in params],
-            "means": [opt.state[p].get("eager_mean") for p in params], "outer_steps": opt.outer_steps,
+            "anchors": [opt.state[p]["anchor"].clone() for p in params], "outer_steps": opt.outer_steps,
             "resumed": resumed_tiny(build, rank, checkpoint, save_at, steps, after_load=lambda o: o.check_replicas_agree())}
 
 
@@ -145,14 +141,13 @@ def _cases_worker(rank, world):
     sgd = lambda model: torch.optim.SGD(model.parameters(), lr=LR)
     return {**{case: _worker(rank, world, *case) for case in CASES}, "bf16": _carry_bf16_state(rank, world),
             "growing": _run_and_resume(rank, lambda m: DiLoCo(sgd(m), **GROW, **OUTER), GROW_STEPS, GROW_SAVE_AT),
-            "eager": _run_and_resume(rank, lambda m: DiLoCo(sgd(m), **EAGER, **OUTER), EAGER_STEPS, EAGER_SAVE_AT),
-            "eager_sign": _run_and_resume(rank, lambda m: DCTDiLoCo(sgd(m), **SIGN_EAGER), SIGN_STEPS, SIGN_SAVE_AT)}
+            "sign": _run_and_resume(rank, lambda m: DCTDiLoCo(sgd(m), **SIGN_STREAMING), SIGN_STEPS, SIGN_SAVE_AT)}
 
 
 @pytest.fixture(scope="module")
 def runs():
     results = run_local_workers(_cases_worker, 2)
-    return {case: [r[case] for r in results] for case in [*CASES, "bf16", "growing", "eager", "eager_sign"]}
+    return {case: [r[case] for r in results] for case in [*CASES, "bf16", "growing", "sign"]}
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -243,73 +238,60 @@ def test_growing_h_syncs_where_its_definition_says_and_resumes_exactly(runs):
         assert same_bits(res["resumed"], res["final"]), r
 
 
-def _eager_replay(world, settings, steps, outer_momentum, outer_lr, decay=None, **_):
-    """Eager updates from the paper, the replicas in one process (fp32, as they run): at a
-    fragment's send each replica r steps its own anchor (Nesterov SGD, its own momentum) along
-    mean_prev + (Delta_r - Delta_r,prev) / M, Delta_r = its anchor - its parameters (the local
-    outer gradient), and restarts from it; the sync's mean lands ``sync_delay`` steps later and is
-    the next send's mean_prev. The mean: of the Delta_r; or (``decay``: dct_diloco's one-bit
-    compressed all-reduce) each replica adds Delta_r to its decayed buffer, each tensor of which
-    travels as its signs and its scale (the mean magnitude): the mean is the replicas' mean scale
-    times the mean of their signs, and what a replica's signs stood for (that shared scale times
-    its sign) leaves its buffer."""
-    sends = _sends_by_definition(settings["sync_every"], (), settings["fragments"], steps)
+def _sign_replay(world, settings, steps):
+    """dct_diloco's one-bit compressed all-reduce on fragments in flight, the replicas in one
+    process (fp32, as they run): at a fragment's send each replica adds Delta_r (the anchor - its
+    parameters) to its decayed buffer, each tensor of which travels as its signs and its scale
+    (the mean magnitude): the mean is the replicas' mean scale times the mean of their signs, and
+    what a replica's signs stood for (that shared scale times its sign) leaves its buffer. The mean
+    lands ``sync_delay`` steps later: the shared anchor takes a Nesterov SGD step along it and every
+    replica's fragment takes the anchor."""
+    sends = _sends_by_definition(settings["sync_every"], (), len(FRAGMENTS), steps)
     models = [tiny_model() for _ in range(world)]
     params = [list(m.parameters()) for m in models]
-    anchor = [[p.detach().clone() for p in ps] for ps in params]
-    momentum, residual, own_prev = ([[torch.zeros_like(a) for a in anchors] for anchors in anchor] for _ in range(3))
-    mean_prev = [torch.zeros_like(a) for a in anchor[0]]
+    anchor = [p.detach().clone() for p in params[0]]
+    momentum = [torch.zeros_like(a) for a in anchor]
+    residual = [[torch.zeros_like(a) for a in anchor] for _ in range(world)]
+    mu, lr = settings["outer_momentum"], settings["outer_lr"]
     pending = {}
     for s in range(steps):
         t = s + 1
         replay_sgd_step(models, s, LR)
         for f, members in enumerate(FRAGMENTS):
             if t in sends[f]:
-                own = [{i: anchor[r][i] - params[r][i].detach() for i in members} for r in range(world)]
                 means = {}
                 for i in members:
-                    if decay is None:
-                        means[i] = sum(own[r][i] for r in range(world)) / world
-                        continue
                     for r in range(world):
-                        residual[r][i].mul_(decay).add_(own[r][i])
+                        residual[r][i].mul_(settings["decay"]).add_(anchor[i] - params[r][i].detach())
                     shared = sum(residual[r][i].abs().sum() / residual[r][i].numel() for r in range(world)) / world
                     signs = [torch.where(residual[r][i] < 0, -1.0, 1.0) for r in range(world)]
                     means[i] = shared * sum(signs) / world
                     for r in range(world):
                         residual[r][i].sub_(shared * signs[r])
                 pending[f] = (t, means)
-                for r in range(world):
-                    for i in members:
-                        g = mean_prev[i] + (own[r][i] - own_prev[r][i]) / world
-                        own_prev[r][i] = own[r][i]
-                        momentum[r][i].mul_(outer_momentum).add_(g)
-                        anchor[r][i].add_(g.add(momentum[r][i], alpha=outer_momentum), alpha=-outer_lr)
-                        with torch.no_grad():
-                            params[r][i].copy_(anchor[r][i])
             if f in pending and pending[f][0] == t - settings["sync_delay"]:
-                for i, mean in pending.pop(f)[1].items():
-                    mean_prev[i] = mean
+                for i, g in pending.pop(f)[1].items():
+                    momentum[i].mul_(mu).add_(g)
+                    anchor[i].add_(g.add(momentum[i], alpha=mu), alpha=-lr)
+                    for r in range(world):
+                        with torch.no_grad():
+                            params[r][i].copy_(anchor[i])
     return [[p.detach() for p in ps] for ps in params]
 
 
-@pytest.mark.parametrize("case", ["eager", "eager_sign"])
-def test_eager_updates_match_the_papers_method_and_resume_exactly(case, runs):
-    settings, steps = (EAGER, EAGER_STEPS) if case == "eager" else (SIGN_EAGER, SIGN_STEPS)
-    replay = _eager_replay(2, settings, steps, **(OUTER if case == "eager" else SIGN_EAGER))
+def test_one_bit_all_reduce_on_fragments_in_flight_matches_replay_and_resumes_exactly(runs):
+    settings, steps, delay = SIGN_STREAMING, SIGN_STEPS, SIGN_STREAMING["sync_delay"]
+    replay = _sign_replay(2, settings, steps)
     sends = _sends_by_definition(settings["sync_every"], (), 2, steps)
-    sending = set(sends[0] + sends[1])
-    if case == "eager_sign":  # the compressed all-reduce's second phase runs at the landing
-        sending |= {t + settings["sync_delay"] for t in sending if t + settings["sync_delay"] <= steps}
-    results = runs[case]
+    # the compressed all-reduce's second phase goes out at the landing
+    sending = {t + d for t in sends[0] + sends[1] for d in (0, delay) if t + d <= steps}
+    results = runs["sign"]
     for r, res in enumerate(results):
         for got, want in zip(res["final"], replay[r]):
-            torch.testing.assert_close(got, want, atol=1e-5 if case == "eager_sign" else 2e-6, rtol=0)
+            torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
         assert {t for t in range(1, steps + 1) if res["sent"][t - 1] > 0} == sending
-        # an outer step at each send, where the parameters move (the first parameter is fragment 0's)
-        assert res["outer_steps"] == len(sends[0])
+        # an outer step at each landing (the first parameter is fragment 0's)
+        assert res["outer_steps"] == len([t for t in sends[0] if t + delay <= steps])
         assert res["in_flight_at_save"] == 1
-        assert same_bits(res["resumed"], res["final"]), (case, r)
-    # each replica's anchors step along their own share: they differ; the landed means are alike
-    assert not torch.equal(results[0]["anchors"][0], results[1]["anchors"][0])
-    assert same_bits(results[0]["means"], results[1]["means"])
+        assert same_bits(res["resumed"], res["final"]), r
+    assert same_bits(results[0]["anchors"], results[1]["anchors"])  # one anchor: every replica's alike

@@ -24,11 +24,8 @@ without blocking and lands ``sync_delay`` inner steps later (the inner steps run
 landed global fragment replaces the local one, or with ``fragment_mix`` a > 0 becomes
 a * local + (1 - a) * global, or with ``carry_local_steps`` becomes the new global fragment plus
 this replica's own progress since the send (the inner steps that ran while the sync was in flight
-are kept, as overlapped Local SGD / CO2 keep them, instead of being overwritten), or with ``eager``
-(Kale, Douillard, Donchev, arXiv 2502.12996) the outer step is taken at the send itself, along this
-replica's own pseudo-gradient now and the others' of the previous sync (its landed mean), so
-nothing waits and nothing is overwritten (:class:`StreamingSettings`). P = 1 with no delay is plain
-DiLoCo.
+are kept, as overlapped Local SGD / CO2 keep them, instead of being overwritten)
+(:class:`StreamingSettings`). P = 1 with no delay is plain DiLoCo.
 
 H may grow during training (``sync_every_schedule``, short intervals first): H(t) is the H of the
 last [from_step, H] entry with from_step <= t (else ``sync_every``), and each fragment's next sync
@@ -79,25 +76,9 @@ class StreamingSettings(Settings):
     """Streaming DiLoCo: the parameters in ``fragments`` groups synced on a staggered schedule;
     each sync lands ``sync_delay`` inner steps after it is sent, and the landed global fragment
     replaces (``fragment_mix`` 0) or is mixed with the local one, or (``carry_local_steps``)
-    takes the replica's steps made while it was in flight on top, or (``eager``) the outer step
-    is not waited for at all. Bounds that depend on H are checked by the outer loop's settings.
-
-    ``eager`` (eager updates, arXiv 2502.12996, with its one-outer-step overlap): at a fragment's
-    send, with M replicas, this replica's anchor takes its outer step along
-    ``mean_prev + (own - own_prev) / M``, where ``own`` is this replica's pseudo-gradient of the
-    sync just sent (the paper's local outer gradient, a proxy for its share of a mean not yet
-    landed), ``mean_prev`` the combined pseudo-gradient of the fragment's previous sync (landed by
-    now: the all-reduced mean, or the compressed exchange's decoded mean) and ``own_prev`` this
-    replica's pseudo-gradient of that sync: its own part counts at once, the others' one sync
-    late (zeros before the first sync). With error feedback (dct_diloco, sparseloco) the local
-    outer gradient is still the pseudo-gradient, not the coded share, which the compressed
-    all-reduce knows only once it lands; the accounting holds whatever the proxy: what is applied
-    as ``own`` is taken out at the next send, so over the syncs the anchor moves by the landed
-    means plus the last ``own`` / M. The parameters take the new anchor at the send; the landing
-    only keeps the mean for the next send, so ``sync_delay`` sets when this replica waits for the
-    sync, not the result. As in the paper, each replica steps its anchor and outer optimizer
-    along its own proxy: the anchors differ between replicas (the landed means are what they hold
-    alike). State: ``eager_mean`` and ``eager_own`` per parameter."""
+    takes the replica's steps made while it was in flight on top. Bounds that depend on H are
+    checked by the outer loop's settings. (Eager updates, arXiv 2502.12996, the outer step at the
+    send, were measured at long H and dropped: docs/results/long-intervals.md.)"""
 
     fragments: int = 1
     sync_delay: int = 0
@@ -105,20 +86,13 @@ class StreamingSettings(Settings):
     # The landed fragment is the new anchor plus this replica's progress since the send: the
     # sync_delay inner steps run while it was in flight count, where replacing drops them.
     carry_local_steps: bool = False
-    eager: bool = False  # the outer step at the send, along this replica's share now and the others' late
 
     def check(self, where: str) -> None:
         check_unit(where, "fragment_mix", self.fragment_mix)
         check_bool(where, "carry_local_steps", self.carry_local_steps)
-        check_bool(where, "eager", self.eager)
         if self.carry_local_steps and self.fragment_mix:
             raise ConfigError(f"{where}.carry_local_steps and {where}.fragment_mix are two ways to land a sync: "
                               f"set fragment_mix to 0 with carry_local_steps true (got {self.fragment_mix})")
-        if self.eager and (self.fragment_mix or self.carry_local_steps):
-            other = "fragment_mix" if self.fragment_mix else "carry_local_steps"
-            raise ConfigError(f"{where}.eager and {where}.{other} are two ways to land a sync: set fragment_mix to 0 "
-                              f"and carry_local_steps to false with eager true (got fragment_mix {self.fragment_mix}, "
-                              f"carry_local_steps {self.carry_local_steps})")
 
     def check_against(self, where: str, sync_every: int) -> None:
         """Bounds at ``sync_every``: the smallest H the run takes (sync_every's, its schedule's)."""
@@ -127,10 +101,9 @@ class StreamingSettings(Settings):
         check_int(where, "sync_delay", self.sync_delay, 0, sync_every - 1,
                   hint="a fragment's sync must land before its next one starts, at the smallest H of sync_every "
                        "and sync_every_schedule")
-        for name, on in (("carry_local_steps", self.carry_local_steps), ("eager", self.eager)):
-            if on and not self.sync_delay:
-                raise ConfigError(f"{where}.{name} needs {where}.sync_delay >= 1 (with 0 a sync lands at its "
-                                  "send: there are no steps in flight to carry or to overlap)")
+        if self.carry_local_steps and not self.sync_delay:
+            raise ConfigError(f"{where}.carry_local_steps needs {where}.sync_delay >= 1 (with 0 a sync lands at its "
+                              "send: there are no steps in flight to carry)")
 
 
 def _check_schedule(where: str, schedule) -> None:
@@ -345,9 +318,9 @@ class SparseLoCoSettings(OuterSettings, ErrorFeedbackSettings):
 # optimizer's choice, the overlapped landings, the growing H); it was made with their defaults.
 _OUTER_OPTIMIZER_KEYS = ("outer_optimizer", "outer_betas", "outer_eps", "outer_weight_decay")
 _INNER_OPTIMIZER_KEYS = ("inner_optimizer", "inner_muon_lr", "inner_muon_momentum")
-_LANDING_KEYS = ("carry_local_steps", "eager", "sync_every_schedule")
-# Settings of dct_diloco and sparseloco since removed, with the values their checkpoints hold when unused.
-_REMOVED_KEYS = {"subset_fraction": 1.0, "low_rank": 0}
+_LANDING_KEYS = ("carry_local_steps", "sync_every_schedule")
+# Settings since removed, with the values their checkpoints hold when unused.
+_REMOVED_KEYS = {"subset_fraction": 1.0, "low_rank": 0, "eager": False}
 
 
 def build_outer_optimizer(settings: OuterSettings, anchors: list[torch.Tensor]) -> torch.optim.Optimizer:
@@ -524,51 +497,22 @@ class OuterLoop(LowcommOptimizer):
                     # in the parameter's own dtype: an exact copy, so the progress is exact whatever state_dtype
                     self.state[p]["sent_from"] = p.detach().clone()
             deltas = [self.state[p]["anchor"] - p.to(self.state_dtype) for p in owned]
-            # eager's local outer gradient, copied: the dense all-reduce averages the deltas in place
-            own = [d.clone() for d in deltas] if self.settings.streaming.eager else None
             self._in_flight[tuple(id(p) for p in fragment)] = (owned, self._start_combine(owned, deltas))
-            if own is not None:
-                self._apply_eager(owned, own)
-        if self.settings.streaming.eager:  # the parameters moved at the send: an outer step now
-            self._share(fragment)
-            for p in fragment:
-                self.state[p]["outer_steps"] += 1
 
     def _land(self, fragment: list[torch.Tensor], owned: list[torch.Tensor]) -> None:
-        eager = self.settings.streaming.eager
         if owned:
             in_flight = self._in_flight.pop(tuple(id(p) for p in fragment), None)
             # After state_dict() (a checkpoint) the landed result waits in the state instead.
             updates = in_flight[1].wait() if in_flight else [self.state[p].pop("landed_update") for p in owned]
-            if eager:  # kept for the next send's step; the parameters stay as they are
-                for p, mean in zip(owned, updates):
-                    self.state[p]["eager_mean"].copy_(mean)
-            else:
-                carried = None
-                if self.settings.streaming.carry_local_steps:
-                    carried = [p.float() - self.state[p].pop("sent_from").float() for p in owned]
-                self._apply_outer(owned, updates, carried)
-        if not eager:
-            self._share(fragment)
+            carried = None
+            if self.settings.streaming.carry_local_steps:
+                carried = [p.float() - self.state[p].pop("sent_from").float() for p in owned]
+            self._apply_outer(owned, updates, carried)
+        self._share(fragment)
         for p in fragment:
             state = self.state[p]
             del state["sync_sent_at"]
-            if not eager:
-                state["outer_steps"] += 1
-
-    def _apply_eager(self, params: list[torch.Tensor], own: list[torch.Tensor]) -> None:
-        """``eager``'s outer step at the send (see :class:`StreamingSettings`): along the last
-        landed mean plus (this replica's pseudo-gradients now - at the last sync) / M."""
-        replicas = self.transport.world_size
-        updates = []
-        for p, mine in zip(params, own):
-            state = self.state[p]
-            if "eager_mean" not in state:  # before the first sync: nothing landed, nothing of ours in it
-                state["eager_mean"] = torch.zeros_like(state["anchor"])
-                state["eager_own"] = torch.zeros_like(state["anchor"])
-            updates.append(state["eager_mean"].float() + (mine.float() - state["eager_own"].float()) / replicas)
-            state["eager_own"].copy_(mine)
-        self._apply_outer(params, updates)
+            state["outer_steps"] += 1
 
     def _sync_now(self, fragment: list[torch.Tensor], owned: list[torch.Tensor]) -> None:
         """A fragment's sync, sent and landed in this step (sync_delay 0). Where a driver
@@ -644,10 +588,8 @@ class OuterLoop(LowcommOptimizer):
 
     # -- checkpointing: outer state here, the inner optimizer's under "inner" ---------------
     def replica_tensors(self):
-        # Between outer steps the replicas' parameters differ by design; their anchors never do,
-        # but with eager (each anchor steps along its own share): there the landed means are alike.
-        held = "eager_mean" if self.settings.streaming.eager else "anchor"
-        return [self.state[p].get(held, self.state[p].get("anchor", p)) for p in self._owned(self._current_params())]
+        # Between outer steps the replicas' parameters differ by design; their anchors never do.
+        return [self.state[p].get("anchor", p) for p in self._owned(self._current_params())]
 
     def state_dict(self):
         # A sync in flight cannot be saved: let it land now and keep its result for its step.
@@ -662,12 +604,16 @@ class OuterLoop(LowcommOptimizer):
 
     def load_state_dict(self, state_dict):
         lowcomm = state_dict.get("lowcomm") if isinstance(state_dict, dict) else None
-        missing = [k for k in (*_OUTER_OPTIMIZER_KEYS, *_INNER_OPTIMIZER_KEYS, *_LANDING_KEYS)
-                   if lowcomm is not None and k not in lowcomm["settings"]]
-        if missing:
+        if lowcomm is not None:
+            saved = dict(lowcomm["settings"])
+            for key, default in _REMOVED_KEYS.items():  # saved before they were removed
+                if key in saved and saved.pop(key) != default:
+                    raise ValueError(f"the checkpoint was saved with lowcomm.{key}, a setting this release removed "
+                                     f"(it lost on its numbers): resume it with the release that wrote it")
             # Saved before these were settings: with their defaults (the state's keys did not change).
             defaults = self.settings_class().flat()
-            saved = {**{k: defaults[k] for k in missing}, **lowcomm["settings"]}
+            missing = [k for k in (*_OUTER_OPTIMIZER_KEYS, *_INNER_OPTIMIZER_KEYS, *_LANDING_KEYS) if k not in saved]
+            saved = {**{k: defaults[k] for k in missing}, **saved}
             state_dict = {**state_dict, "lowcomm": {**lowcomm, "settings": saved}}
         super().load_state_dict(state_dict)
 
@@ -807,10 +753,6 @@ class DCTDiLoCo(OuterLoop):
                 saved["exchange"] = "all_gather"
             if self.settings.exchange == "auto" and saved["exchange"] == self.exchange:
                 saved["exchange"] = "auto"  # saved when the record held what auto resolved to
-            for key, default in _REMOVED_KEYS.items():  # saved before they were removed
-                if key in saved and saved.pop(key) != default:
-                    raise ValueError(f"the checkpoint was saved with lowcomm.{key}, a setting this release removed "
-                                     f"(it lost on its numbers): resume it with the release that wrote it")
             # An earlier release's all-reduce rounded the mean again and kept that rounding's rest (its
             # server error, under these keys): less than one sync's rounding, which this one never makes.
             old = [k for k in ("server_error", "server_chunk") if k in lowcomm]

@@ -71,9 +71,8 @@ CANDIDATES: dict[str, dict | list] = {
     "growing": {"sync_every": [5], "sync_every_schedule": [[[100, 10], [300, 20], [600, 30]],
                                                            [[100, 10], [300, 25], [800, 50]],
                                                            [[100, 10], [300, 30], [1000, 80]]]},
-    # eager updates at long H: the outer step at the send, the others' shares one sync late. The
-    # result does not depend on sync_delay (>= 1 only says when the sync is waited for), so H varies.
-    "eager": {"sync_every": [20, 30, 50], "sync_delay": [1], "eager": [True]},
+    # (eager updates, arXiv 2502.12996, the outer step at the send: measured at H 20, 30 and 50,
+    # lost to the growing H and deleted; docs/results/long-intervals.md)
 }
 
 
