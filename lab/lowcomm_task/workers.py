@@ -13,6 +13,7 @@ directory and sys.path of the launch, as a spawned one would.
 
 from __future__ import annotations
 
+import multiprocessing
 import os
 import sys
 import tempfile
@@ -29,10 +30,13 @@ import torch.multiprocessing as mp
 PRELOAD = ["torch", "torch.distributed", "ds_lowcomm"]
 
 
-def _worker(rank, world_size, store_dir, fn, args, backend, threads, environ):
+def _worker(rank, world_size, store_dir, fn, args, backend, threads, environ, start_method):
     # The fork server's environment is the one it started with: the caller's, as of this launch.
     os.environ.clear()
     os.environ.update(environ)
+    # Processes this one starts (a DataLoader's workers) as the caller's would start them (fork on
+    # Linux), not from a fork server of their own, which outlives this process's exit with them.
+    multiprocessing.set_start_method(start_method, force=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     # What torchrun would set (DeepSpeed's engine asks for LOCAL_RANK); one machine, so local == global.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -79,7 +83,8 @@ def run_local_workers(fn, world_size: int, *args, backend: str = "gloo", threads
             mp.set_forkserver_preload(PRELOAD)  # read when the fork server first starts
             mp.start_processes(
                 _worker,
-                args=(world_size, store_dir, fn, args, backend, threads, dict(os.environ)),
+                args=(world_size, store_dir, fn, args, backend, threads, dict(os.environ),
+                      multiprocessing.get_start_method(allow_none=True)),
                 nprocs=world_size,
                 join=True,
                 start_method="forkserver",
