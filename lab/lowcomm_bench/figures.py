@@ -177,13 +177,14 @@ def _long_h_recipe_rows(page: Path) -> list[str]:
         dense = next(d for d in rows if d["entry"] == "muon" and (d["parameters"], d["replicas"], d["budget"]) ==
                      (r["parameters"], r["replicas"], r["budget"]))
         ratio = times(float(r["ratio_to_muon"])) if r["ratio_to_muon"] else "missed on a seed"
+        seeds = len(r["seeds"].split(","))
         lines.append(f"| You train for thousands of steps and want the fewest bytes | "
                      f"{_config_links(page, '[muloco_sign_long.json](configs/muloco_sign_long.json)')} or "
                      f"{_config_links(page, '[muloco_sign_long_zero2_bf16.json](configs/muloco_sign_long_zero2_bf16.json)')} "
-                     f"(DeepSpeed's Muon section): {how} | {r['median_steps']} vs "
+                     f"(DeepSpeed's Muon section): {how} | {r['median_steps'] or 'missed'} vs "
                      f"{dense['median_steps']} ({ratio}) | {times(float(r['vs_ddp_bf16']))} (DDP + Muon, bf16 gradients) | "
                      f"not measured | reference GPT ({_params(int(r['parameters']))}), {r['replicas']} replicas, "
-                     f"{len(r['seeds'].split(','))} seeds, a {r['budget']}-step budget "
+                     f"{seeds} seed{'s' if seeds > 1 else ''}, a {r['budget']}-step budget "
                      f"({csv_link(page, committed.LONG_H, 'long intervals')}) |")
     return lines
 
