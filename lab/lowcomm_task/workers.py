@@ -13,7 +13,6 @@ directory and sys.path of the launch, as a spawned one would.
 
 from __future__ import annotations
 
-import multiprocessing
 import os
 import sys
 import tempfile
@@ -36,7 +35,7 @@ def _worker(rank, world_size, store_dir, fn, args, backend, threads, environ, st
     os.environ.update(environ)
     # Processes this one starts (a DataLoader's workers) as the caller's would start them (fork on
     # Linux), not from a fork server of their own, which outlives this process's exit with them.
-    multiprocessing.set_start_method(start_method, force=True)
+    mp.set_start_method(start_method, force=True)
     os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     # What torchrun would set (DeepSpeed's engine asks for LOCAL_RANK); one machine, so local == global.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -84,7 +83,7 @@ def run_local_workers(fn, world_size: int, *args, backend: str = "gloo", threads
             mp.start_processes(
                 _worker,
                 args=(world_size, store_dir, fn, args, backend, threads, dict(os.environ),
-                      multiprocessing.get_start_method(allow_none=True)),
+                      mp.get_start_method(allow_none=True)),
                 nprocs=world_size,
                 join=True,
                 start_method="forkserver",
