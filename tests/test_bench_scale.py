@@ -64,3 +64,16 @@ def test_summary_medians_ratios_and_largest_h_per_size(tmp_path):
     again = scale.collect(tmp_path / "scale.csv", [str(tmp_path / "b.csv")])  # rows replaced, not doubled
     assert len(again) == len(rows)
     assert (tmp_path / "scale-summary.csv").exists() and summary_path(tmp_path / "scale.csv").exists()
+
+
+@pytest.mark.parametrize("argv", [["--target", "0.9"],
+                                  ["--target", "0.9", "--tuned-from", "docs/bench/long_h.csv", "--seeds", "0,1"],
+                                  ["--target", "0.9", "--tuned-from", "docs/bench/long_h.csv", "--tune-dense"]])
+def test_long_h_given_target_replaces_only_dense_muons_seed_0_run(argv, tmp_path):
+    """``long_h --target``: dense Muon's target as measured before stands in for its seed-0 run, so
+    only beside the settings it came from (--tuned-from) and without seed 0 among the measured."""
+    from lowcomm_bench import long_h
+
+    with pytest.raises(SystemExit, match="--target: only with --tuned-from, without --tune-dense, and --seeds "
+                                         "leaving out 0"):
+        long_h.main([*argv, "--out", str(tmp_path)])

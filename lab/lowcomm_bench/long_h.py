@@ -6,7 +6,7 @@ The fair protocol of ``bench scale`` at a longer ``--budget``:
 1. **Dense Muon tuned** on seed 0 over ``--muon-grid`` (each run the whole budget); the best is
    the lowest final held-out loss. With ``--tuned-from`` (a long_h.csv of another replica count)
    its best settings carry over instead (one run, no tuning: the settings tuned at 2 replicas
-   run at 8).
+   run at 8); with ``--target`` too, the target measured there stands in for that run.
 2. **The target**: that run's held-out loss at ``--target-frac`` x budget.
 3. **Each candidate tuned** on seed 0 over its grid (:data:`CANDIDATES`; the same count of
    configurations as dense Muon's, ``--budget-configs`` refuses another), every run stopping at the
@@ -240,6 +240,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="a long_h.csv: dense Muon's and each candidate's best there run here untuned")
     ap.add_argument("--tune-dense", action="store_true",
                     help="with --tuned-from: dense Muon tuned here over --muon-grid all the same (another model size)")
+    ap.add_argument("--target", type=float, default=None,
+                    help="with --tuned-from: dense Muon's target here as already measured (its tune row's "
+                         "target_loss), so seed 0 is not run again; the measuring seeds must leave out 0")
     ap.add_argument("--within", type=float, default=1.10, help="a candidate's pick: fewest bytes within this x dense")
     ap.add_argument("--budget-configs", type=int, default=None, help="refuse a grid of another size")
     ap.add_argument("--seeds", default="1,2,3", help="the measuring seeds (tuning is on seed 0)")
@@ -269,6 +272,9 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[long_h {args.n_layer}x{args.n_embd} {args.workers}r {args.budget}] {msg}", flush=True)
 
     tuned_from = read_csv(args.tuned_from) if args.tuned_from else None
+    if args.target is not None and (not tuned_from or args.tune_dense or 0 in parse_seeds(args.seeds)):
+        raise SystemExit("--target: only with --tuned-from, without --tune-dense, and --seeds leaving out 0 "
+                         "(dense Muon's seed-0 run is what it replaces)")
     base, base_peer = entry_spec(DENSE, args.budget, args.eval_every, model)
     base = dataclasses.replace(base, warmup=args.warmup, batch=args.batch, device=args.device, backend=args.backend)
     if tuned_from and not args.tune_dense:
@@ -283,18 +289,22 @@ def main(argv: list[str] | None = None) -> dict:
         if wrong:
             raise SystemExit(f"--budget-configs {args.budget_configs}: these grids differ: {wrong}")
     rows, tuned = [], []
-    for combo in dense_grid:  # 1. dense Muon tuned on seed 0, whole budget
-        spec, peer = with_settings(dataclasses.replace(base, seed=0), base_peer, combo)
-        run = runner(spec, peer)
-        tuned.append((run["final_val_loss"], combo, run))
-        log(f"tune muon {json.dumps(combo, sort_keys=True)}: final {run['final_val_loss']:.4f}")
-    _, dense_best, dense_run = min(tuned, key=lambda t: t[0])
-    target_step = round(args.target_frac * args.budget)
-    target = loss_at_step(dense_run["history"], target_step)  # 2. the target
-    log(f"muon best {json.dumps(dense_best, sort_keys=True)}: target {target:.4f} (its loss at step {target_step})")
-    for _, combo, run in tuned:
-        rows.append(row_of(DENSE, run, target, "tune", 0, combo, common))
-    dense_tune_steps = rows[[t[1] for t in tuned].index(dense_best)]["steps_to_target"]
+    if args.target is not None:  # 1-2. measured before: dense Muon's settings and target carried in
+        dense_best, dense_run, target, dense_tune_steps = dense_grid[0], None, args.target, None
+        log(f"muon {json.dumps(dense_best, sort_keys=True)}: target {target:.4f} (given)")
+    else:
+        for combo in dense_grid:  # 1. dense Muon tuned on seed 0, whole budget
+            spec, peer = with_settings(dataclasses.replace(base, seed=0), base_peer, combo)
+            run = runner(spec, peer)
+            tuned.append((run["final_val_loss"], combo, run))
+            log(f"tune muon {json.dumps(combo, sort_keys=True)}: final {run['final_val_loss']:.4f}")
+        _, dense_best, dense_run = min(tuned, key=lambda t: t[0])
+        target_step = round(args.target_frac * args.budget)
+        target = loss_at_step(dense_run["history"], target_step)  # 2. the target
+        log(f"muon best {json.dumps(dense_best, sort_keys=True)}: target {target:.4f} (its loss at step {target_step})")
+        for _, combo, run in tuned:
+            rows.append(row_of(DENSE, run, target, "tune", 0, combo, common))
+        dense_tune_steps = rows[[t[1] for t in tuned].index(dense_best)]["steps_to_target"]
 
     recipe_base, _ = entry_spec("muloco_sign", args.budget, args.eval_every, model)
     recipe_base = dataclasses.replace(recipe_base, warmup=args.warmup, batch=args.batch, device=args.device,
