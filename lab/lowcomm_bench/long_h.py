@@ -39,7 +39,7 @@ from lowcomm_task.workers import run_local_workers
 
 from .codec import collect_args, collect_csv, read_typed_csv, write_csv
 from .runs import at_target
-from .scale import loss_at_step, parameters_of
+from .scale import parameters_of, tune_dense
 from .sweep import parse_grid, train_one
 from .time_to_loss import entry_spec, steps_to_target
 from .tuning import parse_seeds, with_settings
@@ -288,20 +288,14 @@ def main(argv: list[str] | None = None) -> dict:
         wrong = {k: v for k, v in sizes.items() if v != args.budget_configs}
         if wrong:
             raise SystemExit(f"--budget-configs {args.budget_configs}: these grids differ: {wrong}")
-    rows, tuned = [], []
+    rows = []
     if args.target is not None:  # 1-2. measured before: dense Muon's settings and target carried in
         dense_best, dense_run, target, dense_tune_steps = dense_grid[0], None, args.target, None
         log(f"muon {json.dumps(dense_best, sort_keys=True)}: target {target:.4f} (given)")
     else:
-        for combo in dense_grid:  # 1. dense Muon tuned on seed 0, whole budget
-            spec, peer = with_settings(dataclasses.replace(base, seed=0), base_peer, combo)
-            run = runner(spec, peer)
-            tuned.append((run["final_val_loss"], combo, run))
-            log(f"tune muon {json.dumps(combo, sort_keys=True)}: final {run['final_val_loss']:.4f}")
-        _, dense_best, dense_run = min(tuned, key=lambda t: t[0])
-        target_step = round(args.target_frac * args.budget)
-        target = loss_at_step(dense_run["history"], target_step)  # 2. the target
-        log(f"muon best {json.dumps(dense_best, sort_keys=True)}: target {target:.4f} (its loss at step {target_step})")
+        # 1-2. dense Muon tuned on seed 0, whole budget; the target
+        tuned, dense_best, dense_run, target = tune_dense(runner, base, base_peer, dense_grid, args.target_frac,
+                                                          args.budget, log, DENSE)
         for _, combo, run in tuned:
             rows.append(row_of(DENSE, run, target, "tune", 0, combo, common))
         dense_tune_steps = rows[[t[1] for t in tuned].index(dense_best)]["steps_to_target"]

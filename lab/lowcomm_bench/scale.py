@@ -118,6 +118,23 @@ def loss_at_step(history: list[dict], step: int) -> float:
     raise SystemExit(f"no evaluation at step {step}: --target-frac x --budget must be a multiple of --eval-every")
 
 
+def tune_dense(runner, base, base_peer, grid: list[dict], target_frac: float, budget: int, log, name: str):
+    """Steps 1-2 of the fair protocol: each of ``grid`` on seed 0 over the whole budget, the best the
+    lowest final held-out loss, the target its held-out loss at ``target_frac`` x ``budget``.
+    Returns (the runs as (final loss, settings, run), the best settings, its run, the target)."""
+    tuned = []
+    for combo in grid:
+        spec, peer = with_settings(dataclasses.replace(base, seed=0), base_peer, combo)
+        run = runner(spec, peer)
+        tuned.append((run["final_val_loss"], combo, run))
+        log(f"tune {name} {json.dumps(combo, sort_keys=True)}: final {run['final_val_loss']:.4f}")
+    _, best_combo, best_run = min(tuned, key=lambda t: t[0])
+    target_step = round(target_frac * budget)
+    target = loss_at_step(best_run["history"], target_step)
+    log(f"best of {name}: {json.dumps(best_combo, sort_keys=True)}, target {target:.4f} (its loss at step {target_step})")
+    return tuned, best_combo, best_run, target
+
+
 def row_of(entry, form, run, target, role, seed, sync_every, settings, common) -> dict:
     history = run["history"]
     steps = steps_to_target(history, target) if target is not None else None
@@ -136,16 +153,9 @@ def run_form(form: str, args, runner: Runner, model: dict, common: dict, log) ->
     base, base_peer = entry_spec(dense_entry, args.budget, args.eval_every, model)
     base = dataclasses.replace(base, warmup=args.warmup, batch=args.batch, device=args.device, backend=args.backend)
     grid = parse_grid(getattr(args, f"{form}_grid") or DEFAULT_GRIDS[form])
-    tuned = []
-    for combo in grid:  # 1. the dense baseline tuned on seed 0, whole budget
-        spec, peer = with_settings(dataclasses.replace(base, seed=0), base_peer, combo)
-        run = runner(spec, peer)
-        tuned.append((run["final_val_loss"], combo, run))
-        log(f"{form} tune {dense_entry} {json.dumps(combo, sort_keys=True)}: final {run['final_val_loss']:.4f}")
-    _, best_combo, best_run = min(tuned, key=lambda t: t[0])
-    target_step = round(args.target_frac * args.budget)
-    target = loss_at_step(best_run["history"], target_step)  # 2. the target
-    log(f"{form}: best {json.dumps(best_combo, sort_keys=True)}, target {target:.4f} (its loss at step {target_step})")
+    # 1-2. the dense baseline tuned on seed 0, whole budget; the target
+    tuned, best_combo, best_run, target = tune_dense(runner, base, base_peer, grid, args.target_frac, args.budget,
+                                                     lambda m: log(f"{form} {m}"), dense_entry)
     for _, combo, run in tuned:
         rows.append(row_of(dense_entry, form, run, target, "tune", 0, 1, combo, common))
     recipe_base, _ = entry_spec(RECIPE_ENTRY[form], args.budget, args.eval_every, model)
