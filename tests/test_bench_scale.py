@@ -4,6 +4,7 @@ runs' rows into docs/bench/model-size/steps-to-target.csv. Its training path run
 (tests/test_gpu_check.py); that file itself is checked in tests/test_docs_figures.py."""
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -66,9 +67,12 @@ def test_summary_medians_ratios_and_largest_h_per_size(tmp_path):
     assert (tmp_path / "scale-summary.csv").exists() and summary_path(tmp_path / "scale.csv").exists()
 
 
+LONG_H_CSV = str(Path(__file__).resolve().parents[1] / "docs" / "bench" / "long_h.csv")
+
+
 @pytest.mark.parametrize("argv", [["--target", "0.9"],
-                                  ["--target", "0.9", "--tuned-from", "docs/bench/long_h.csv", "--seeds", "0,1"],
-                                  ["--target", "0.9", "--tuned-from", "docs/bench/long_h.csv", "--tune-dense"]])
+                                  ["--target", "0.9", "--tuned-from", LONG_H_CSV, "--seeds", "0,1"],
+                                  ["--target", "0.9", "--tuned-from", LONG_H_CSV, "--tune-dense"]])
 def test_long_h_given_target_replaces_only_dense_muons_seed_0_run(argv, tmp_path):
     """``long_h --target``: dense Muon's target as measured before stands in for its seed-0 run, so
     only beside the settings it came from (--tuned-from) and without seed 0 among the measured."""
