@@ -70,14 +70,41 @@ def test_summary_medians_ratios_and_largest_h_per_size(tmp_path):
 LONG_H_CSV = str(Path(__file__).resolve().parents[1] / "docs" / "bench" / "long_h.csv")
 
 
-@pytest.mark.parametrize("argv", [["--target", "0.9"],
-                                  ["--target", "0.9", "--tuned-from", LONG_H_CSV, "--seeds", "0,1"],
-                                  ["--target", "0.9", "--tuned-from", LONG_H_CSV, "--tune-dense"]])
-def test_long_h_given_target_replaces_only_dense_muons_seed_0_run(argv, tmp_path):
-    """``long_h --target``: dense Muon's target as measured before stands in for its seed-0 run, so
-    only beside the settings it came from (--tuned-from) and without seed 0 among the measured."""
+def test_long_h_dense_from_refuses_a_second_tuning_and_a_csv_without_this_run(tmp_path):
+    """``long_h --dense-from``: dense Muon's tuning as measured before stands in for running it again,
+    so never beside --tune-dense, and only from rows of the same model size, replicas and budget."""
     from lowcomm_bench import long_h
 
-    with pytest.raises(SystemExit, match="--target: only with --tuned-from, without --tune-dense, and --seeds "
-                                         "leaving out 0"):
-        long_h.main([*argv, "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="--dense-from: dense Muon's tuning measured before; --tune-dense"):
+        long_h.main(["--dense-from", LONG_H_CSV, "--tuned-from", LONG_H_CSV, "--tune-dense", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="no dense Muon tuning row of 4"):
+        long_h.main(["--dense-from", LONG_H_CSV, "--n-layer", "6", "--n-embd", "256", "--budget", "1000",
+                     "--out", str(tmp_path)])
+
+
+def test_long_h_dense_from_tunes_candidates_to_the_carried_target_without_running_dense_muon(tmp_path):
+    """The carried rows are the output's dense Muon rows (tune, and seed 0), the candidate's tuning run
+    stops at the carried target, and no dense Muon run happens (the cache holds the candidate's alone)."""
+    from lowcomm_bench import long_h
+
+    model = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--seq-len", "16", "--batch", "2",
+             "--budget", "30", "--warmup", "2", "--eval-every", "10"]
+    parameters = scale.parameters_of({"n_layer": 1, "n_embd": 16, "n_head": 2, "seq_len": 16})
+    dense = {c: None for c in long_h.COLUMNS}
+    dense.update(entry="muon", parameters=parameters, replicas=2, budget=30, seed=0, H=1, steps_to_target=20,
+                 bytes_sent_per_worker=1e6, bytes_received_per_worker=1e6, role="tune", target_loss=50.0,
+                 final_val_loss=4.0, last_step=30, device="cpu", settings=json.dumps({"lr": 0.008, "peer.muon_lr": 0.02}))
+    worse = {**dense, "final_val_loss": 5.0, "target_loss": 60.0, "settings": json.dumps({"lr": 0.008, "peer.muon_lr": 0.05})}
+    scale.write_csv(tmp_path / "before.csv", [worse, dense], long_h.COLUMNS)
+    out = tmp_path / "out"
+    result = long_h.main([*model, "--dense-from", str(tmp_path / "before.csv"), "--candidates", "recipe",
+                          "--grid", 'recipe={"sync_every": [5]}', "--seeds", "0", "--seed-candidates", "none",
+                          "--out", str(out)])
+    rows = result["rows"]
+    assert [(r["entry"], r["role"]) for r in rows] == [("muon", "tune"), ("muon", "tune"), ("recipe", "tune"),
+                                                       ("muon", "seed")]
+    assert rows[3]["settings"] == dense["settings"] and rows[3]["steps_to_target"] == 20
+    candidate = rows[2]
+    assert candidate["target_loss"] == 50.0 and candidate["last_step"] == candidate["steps_to_target"] == 10
+    assert json.loads(candidate["settings"])["lowcomm.inner_muon_lr"] == 0.02  # the better dense row's Muon lr
+    assert [p.name.split("-")[0] for p in (out / "cache").glob("*.json")] == ["recipe"]

@@ -6,7 +6,10 @@ The fair protocol of ``bench scale`` at a longer ``--budget``:
 1. **Dense Muon tuned** on seed 0 over ``--muon-grid`` (each run the whole budget); the best is
    the lowest final held-out loss. With ``--tuned-from`` (a long_h.csv of another replica count)
    its best settings carry over instead (one run, no tuning: the settings tuned at 2 replicas
-   run at 8); with ``--target`` too, the target measured there stands in for that run.
+   run at 8). With ``--dense-from`` (a long_h.csv measured on this machine) that CSV's dense Muon
+   tuning rows of this model, replica count and budget stand in for dense Muon's seed-0 runs (its
+   best's settings, target and steps), so they are not run again; losses differ between machines,
+   so only a CSV of the same machine will do.
 2. **The target**: that run's held-out loss at ``--target-frac`` x budget.
 3. **Each candidate tuned** on seed 0 over its grid (:data:`CANDIDATES`; the same count of
    configurations as dense Muon's, ``--budget-configs`` refuses another), every run stopping at the
@@ -163,6 +166,21 @@ def recipe_settings(dense_settings: dict, candidate: dict) -> dict:
     return {**spec_keys, **{f"lowcomm.{k}": v for k, v in section.items()}}
 
 
+def dense_rows_from(path: str | Path, common: dict) -> list[dict]:
+    """``path``'s dense Muon tuning rows of this run's model size, replica count and budget."""
+    rows = [r for r in read_csv(path) if r["entry"] == DENSE and r["role"] == "tune"
+            and all(r[k] == common[k] for k in ("parameters", "replicas", "budget"))]
+    if not rows:
+        raise SystemExit(f"--dense-from {path}: no dense Muon tuning row of {common['parameters']} parameters, "
+                         f"{common['replicas']} replicas, budget {common['budget']}")
+    return rows
+
+
+def pick_dense(rows: list[dict]) -> dict:
+    """Dense Muon's best tuning row: the lowest final held-out loss (as :func:`scale.tune_dense` picks)."""
+    return min(rows, key=lambda r: r["final_val_loss"])
+
+
 def read_csv(path: str | Path) -> list[dict]:
     """A long_h.csv's rows, typed as the benchmark writes them."""
     return read_typed_csv(path, ("parameters", "replicas", "budget", "seed", "H", "steps_to_target", "last_step"),
@@ -240,9 +258,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="a long_h.csv: dense Muon's and each candidate's best there run here untuned")
     ap.add_argument("--tune-dense", action="store_true",
                     help="with --tuned-from: dense Muon tuned here over --muon-grid all the same (another model size)")
-    ap.add_argument("--target", type=float, default=None,
-                    help="with --tuned-from: dense Muon's target here as already measured (its tune row's "
-                         "target_loss), so seed 0 is not run again; the measuring seeds must leave out 0")
+    ap.add_argument("--dense-from", default=None,
+                    help="a long_h.csv measured on this machine: its dense Muon tuning rows of this model, replica "
+                         "count and budget stand in for dense Muon's seed-0 runs (settings, target, steps)")
     ap.add_argument("--within", type=float, default=1.10, help="a candidate's pick: fewest bytes within this x dense")
     ap.add_argument("--budget-configs", type=int, default=None, help="refuse a grid of another size")
     ap.add_argument("--seeds", default="1,2,3", help="the measuring seeds (tuning is on seed 0)")
@@ -272,12 +290,14 @@ def main(argv: list[str] | None = None) -> dict:
         print(f"[long_h {args.n_layer}x{args.n_embd} {args.workers}r {args.budget}] {msg}", flush=True)
 
     tuned_from = read_csv(args.tuned_from) if args.tuned_from else None
-    if args.target is not None and (not tuned_from or args.tune_dense or 0 in parse_seeds(args.seeds)):
-        raise SystemExit("--target: only with --tuned-from, without --tune-dense, and --seeds leaving out 0 "
-                         "(dense Muon's seed-0 run is what it replaces)")
+    dense_from = dense_rows_from(args.dense_from, common) if args.dense_from else None
+    if dense_from and args.tune_dense:
+        raise SystemExit("--dense-from: dense Muon's tuning measured before; --tune-dense would run it again")
     base, base_peer = entry_spec(DENSE, args.budget, args.eval_every, model)
     base = dataclasses.replace(base, warmup=args.warmup, batch=args.batch, device=args.device, backend=args.backend)
-    if tuned_from and not args.tune_dense:
+    if dense_from:
+        dense_grid = [json.loads(pick_dense(dense_from)["settings"])]
+    elif tuned_from and not args.tune_dense:
         best_dense = min((r for r in tuned_from if r["entry"] == DENSE and r["role"] == "tune"),
                          key=lambda r: r["final_val_loss"])
         dense_grid = [json.loads(best_dense["settings"])]
@@ -289,9 +309,13 @@ def main(argv: list[str] | None = None) -> dict:
         if wrong:
             raise SystemExit(f"--budget-configs {args.budget_configs}: these grids differ: {wrong}")
     rows = []
-    if args.target is not None:  # 1-2. measured before: dense Muon's settings and target carried in
-        dense_best, dense_run, target, dense_tune_steps = dense_grid[0], None, args.target, None
-        log(f"muon {json.dumps(dense_best, sort_keys=True)}: target {target:.4f} (given)")
+    if dense_from:  # 1-2. measured before on this machine: dense Muon's rows, its best and target carried in
+        best = pick_dense(dense_from)
+        dense_best, dense_run, target = dense_grid[0], None, best["target_loss"]
+        dense_tune_steps = best["steps_to_target"]
+        rows += [{**r, "vs_ddp_bf16": None} for r in dense_from]
+        log(f"muon {json.dumps(dense_best, sort_keys=True)}: target {target:.4f}, steps {dense_tune_steps} "
+            f"(from {args.dense_from})")
     else:
         # 1-2. dense Muon tuned on seed 0, whole budget; the target
         tuned, dense_best, dense_run, target = tune_dense(runner, base, base_peer, dense_grid, args.target_frac,
@@ -332,13 +356,16 @@ def main(argv: list[str] | None = None) -> dict:
         chosen[name] = json.loads(pick(cand_rows, dense_tune_steps, args.within)["settings"])
         log(f"{name}: picked {json.dumps(chosen[name], sort_keys=True)}")
     for seed in parse_seeds(args.seeds):  # 4. the measuring seeds
-        if seed == 0:
+        if seed == 0 and dense_from:
+            rows.append({**pick_dense(dense_from), "role": "seed", "vs_ddp_bf16": None})
+        elif seed == 0:
             dense_seed_run = dense_run
         else:
             spec, peer = with_settings(dataclasses.replace(base, seed=seed, stop_at_val_loss=target), base_peer,
                                        dense_best)
             dense_seed_run = runner(spec, peer)
-        rows.append(row_of(DENSE, dense_seed_run, target, "seed", seed, dense_best, common))
+        if not (seed == 0 and dense_from):
+            rows.append(row_of(DENSE, dense_seed_run, target, "seed", seed, dense_best, common))
         log(f"seed {seed} muon: steps {rows[-1]['steps_to_target']}")
         for name, settings in chosen.items():
             if args.seed_candidates is not None and name not in args.seed_candidates.split(","):
