@@ -1,10 +1,11 @@
 """run_local_workers (the launcher of compare, the benchmarks and the multi-rank tests): its workers
-come from a fork server that imported torch once, yet each sees its launch as a spawned process
+come from a fork server that imported torch (and its inductor) once, yet each sees its launch as a spawned process
 would (the caller's environment and working directory as of the launch), and what a worker starts
 itself (a DataLoader's workers) goes with it."""
 
 import multiprocessing
 import os
+import sys
 import time
 
 import torch
@@ -17,7 +18,8 @@ def _seen(rank, world):
 
     total = torch.tensor([float(rank + 1)])
     dist.all_reduce(total)
-    return {"env": os.environ.get("DSLC_TEST_LAUNCH"), "cwd": os.getcwd(), "sum": total.item()}
+    return {"env": os.environ.get("DSLC_TEST_LAUNCH"), "cwd": os.getcwd(), "sum": total.item(),
+            "inductor": "torch._inductor.compile_fx" in sys.modules, "cuda": torch.cuda.is_initialized()}
 
 
 def _loader(rank, world):
@@ -42,6 +44,9 @@ def _gone(pid: int) -> bool:
 def test_workers_see_their_launch_and_leave_nothing_behind(tmp_path, monkeypatch):
     first = run_local_workers(_seen, 2)  # the fork server starts here, before the changes below
     assert [r["sum"] for r in first] == [3.0, 3.0]
+    # torch's inductor came with the fork server (torch.compile imports it where DeepSpeed's Muon
+    # and Megatron's fused kernels are decorated, seconds of CPU a process), and no CUDA state
+    assert all(r["inductor"] and not r["cuda"] for r in first), first
     monkeypatch.setenv("DSLC_TEST_LAUNCH", "second")
     monkeypatch.chdir(tmp_path)
     second = run_local_workers(_seen, 2)

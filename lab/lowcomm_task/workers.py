@@ -4,9 +4,11 @@ Used by ``ds-lowcomm compare`` and by the multi-rank tests: ``run_local_workers(
 starts n processes, initialises gloo (file store rendezvous, no port to pick), calls
 ``fn(rank, world_size, *args)`` and returns each rank's return value.
 
-The processes are forked from multiprocessing's fork server, which imports torch and ds_lowcomm
-once (:data:`PRELOAD`): a spawned process spent about two seconds of CPU importing them, on every
-launch. The fork server has run no torch op and made no CUDA context (importing ds_lowcomm makes
+The processes are forked from multiprocessing's fork server, which imports torch, ds_lowcomm and
+torch's inductor once (:data:`PRELOAD`): a spawned process spent about two seconds of CPU importing
+the first two on every launch, and one that imports DeepSpeed (ds_lowcomm's start-up check of its
+internals imports DeepSpeed's Muon, whose kernels are torch.compile'd at import) four more on the
+inductor (7 s of a child's import down to 2 here, 2026-12-02). The fork server has run no torch op and made no CUDA context (importing ds_lowcomm makes
 none), so its children start as clean as spawned ones; each takes the caller's environment, working
 directory and sys.path of the launch, as a spawned one would.
 """
@@ -25,8 +27,11 @@ import torch.multiprocessing as mp
 
 # Imported once, by the fork server. Not deepspeed nor megatron: each reads the machine at import
 # (DeepSpeed picks its accelerator; Megatron's CPU shim must come first), which a test or a
-# script may change by the environment before a launch.
-PRELOAD = ["torch", "torch.distributed", "ds_lowcomm"]
+# script may change by the environment before a launch. torch's inductor, which torch.compile
+# imports at decoration time (DeepSpeed's Muon kernels and Megatron's fused ones are decorated at
+# import): about 600 modules, two to four seconds of CPU in every process that imports either; it
+# calls nothing of torch.cuda on import.
+PRELOAD = ["torch", "torch.distributed", "ds_lowcomm", "torch._inductor.compile_fx"]
 
 
 def _worker(rank, world_size, store_dir, fn, args, backend, threads, environ, start_method):
