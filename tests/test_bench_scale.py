@@ -93,8 +93,10 @@ def test_long_h_dense_from_tunes_candidates_to_the_carried_target_without_runnin
     dense = {c: None for c in long_h.COLUMNS}
     dense.update(entry="muon", parameters=parameters, replicas=2, budget=30, seed=0, H=1, steps_to_target=20,
                  bytes_sent_per_worker=1e6, bytes_received_per_worker=1e6, role="tune", target_loss=50.0,
-                 final_val_loss=4.0, last_step=30, device="cpu", settings=json.dumps({"lr": 0.008, "peer.muon_lr": 0.02}))
-    worse = {**dense, "final_val_loss": 5.0, "target_loss": 60.0, "settings": json.dumps({"lr": 0.008, "peer.muon_lr": 0.05})}
+                 final_val_loss=4.0, last_step=30, device="cpu",
+                 settings=json.dumps({"lr": 0.008, "peer.muon_lr": 0.02}))
+    worse = {**dense, "final_val_loss": 5.0, "target_loss": 60.0,
+             "settings": json.dumps({"lr": 0.008, "peer.muon_lr": 0.05})}
     scale.write_csv(tmp_path / "before.csv", [worse, dense], long_h.COLUMNS)
     out = tmp_path / "out"
     result = long_h.main([*model, "--dense-from", str(tmp_path / "before.csv"), "--candidates", "recipe",

@@ -304,7 +304,9 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         dense_grid = parse_grid(args.muon_grid)
     if args.budget_configs is not None and not tuned_from:
-        sizes = {"muon": len(dense_grid), **{c: len(configs_of(grids[c])) for c in names}}
+        sizes = {c: len(configs_of(grids[c])) for c in names}
+        if not dense_from:  # dense Muon's tuning ran before, on its own grid
+            sizes["muon"] = len(dense_grid)
         wrong = {k: v for k, v in sizes.items() if v != args.budget_configs}
         if wrong:
             raise SystemExit(f"--budget-configs {args.budget_configs}: these grids differ: {wrong}")

@@ -8,8 +8,8 @@ The processes are forked from multiprocessing's fork server, which imports torch
 torch's inductor once (:data:`PRELOAD`): a spawned process spent about two seconds of CPU importing
 the first two on every launch, and one that imports DeepSpeed (ds_lowcomm's start-up check of its
 internals imports DeepSpeed's Muon, whose kernels are torch.compile'd at import) four more on the
-inductor (7 s of a child's import down to 2 here, 2026-12-02). The fork server has run no torch op and made no CUDA context (importing ds_lowcomm makes
-none), so its children start as clean as spawned ones; each takes the caller's environment, working
+inductor (7 s of a child's import down to 2 here, 2026-12-02). The fork server has run no torch op
+and made no CUDA context (importing these makes none), so its children start as clean as spawned ones; each takes the caller's environment, working
 directory and sys.path of the launch, as a spawned one would.
 """
 
