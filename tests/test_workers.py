@@ -1,7 +1,7 @@
 """run_local_workers (the launcher of compare, the benchmarks and the multi-rank tests): its workers
-come from a fork server that imported torch (and its inductor) once, yet each sees its launch as a spawned process
-would (the caller's environment and working directory as of the launch), and what a worker starts
-itself (a DataLoader's workers) goes with it."""
+come from a fork server that imported torch (and its inductor) once, yet each sees its launch as a
+spawned process would (the caller's environment and working directory as of the launch), and what
+a worker starts itself (a DataLoader's workers) goes with it."""
 
 import multiprocessing
 import os

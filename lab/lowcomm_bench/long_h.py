@@ -291,15 +291,15 @@ def main(argv: list[str] | None = None) -> dict:
 
     tuned_from = read_csv(args.tuned_from) if args.tuned_from else None
     dense_from = dense_rows_from(args.dense_from, common) if args.dense_from else None
+    carried = pick_dense(dense_from) if dense_from else None  # dense Muon's best, measured before
     if dense_from and args.tune_dense:
         raise SystemExit("--dense-from: dense Muon's tuning measured before; --tune-dense would run it again")
     base, base_peer = entry_spec(DENSE, args.budget, args.eval_every, model)
     base = dataclasses.replace(base, warmup=args.warmup, batch=args.batch, device=args.device, backend=args.backend)
     if dense_from:
-        dense_grid = [json.loads(pick_dense(dense_from)["settings"])]
+        dense_grid = [json.loads(carried["settings"])]
     elif tuned_from and not args.tune_dense:
-        best_dense = min((r for r in tuned_from if r["entry"] == DENSE and r["role"] == "tune"),
-                         key=lambda r: r["final_val_loss"])
+        best_dense = pick_dense([r for r in tuned_from if r["entry"] == DENSE and r["role"] == "tune"])
         dense_grid = [json.loads(best_dense["settings"])]
     else:
         dense_grid = parse_grid(args.muon_grid)
@@ -312,10 +312,9 @@ def main(argv: list[str] | None = None) -> dict:
             raise SystemExit(f"--budget-configs {args.budget_configs}: these grids differ: {wrong}")
     rows = []
     if dense_from:  # 1-2. measured before on this machine: dense Muon's rows, its best and target carried in
-        best = pick_dense(dense_from)
-        dense_best, dense_run, target = dense_grid[0], None, best["target_loss"]
-        dense_tune_steps = best["steps_to_target"]
-        rows += [{**r, "vs_ddp_bf16": None} for r in dense_from]
+        dense_best, dense_run, target = dense_grid[0], None, carried["target_loss"]
+        dense_tune_steps = carried["steps_to_target"]
+        rows += [dict(r) for r in dense_from]
         log(f"muon {json.dumps(dense_best, sort_keys=True)}: target {target:.4f}, steps {dense_tune_steps} "
             f"(from {args.dense_from})")
     else:
@@ -358,15 +357,15 @@ def main(argv: list[str] | None = None) -> dict:
         chosen[name] = json.loads(pick(cand_rows, dense_tune_steps, args.within)["settings"])
         log(f"{name}: picked {json.dumps(chosen[name], sort_keys=True)}")
     for seed in parse_seeds(args.seeds):  # 4. the measuring seeds
-        if seed == 0 and dense_from:
-            rows.append({**pick_dense(dense_from), "role": "seed", "vs_ddp_bf16": None})
-        elif seed == 0:
-            dense_seed_run = dense_run
+        if seed == 0 and dense_from:  # its seed-0 run is the carried row
+            rows.append({**carried, "role": "seed"})
         else:
-            spec, peer = with_settings(dataclasses.replace(base, seed=seed, stop_at_val_loss=target), base_peer,
-                                       dense_best)
-            dense_seed_run = runner(spec, peer)
-        if not (seed == 0 and dense_from):
+            if seed == 0:
+                dense_seed_run = dense_run
+            else:
+                spec, peer = with_settings(dataclasses.replace(base, seed=seed, stop_at_val_loss=target), base_peer,
+                                           dense_best)
+                dense_seed_run = runner(spec, peer)
             rows.append(row_of(DENSE, dense_seed_run, target, "seed", seed, dense_best, common))
         log(f"seed {seed} muon: steps {rows[-1]['steps_to_target']}")
         for name, settings in chosen.items():

@@ -9,8 +9,9 @@ torch's inductor once (:data:`PRELOAD`): a spawned process spent about two secon
 the first two on every launch, and one that imports DeepSpeed (ds_lowcomm's start-up check of its
 internals imports DeepSpeed's Muon, whose kernels are torch.compile'd at import) four more on the
 inductor (7 s of a child's import down to 2 here, 2026-12-02). The fork server has run no torch op
-and made no CUDA context (importing these makes none), so its children start as clean as spawned ones; each takes the caller's environment, working
-directory and sys.path of the launch, as a spawned one would.
+and made no CUDA context (importing these makes none), so its children start as clean as spawned
+ones; each takes the caller's environment, working directory and sys.path of the launch, as a
+spawned one would.
 """
 
 from __future__ import annotations
