@@ -25,7 +25,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (the 'megatron' extra)")
 
 from ds_lowcomm.optim.recipes import SIGN_OUTER  # noqa: E402
-from lowcomm_task.workers import run_local_workers  # noqa: E402
+from lowcomm_task.workers import run_local_workers, run_script  # noqa: E402
 from tests.megatron_train import BATCH, SEQ, batch, coordinates, train  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -583,13 +583,13 @@ def test_unsupported_megatron_features_are_refused_clearly():
 
 
 def _pretrain(tmp_path, name, *args, fails=False, nproc=2):
-    """launch/pretrain_gpt.py on ``nproc`` ranks: its metrics; with ``fails``, its output (it must fail)."""
+    """launch/pretrain_gpt.py on ``nproc`` ranks: its metrics; with ``fails``, its output (it must fail).
+    Launched as torchrun would (run_script: torchrun's variables, a rank's failure stops the launch)
+    from the fork server that imported torch once; test_megatron.py runs it under torchrun itself."""
     metrics = tmp_path / f"{name}.json"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc),
-           str(ROOT / "launch" / "pretrain_gpt.py"), "--train-iters", "6", "--seq-length", "32",
-           "--hidden-size", "32", "--metrics-out", str(metrics), *args]
+    argv = ["--train-iters", "6", "--seq-length", "32", "--hidden-size", "32", "--metrics-out", str(metrics), *args]
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    run = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    run = run_script(ROOT / "launch" / "pretrain_gpt.py", argv, nproc, env=env, cwd=ROOT, timeout=300)
     if fails:
         assert run.returncode != 0 and not metrics.exists(), run.stdout[-3000:]
         return run.stdout + run.stderr

@@ -2,7 +2,9 @@
 
 Used by ``ds-lowcomm compare`` and by the multi-rank tests: ``run_local_workers(fn, n, *args)``
 starts n processes, initialises gloo (file store rendezvous, no port to pick), calls
-``fn(rank, world_size, *args)`` and returns each rank's return value.
+``fn(rank, world_size, *args)`` and returns each rank's return value. ``run_script(script, argv,
+n)`` runs a training script on n ranks as ``torchrun --standalone --nproc_per_node n`` would (the
+script makes its own process group), for the tests whose subject is the script, not torchrun.
 
 The processes are forked from multiprocessing's fork server, which imports torch, ds_lowcomm and
 torch's inductor once (:data:`PRELOAD`): a spawned process spent about two seconds of CPU importing
@@ -16,9 +18,13 @@ spawned one would.
 
 from __future__ import annotations
 
+import io
 import os
+import runpy
+import subprocess
 import sys
 import tempfile
+import time
 import traceback
 from datetime import timedelta
 
@@ -108,3 +114,93 @@ def run_local_workers(fn, world_size: int, *args, backend: str = "gloo", threads
             raise RuntimeError(f"worker processes failed: {failure}")
         results = [outs[rank]["result"] for rank in range(world_size)]
         return results
+
+
+def _script_rank(rank, world_size, script, argv, environ, cwd, out_path, err_path, start_method):
+    """One rank of :func:`run_script`: the script as ``python -u script argv`` would run it, its
+    output appended to the launch's two files, its exit status as the process's."""
+    os.environ.clear()
+    os.environ.update(environ)
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), ROLE_WORLD_SIZE=str(world_size))
+    mp.set_start_method(start_method, force=True)  # as in _worker: a DataLoader's workers as the caller's
+    os.chdir(cwd)
+    for fd, path in ((1, out_path), (2, err_path)):
+        os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)
+    # unbuffered, as torchrun's ``python -u``: the ranks' lines interleave as they are written
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    sys.argv = [script, *argv]
+    sys.path.insert(0, os.path.dirname(script))  # as the interpreter puts a script's folder first
+    code = 0
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as exit_:  # the interpreter's rules: None is 0, a number itself, anything else printed and 1
+        code = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
+        if not isinstance(exit_.code, int) and exit_.code is not None:
+            print(exit_.code, file=sys.stderr)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)  # no interpreter teardown, as in _worker (gloo's threads)
+
+
+def run_script(script, argv, nproc: int, *, env=None, cwd=None, timeout: float = 300,
+               grace: float = 5.0) -> subprocess.CompletedProcess:
+    """Run ``script argv`` on ``nproc`` ranks of this machine as ``torchrun --standalone
+    --nproc_per_node nproc`` would, from the fork server of :func:`run_local_workers` (torch,
+    ds_lowcomm and inductor imported once: a Megatron launch of the tests took 20 s under torchrun
+    and takes 4 here, 2026-12-02).
+
+    Each rank gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
+    MASTER_ADDR/MASTER_PORT of a TCP store this process holds, as torchrun's agent holds one) and
+    makes its own process group. As under torchrun, a rank that fails stops the launch: the others
+    get ``grace`` seconds to finish (each prints its own error) and are then terminated. Returns the
+    launch's ``CompletedProcess``: the ranks' stdout and stderr, each interleaved as written, and
+    the first failed rank's exit status (0 when all succeeded); ``subprocess.TimeoutExpired``
+    after ``timeout`` seconds, every rank killed."""
+    script = os.path.abspath(script)
+    environ = dict(os.environ if env is None else env)
+    store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
+    environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
+                   TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
+                   TORCHELASTIC_RUN_ID=f"run_script_{os.getpid()}_{store.port}")
+    environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default with several ranks on a machine
+    mp.set_forkserver_preload(PRELOAD)
+    ctx = mp.get_context("forkserver")
+    with tempfile.TemporaryDirectory(prefix="ds_lowcomm_script_") as logs:
+        out_path, err_path = os.path.join(logs, "stdout"), os.path.join(logs, "stderr")
+        for path in (out_path, err_path):
+            open(path, "w").close()
+        ranks = [ctx.Process(target=_script_rank,
+                             args=(rank, nproc, script, list(argv), environ, os.path.abspath(cwd or os.getcwd()),
+                                   out_path, err_path, mp.get_start_method(allow_none=True)))
+                 for rank in range(nproc)]
+        for rank in ranks:
+            rank.start()
+        deadline, stop_at, code = time.monotonic() + timeout, None, 0
+        try:
+            while any(rank.exitcode is None for rank in ranks):
+                now = time.monotonic()
+                if now > deadline:
+                    raise subprocess.TimeoutExpired([script, *argv], timeout)
+                failed = [rank.exitcode for rank in ranks if rank.exitcode not in (None, 0)]
+                if failed and stop_at is None:
+                    code, stop_at = failed[0], now + grace
+                if stop_at is not None and now > stop_at:
+                    break
+                time.sleep(0.05)
+        finally:
+            for rank in ranks:  # SIGTERM, as torchrun stops its workers; SIGKILL where that is not enough
+                if rank.exitcode is None:
+                    rank.terminate()
+                    rank.join(10)
+                if rank.exitcode is None:
+                    rank.kill()
+                rank.join()
+        if code == 0:  # a rank killed by a signal by itself: its negative status, as subprocess reports one
+            code = next((rank.exitcode for rank in ranks if rank.exitcode != 0), 0)
+        with open(out_path) as out, open(err_path) as err:
+            return subprocess.CompletedProcess([script, *argv], code, out.read(), err.read())
