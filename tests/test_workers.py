@@ -1,16 +1,19 @@
 """run_local_workers (the launcher of compare, the benchmarks and the multi-rank tests): its workers
 come from a fork server that imported torch (and its inductor) once, yet each sees its launch as a
 spawned process would (the caller's environment and working directory as of the launch), and what
-a worker starts itself (a DataLoader's workers) goes with it."""
+a worker starts itself (a DataLoader's workers) goes with it. run_script, from the same fork
+server, gives a script what torchrun gives it."""
 
+import json
 import multiprocessing
 import os
+import subprocess
 import sys
 import time
 
 import torch
 
-from lowcomm_task.workers import run_local_workers
+from lowcomm_task.workers import run_local_workers, run_script
 
 
 def _seen(rank, world):
@@ -61,3 +64,51 @@ def test_workers_see_their_launch_and_leave_nothing_behind(tmp_path, monkeypatch
     while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert all(_gone(pid) for pid in pids), [pid for pid in pids if not _gone(pid)]
+
+
+# Prints what a launcher gave this rank, sums the ranks over a process group made from it, and
+# exits with argv[1] on the last rank (0 elsewhere); with argv[2], the others then hang.
+_SCRIPT = """
+import json, os, sys, time
+import torch, torch.distributed as dist
+mine = {k: v for k, v in os.environ.items() if k not in json.loads(os.environ["DSLC_BASE"])}
+dist.init_process_group("gloo")
+total = torch.tensor([dist.get_rank() + 1.0])
+dist.all_reduce(total)
+sys.stdout.write(json.dumps({"env": mine, "sum": total.item(), "main": __name__, "argv": sys.argv[1:],
+                             "cwd": os.getcwd()}) + "\\n")  # one write: whole lines under torchrun's -u too
+last = dist.get_rank() == dist.get_world_size() - 1
+if last and sys.argv[1] != "0":
+    raise SystemExit(int(sys.argv[1]))
+if len(sys.argv) > 2:
+    time.sleep(600)  # stuck where no collective would notice the failed rank
+dist.destroy_process_group()
+"""
+
+
+def test_run_script_gives_what_torchrun_gives(tmp_path):
+    """A script under run_script sees torchrun's variables (by name: every one torchrun sets but its
+    error file; by value where they are not per launch), makes its process group from them, and runs
+    as __main__ in the caller's folder; a failed rank's status is the launch's, and the ranks still
+    waiting for it are stopped after the grace, not left to the collective's timeout."""
+    script = tmp_path / "script.py"
+    script.write_text(_SCRIPT)
+    env = {**os.environ, "DSLC_BASE": json.dumps(list(os.environ) + ["DSLC_BASE"])}
+    torchrun = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "3",
+                               str(script), "0"], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    assert torchrun.returncode == 0, torchrun.stderr[-2000:]
+    ours = run_script(script, ["0"], 3, env=env, cwd=tmp_path, timeout=120)
+    assert ours.returncode == 0, ours.stderr[-2000:]
+    ref = sorted((json.loads(line) for line in torchrun.stdout.splitlines()), key=lambda r: r["env"]["RANK"])
+    got = sorted((json.loads(line) for line in ours.stdout.splitlines()), key=lambda r: r["env"]["RANK"])
+    per_launch = {"MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"}
+    for r, g in zip(ref, got, strict=True):
+        assert set(g["env"]) == set(r["env"]) - {"TORCHELASTIC_ERROR_FILE"}
+        assert {k: v for k, v in g["env"].items() if k not in per_launch} == \
+            {k: v for k, v in r["env"].items() if k not in per_launch | {"TORCHELASTIC_ERROR_FILE"}}
+        assert g["sum"] == r["sum"] == 6.0 and g["main"] == "__main__" and g["argv"] == ["0"]
+        assert g["cwd"] == r["cwd"] == str(tmp_path)
+    start = time.monotonic()
+    failed = run_script(script, ["3", "wait"], 2, env=env, cwd=tmp_path, timeout=120, grace=1.0)
+    assert failed.returncode == 3 and len(failed.stdout.splitlines()) == 2, failed
+    assert time.monotonic() - start < 60  # the hanging rank stopped after the grace, as torchrun stops it

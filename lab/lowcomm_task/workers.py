@@ -121,15 +121,15 @@ def _script_rank(rank, world_size, script, argv, environ, cwd, out_path, err_pat
     output appended to the launch's two files, its exit status as the process's."""
     os.environ.clear()
     os.environ.update(environ)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), GROUP_RANK="0", ROLE_RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size), ROLE_WORLD_SIZE=str(world_size))
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
     mp.set_start_method(start_method, force=True)  # as in _worker: a DataLoader's workers as the caller's
     os.chdir(cwd)
     for fd, path in ((1, out_path), (2, err_path)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)
-    # unbuffered, as torchrun's ``python -u``: the ranks' lines interleave as they are written
-    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), write_through=True)
-    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), write_through=True)
+    # Written a line at a time (torchrun's ``python -u`` writes a print's text and its newline
+    # apart, so two ranks' lines can share one): the ranks' lines interleave whole, as written
+    sys.stdout = io.TextIOWrapper(io.FileIO(1, "w", closefd=False), line_buffering=True)
+    sys.stderr = io.TextIOWrapper(io.FileIO(2, "w", closefd=False), line_buffering=True)
     sys.argv = [script, *argv]
     sys.path.insert(0, os.path.dirname(script))  # as the interpreter puts a script's folder first
     code = 0
@@ -154,19 +154,23 @@ def run_script(script, argv, nproc: int, *, env=None, cwd=None, timeout: float =
     ds_lowcomm and inductor imported once: a Megatron launch of the tests took 20 s under torchrun
     and takes 4 here, 2026-12-02).
 
-    Each rank gets torchrun's variables (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE,
-    MASTER_ADDR/MASTER_PORT of a TCP store this process holds, as torchrun's agent holds one) and
-    makes its own process group. As under torchrun, a rank that fails stops the launch: the others
+    Each rank gets torchrun's variables, all but its error file (RANK, LOCAL_RANK, WORLD_SIZE,
+    MASTER_ADDR/MASTER_PORT of a TCP store this process holds, as torchrun's agent holds one, ...)
+    and makes its own process group. As under torchrun, a rank that fails stops the launch: the others
     get ``grace`` seconds to finish (each prints its own error) and are then terminated. Returns the
     launch's ``CompletedProcess``: the ranks' stdout and stderr, each interleaved as written, and
     the first failed rank's exit status (0 when all succeeded); ``subprocess.TimeoutExpired``
     after ``timeout`` seconds, every rank killed."""
     script = os.path.abspath(script)
     environ = dict(os.environ if env is None else env)
-    store = dist.TCPStore("127.0.0.1", 0, nproc, is_master=True, wait_for_workers=False)
-    environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
+    store = dist.TCPStore("localhost", 0, nproc, is_master=True, wait_for_workers=False)
+    # torchrun's variables but its error file (where its @record writes a failure for the agent)
+    environ.update(MASTER_ADDR="localhost", MASTER_PORT=str(store.port), TORCHELASTIC_USE_AGENT_STORE="True",
                    TORCHELASTIC_RESTART_COUNT="0", TORCHELASTIC_MAX_RESTARTS="0",
-                   TORCHELASTIC_RUN_ID=f"run_script_{os.getpid()}_{store.port}")
+                   TORCHELASTIC_RUN_ID=f"run_script_{os.getpid()}_{store.port}",
+                   TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT", TORCH_NCCL_ASYNC_ERROR_HANDLING="1",
+                   ROLE_NAME="default", GROUP_RANK="0", GROUP_WORLD_SIZE="1", WORLD_SIZE=str(nproc),
+                   LOCAL_WORLD_SIZE=str(nproc), ROLE_WORLD_SIZE=str(nproc))
     environ.setdefault("OMP_NUM_THREADS", "1")  # torchrun's default with several ranks on a machine
     mp.set_forkserver_preload(PRELOAD)
     ctx = mp.get_context("forkserver")
