@@ -139,7 +139,7 @@ def _script_rank(rank, world_size, script, argv, environ, cwd, out_path, err_pat
         code = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
         if not isinstance(exit_.code, int) and exit_.code is not None:
             print(exit_.code, file=sys.stderr)
-    except BaseException:
+    except BaseException:  # noqa: BLE001 (what the interpreter does with an uncaught one: printed, status 1)
         traceback.print_exc()
         code = 1
     sys.stdout.flush()
