@@ -67,30 +67,38 @@ def test_workers_see_their_launch_and_leave_nothing_behind(tmp_path, monkeypatch
 
 
 # Prints what a launcher gave this rank, sums the ranks over a process group made from it, and
-# exits with argv[1] on the last rank (0 elsewhere); with argv[2], the others then hang.
+# exits with argv[1] on the last rank (0 elsewhere); with argv[2], the others then hang. With argv[1]
+# 0, each leaves a spawned multiprocessing Manager running, which the interpreter's exit shuts down,
+# as Megatron's checkpoint save leaves one (dist_checkpointing's filesystem_async).
 _SCRIPT = """
-import json, os, sys, time
-import torch, torch.distributed as dist
-mine = {k: v for k, v in os.environ.items() if k not in json.loads(os.environ["DSLC_BASE"])}
-dist.init_process_group("gloo")
-total = torch.tensor([dist.get_rank() + 1.0])
-dist.all_reduce(total)
-sys.stdout.write(json.dumps({"env": mine, "sum": total.item(), "main": __name__, "argv": sys.argv[1:],
-                             "cwd": os.getcwd()}) + "\\n")  # one write: whole lines under torchrun's -u too
-last = dist.get_rank() == dist.get_world_size() - 1
-if last and sys.argv[1] != "0":
-    raise SystemExit(int(sys.argv[1]))
-if len(sys.argv) > 2:
-    time.sleep(600)  # stuck where no collective would notice the failed rank
-dist.destroy_process_group()
+import json, multiprocessing, os, sys, time
+if __name__ == "__main__":  # a spawned process imports this file again
+    import torch, torch.distributed as dist
+    mine = {k: v for k, v in os.environ.items() if k not in json.loads(os.environ["DSLC_BASE"])}
+    manager = None
+    if sys.argv[1] == "0":  # (a rank stopped by a signal would leave it behind, under torchrun too)
+        manager = multiprocessing.get_context("spawn").Manager()
+        multiprocessing.kept = manager  # alive after the script, as in a library's module global
+    dist.init_process_group("gloo")
+    total = torch.tensor([dist.get_rank() + 1.0])
+    dist.all_reduce(total)
+    sys.stdout.write(json.dumps({"env": mine, "sum": total.item(), "main": __name__, "argv": sys.argv[1:],
+                                 "cwd": os.getcwd(), "manager": manager and manager._process.pid}) + "\\n")  # one write
+    last = dist.get_rank() == dist.get_world_size() - 1
+    if last and sys.argv[1] != "0":
+        raise SystemExit(int(sys.argv[1]))
+    if len(sys.argv) > 2:
+        time.sleep(600)  # stuck where no collective would notice the failed rank
+    dist.destroy_process_group()
 """
 
 
 def test_run_script_gives_what_torchrun_gives(tmp_path):
     """A script under run_script sees torchrun's variables (by name: every one torchrun sets but its
     error file; by value where they are not per launch), makes its process group from them, and runs
-    as __main__ in the caller's folder; a failed rank's status is the launch's, and the ranks still
-    waiting for it are stopped after the grace, not left to the collective's timeout."""
+    as __main__ in the caller's folder, and leaves nothing running that its exit would stop; a failed
+    rank's status is the launch's, and the ranks still waiting for it are stopped after the grace,
+    not left to the collective's timeout."""
     script = tmp_path / "script.py"
     script.write_text(_SCRIPT)
     env = {**os.environ, "DSLC_BASE": json.dumps(list(os.environ) + ["DSLC_BASE"])}
@@ -108,6 +116,7 @@ def test_run_script_gives_what_torchrun_gives(tmp_path):
             {k: v for k, v in r["env"].items() if k not in per_launch | {"TORCHELASTIC_ERROR_FILE"}}
         assert g["sum"] == r["sum"] == 6.0 and g["main"] == "__main__" and g["argv"] == ["0"]
         assert g["cwd"] == r["cwd"] == str(tmp_path)
+        assert _gone(g["manager"]) and _gone(r["manager"])  # the exit's finalizers ran, as the interpreter's
     start = time.monotonic()
     failed = run_script(script, ["3", "wait"], 2, env=env, cwd=tmp_path, timeout=120, grace=1.0)
     assert failed.returncode == 3 and len(failed.stdout.splitlines()) == 2, failed

@@ -18,6 +18,7 @@ spawned one would.
 
 from __future__ import annotations
 
+import atexit
 import io
 import os
 import runpy
@@ -142,9 +143,13 @@ def _script_rank(rank, world_size, script, argv, environ, cwd, out_path, err_pat
     except BaseException:  # noqa: BLE001 (what the interpreter does with an uncaught one: printed, status 1)
         traceback.print_exc()
         code = 1
+    # What the interpreter runs at exit: the script's atexit handlers and multiprocessing's
+    # finalizers (the Manager that Megatron's checkpoint save starts is shut down by one; without
+    # them it outlived the launch). Then no interpreter teardown, as in _worker (gloo's threads).
+    atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
-    os._exit(code)  # no interpreter teardown, as in _worker (gloo's threads)
+    os._exit(code)
 
 
 def run_script(script, argv, nproc: int, *, env=None, cwd=None, timeout: float = 300,
