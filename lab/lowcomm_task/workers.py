@@ -118,8 +118,8 @@ def run_local_workers(fn, world_size: int, *args, backend: str = "gloo", threads
 
 
 def _script_rank(rank, world_size, script, argv, environ, cwd, out_path, err_path, start_method):
-    """One rank of :func:`run_script`: the script as ``python -u script argv`` would run it, its
-    output appended to the launch's two files, its exit status as the process's."""
+    """One rank of :func:`run_script`: the script as ``python script argv`` would run it, its
+    output appended to the launch's two files a line at a time, its exit status as the process's."""
     os.environ.clear()
     os.environ.update(environ)
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
@@ -145,7 +145,8 @@ def _script_rank(rank, world_size, script, argv, environ, cwd, out_path, err_pat
         code = 1
     # What the interpreter runs at exit: the script's atexit handlers and multiprocessing's
     # finalizers (the Manager that Megatron's checkpoint save starts is shut down by one; without
-    # them it outlived the launch). Then no interpreter teardown, as in _worker (gloo's threads).
+    # them it outlived the launch); CPython's private call, the one its finalisation makes. Then no
+    # interpreter teardown, as in _worker (gloo's threads).
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
