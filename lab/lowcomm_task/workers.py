@@ -137,9 +137,10 @@ def _script_rank(rank, world_size, script, argv, environ, cwd, out_path, err_pat
     try:
         runpy.run_path(script, run_name="__main__")
     except SystemExit as exit_:  # the interpreter's rules: None is 0, a number itself, anything else printed and 1
-        code = exit_.code if isinstance(exit_.code, int) else 0 if exit_.code is None else 1
-        if not isinstance(exit_.code, int) and exit_.code is not None:
-            print(exit_.code, file=sys.stderr)
+        code = 0 if exit_.code is None else exit_.code
+        if not isinstance(code, int):
+            print(code, file=sys.stderr)
+            code = 1
     except BaseException:  # noqa: BLE001 (what the interpreter does with an uncaught one: printed, status 1)
         traceback.print_exc()
         code = 1
@@ -184,10 +185,9 @@ def run_script(script, argv, nproc: int, *, env=None, cwd=None, timeout: float =
         out_path, err_path = os.path.join(logs, "stdout"), os.path.join(logs, "stderr")
         for path in (out_path, err_path):
             open(path, "w").close()
-        ranks = [ctx.Process(target=_script_rank,
-                             args=(rank, nproc, script, list(argv), environ, os.path.abspath(cwd or os.getcwd()),
-                                   out_path, err_path, mp.get_start_method(allow_none=True)))
-                 for rank in range(nproc)]
+        launch = (list(argv), environ, os.path.abspath(cwd or os.getcwd()), out_path, err_path,
+                  mp.get_start_method(allow_none=True))
+        ranks = [ctx.Process(target=_script_rank, args=(rank, nproc, script, *launch)) for rank in range(nproc)]
         for rank in ranks:
             rank.start()
         deadline, stop_at, code = time.monotonic() + timeout, None, 0
