@@ -132,15 +132,3 @@ def whole_tensors(model, tensors: dict, layers: int = 2) -> dict:
             t = torch.cat(shards, dim)
         out[re.sub(r"layers\.(\d+)\.", lambda m: f"layers.{int(m.group(1)) + offset}.", name)] = t
     return out
-
-
-def release_checkpoint_writer() -> None:
-    """Megatron's dist_checkpointing keeps one multiprocessing Manager (a server process) for its
-    file writers' results, shut down by multiprocessing's exit handlers; a test worker leaves
-    through ``os._exit`` (lowcomm_task.workers), which skips them: shut it down here, at the end of
-    a worker that saved a torch_dist checkpoint, or the server outlives the test."""
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    queue, filesystem_async._results_queue = filesystem_async._results_queue, None
-    if queue is not None:
-        queue._manager.shutdown()

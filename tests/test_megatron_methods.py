@@ -210,7 +210,7 @@ def _reshard_per_replica_state():
     from megatron.core import parallel_state as ps
 
     from megatron_patches.checkpoint import load_dist, save_dist
-    from tests.megatron_train import release_checkpoint_writer, whole_tensors
+    from tests.megatron_train import whole_tensors
 
     where = [tempfile.mkdtemp(prefix="reshard") if dist.get_rank() == 0 else None]
     dist.broadcast_object_list(where)
@@ -239,7 +239,6 @@ def _reshard_per_replica_state():
         out[name] = {"saved": saved, "loaded": got, "dp": (dp, ps.get_data_parallel_rank())}
         ps.destroy_model_parallel()
         _init(2, 1)
-    release_checkpoint_writer()
     return out
 
 

@@ -19,7 +19,7 @@ import torch
 pytest.importorskip("megatron.core", reason="megatron-core is not installed (the 'megatron' extra)")
 
 from lowcomm_task.workers import run_local_workers  # noqa: E402
-from tests.megatron_train import release_checkpoint_writer, train, whole_tensors  # noqa: E402
+from tests.megatron_train import train, whole_tensors  # noqa: E402
 
 LAYERS = 2  # megatron_train's GPTModel
 CASES = {  # name: (lowcomm, steps before the save): the outer methods save right after a sync
@@ -154,7 +154,6 @@ def _reshard_worker(rank, world, directory):
                 got.setdefault("error", f"{type(err).__name__}: {err}")
             out[case][(tp, pp)] = got
             ps.destroy_model_parallel()
-    release_checkpoint_writer()
     return out
 
 

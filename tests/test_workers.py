@@ -1,7 +1,7 @@
 """run_local_workers (the launcher of compare, the benchmarks and the multi-rank tests): its workers
 come from a fork server that imported torch (and its inductor) once, yet each sees its launch as a
 spawned process would (the caller's environment and working directory as of the launch), and what
-a worker starts itself (a DataLoader's workers) goes with it. run_script, from the same fork
+a worker starts itself (a DataLoader's workers, a Manager) goes with it. run_script, from the same fork
 server, gives a script what torchrun gives it."""
 
 import json
@@ -30,6 +30,13 @@ def _loader(rank, world):
     total = sum(int(batch.sum()) for batch in loader)
     return {"total": total, "method": multiprocessing.get_start_method(),
             "pids": [w.pid for w in loader._iterator._workers]}
+
+
+def _manager(rank, world):
+    # Kept as a library's module global keeps one (Megatron's checkpoint save: dist_checkpointing's
+    # filesystem_async); multiprocessing's finalizers shut it down at the interpreter's exit.
+    multiprocessing.kept = multiprocessing.get_context("spawn").Manager()
+    return multiprocessing.kept._process.pid
 
 
 def _gone(pid: int) -> bool:
@@ -64,6 +71,9 @@ def test_workers_see_their_launch_and_leave_nothing_behind(tmp_path, monkeypatch
     while not all(_gone(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.5)
     assert all(_gone(pid) for pid in pids), [pid for pid in pids if not _gone(pid)]
+    # What a worker's exit would stop is stopped when it ends (its exit functions ran)
+    managers = run_local_workers(_manager, 2)
+    assert all(_gone(pid) for pid in managers), managers
 
 
 # Prints what a launcher gave this rank, sums the ranks over a process group made from it, and

@@ -88,6 +88,7 @@ def worker(job_path: str) -> None:
     sys.path.insert(0, str(EXAMPLES))
     import hf_trainer  # noqa: PLC0415  (the user's script; its import installs ds_lowcomm's route)
     import torch  # noqa: PLC0415
+    from lowcomm_task.workers import exit_without_teardown  # noqa: PLC0415
     from transformers import TrainerCallback  # noqa: PLC0415
 
     counter = Path(f"/sys/class/net/{os.environ['GLOO_SOCKET_IFNAME']}/statistics/tx_bytes")
@@ -109,8 +110,7 @@ def worker(job_path: str) -> None:
     torch.distributed.barrier()
     # (a worker in a test host otherwise aborts in a C++ destructor at interpreter exit, after its
     # report is written: "terminate called without an active exception")
-    sys.stdout.flush()
-    os._exit(0)
+    exit_without_teardown(0)
 
 
 def run_entry(net: TestNetwork, entry: str, args, port: int, override: dict | None = None) -> dict:

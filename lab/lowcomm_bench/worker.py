@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from lowcomm_task.spec import TrainSpec
 from lowcomm_task.train import train_worker
+from lowcomm_task.workers import exit_without_teardown
 
 
 def main(argv: list[str]) -> None:
@@ -45,8 +46,7 @@ def main(argv: list[str]) -> None:
         json.dump(metrics, f)
     dist.barrier()
     dist.destroy_process_group()
-    sys.stdout.flush()
-    os._exit(0)  # see task/deepspeed_main.py: gloo threads can abort a normal interpreter exit
+    exit_without_teardown(0)  # see lowcomm_task/workers.py: gloo threads can abort a normal interpreter exit
 
 
 if __name__ == "__main__":

@@ -27,6 +27,7 @@ from ds_lowcomm.deepspeed.launcher import mpi_environment
 
 from .spec import DEFAULTS, TrainSpec
 from .train import train_worker
+from .workers import exit_without_teardown
 
 
 def parser() -> argparse.ArgumentParser:
@@ -154,6 +155,4 @@ def main(argv: list[str] | None = None) -> None:
     # Everything is written and every rank has passed the barrier. Leave without running C++
     # destructors: gloo/DeepSpeed background threads now and then abort the interpreter's
     # shutdown ("terminate called without an active exception", SIGABRT) after a good run.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown(0)

@@ -42,17 +42,35 @@ import torch.multiprocessing as mp
 PRELOAD = ["torch", "torch.distributed", "ds_lowcomm", "torch._inductor.compile_fx"]
 
 
-def _worker(rank, world_size, store_dir, fn, args, backend, threads, environ, start_method):
-    # The fork server's environment is the one it started with: the caller's, as of this launch.
+def _enter(environ, start_method, **rank_vars):
+    """What a rank of either launcher sets first. The fork server's environment is the one it
+    started with: the rank takes the caller's, as of this launch, and its own variables on top."""
     os.environ.clear()
     os.environ.update(environ)
+    os.environ.update(rank_vars)
     # Processes this one starts (a DataLoader's workers) as the caller's would start them (fork on
     # Linux), not from a fork server of their own, which outlives this process's exit with them.
     mp.set_start_method(start_method, force=True)
-    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
+
+
+def exit_without_teardown(code: int = 0):
+    """How a rank of either launcher, and a training script's rank whose work is done, ends. First what the interpreter runs at exit: atexit's
+    handlers and multiprocessing's finalizers (the Manager that Megatron's checkpoint save starts
+    is shut down by one; without them it outlived the launch); CPython's private call, the one its
+    finalisation makes. Then no interpreter teardown: subgroups and finished async works can keep
+    gloo's threads alive into it, where destroying them aborts the process ("terminate called
+    without an active exception") after the rank's work is done."""
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
+def _worker(rank, world_size, store_dir, fn, args, backend, threads, environ, start_method):
     # What torchrun would set (DeepSpeed's engine asks for LOCAL_RANK); one machine, so local == global.
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
-                      LOCAL_WORLD_SIZE=str(world_size))
+    _enter(environ, start_method, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+           LOCAL_WORLD_SIZE=str(world_size))
+    os.environ.setdefault("OMP_NUM_THREADS", str(threads))
     torch.set_num_threads(threads)
     if backend == "nccl":  # one GPU per rank, as torchrun's LOCAL_RANK would pick
         torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -73,12 +91,7 @@ def _worker(rank, world_size, store_dir, fn, args, backend, threads, environ, st
     # Without the barrier before destroying, gloo now and then aborts at exit.
     dist.barrier()
     dist.destroy_process_group()
-    # Subgroups and finished async works can keep gloo's threads alive into interpreter teardown,
-    # where destroying them aborts the process ("terminate called without an active exception")
-    # after the result is already saved; leave without that teardown.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    exit_without_teardown(0)
 
 
 def run_local_workers(fn, world_size: int, *args, backend: str = "gloo", threads: int | None = None):
@@ -120,10 +133,7 @@ def run_local_workers(fn, world_size: int, *args, backend: str = "gloo", threads
 def _script_rank(rank, world_size, script, argv, environ, cwd, out_path, err_path, start_method):
     """One rank of :func:`run_script`: the script as ``python script argv`` would run it, its
     output appended to the launch's two files a line at a time, its exit status as the process's."""
-    os.environ.clear()
-    os.environ.update(environ)
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
-    mp.set_start_method(start_method, force=True)  # as in _worker: a DataLoader's workers as the caller's
+    _enter(environ, start_method, RANK=str(rank), LOCAL_RANK=str(rank), ROLE_RANK=str(rank))
     os.chdir(cwd)
     for fd, path in ((1, out_path), (2, err_path)):
         os.dup2(os.open(path, os.O_WRONLY | os.O_APPEND), fd)
@@ -144,14 +154,7 @@ def _script_rank(rank, world_size, script, argv, environ, cwd, out_path, err_pat
     except BaseException:  # noqa: BLE001 (what the interpreter does with an uncaught one: printed, status 1)
         traceback.print_exc()
         code = 1
-    # What the interpreter runs at exit: the script's atexit handlers and multiprocessing's
-    # finalizers (the Manager that Megatron's checkpoint save starts is shut down by one; without
-    # them it outlived the launch); CPython's private call, the one its finalisation makes. Then no
-    # interpreter teardown, as in _worker (gloo's threads).
-    atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(code)
+    exit_without_teardown(code)
 
 
 def run_script(script, argv, nproc: int, *, env=None, cwd=None, timeout: float = 300,
