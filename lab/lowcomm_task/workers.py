@@ -54,12 +54,13 @@ def _enter(environ, start_method, **rank_vars):
 
 
 def exit_without_teardown(code: int = 0):
-    """How a rank of either launcher, and a training script's rank whose work is done, ends. First what the interpreter runs at exit: atexit's
-    handlers and multiprocessing's finalizers (the Manager that Megatron's checkpoint save starts
-    is shut down by one; without them it outlived the launch); CPython's private call, the one its
-    finalisation makes. Then no interpreter teardown: subgroups and finished async works can keep
-    gloo's threads alive into it, where destroying them aborts the process ("terminate called
-    without an active exception") after the rank's work is done."""
+    """How a rank whose work is done ends (either launcher's, and the training scripts' own).
+    First what the interpreter runs at exit: atexit's handlers and multiprocessing's finalizers
+    (the Manager that Megatron's checkpoint save starts is shut down by one; without them it
+    outlived the launch); CPython's private call, the one its finalisation makes. Then no
+    interpreter teardown: subgroups and finished async works can keep gloo's threads alive into
+    it, where destroying them aborts the process ("terminate called without an active
+    exception") after the rank's work is done."""
     atexit._run_exitfuncs()
     sys.stdout.flush()
     sys.stderr.flush()
