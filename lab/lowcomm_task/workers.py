@@ -33,6 +33,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ds_lowcomm.checkpoint_io import atomic_write
+
 # Imported once, by the fork server. Not deepspeed nor megatron: each reads the machine at import
 # (DeepSpeed picks its accelerator; Megatron's CPU shim must come first), which a test or a
 # script may change by the environment before a launch. torch's inductor, which torch.compile
@@ -67,6 +69,12 @@ def exit_without_teardown(code: int = 0):
     os._exit(code)
 
 
+def _save_result(out: dict, store_dir: str, rank: int) -> None:
+    # Atomic: when one rank fails, the parent stops the others, maybe mid-write; a torn file
+    # would hide the failing rank's error behind an EOFError.
+    atomic_write(os.path.join(store_dir, f"result{rank}.pt"), lambda f: torch.save(out, f))
+
+
 def _worker(rank, world_size, store_dir, fn, args, backend, threads, environ, start_method):
     # What torchrun would set (DeepSpeed's engine asks for LOCAL_RANK); one machine, so local == global.
     _enter(environ, start_method, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
@@ -85,10 +93,10 @@ def _worker(rank, world_size, store_dir, fn, args, backend, threads, environ, st
     except BaseException:
         # No barrier here: the other ranks may be inside a collective this rank will never join;
         # exiting lets the parent see the failure and stop them.
-        torch.save({"error": traceback.format_exc()}, os.path.join(store_dir, f"result{rank}.pt"))
+        _save_result({"error": traceback.format_exc()}, store_dir, rank)
         dist.destroy_process_group()  # closes this rank's connections: peers fail fast, not at a timeout
         raise
-    torch.save({"result": result}, os.path.join(store_dir, f"result{rank}.pt"))
+    _save_result({"result": result}, store_dir, rank)
     # Without the barrier before destroying, gloo now and then aborts at exit.
     dist.barrier()
     dist.destroy_process_group()
