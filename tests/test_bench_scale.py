@@ -78,8 +78,51 @@ def test_long_h_dense_from_refuses_a_second_tuning_and_a_csv_without_this_run(tm
     with pytest.raises(SystemExit, match="--dense-from: dense Muon's tuning measured before; --tune-dense"):
         long_h.main(["--dense-from", LONG_H_CSV, "--tuned-from", LONG_H_CSV, "--tune-dense", "--out", str(tmp_path)])
     with pytest.raises(SystemExit, match="no dense Muon tuning row of 4"):
-        long_h.main(["--dense-from", LONG_H_CSV, "--n-layer", "6", "--n-embd", "256", "--budget", "1000",
+        long_h.main(["--dense-from", LONG_H_CSV, "--n-layer", "6", "--n-embd", "256", "--budget", "2000",
                      "--out", str(tmp_path)])
+
+
+def test_long_h_tuned_from_carries_the_settings_of_the_replica_count_tuned_at(tmp_path):
+    """``long_h --tuned-from``: dense Muon's best and each candidate's measured settings come from the
+    rows of the (size, replicas, budget) where the candidates were tuned, not from rows those settings
+    were carried to before (here 8 replicas, listed first, with other settings and a lower loss); a CSV
+    holding two tunings, or two measured settings of a candidate, is refused."""
+    from lowcomm_bench import long_h
+
+    model = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--seq-len", "16", "--batch", "2",
+             "--budget", "30", "--warmup", "2", "--eval-every", "10"]
+    parameters = scale.parameters_of({"n_layer": 1, "n_embd": 16, "n_head": 2, "seq_len": 16})
+    base = {c: None for c in long_h.COLUMNS}
+    base.update(parameters=parameters, replicas=2, budget=30, seed=0, H=1, steps_to_target=20, target_loss=50.0,
+                bytes_sent_per_worker=1e6, bytes_received_per_worker=1e6, last_step=30, device="cpu")
+    dense_at = {lr: {"lr": 0.008, "peer.muon_lr": lr} for lr in (0.02, 0.03, 0.05)}
+    tuned = long_h.recipe_settings(dense_at[0.02], {"sync_every": 5})
+    carried_elsewhere = long_h.recipe_settings(dense_at[0.05], {"sync_every": 10})
+
+    def row(entry, role, settings, final, **kw):
+        return {**base, "entry": entry, "role": role, "final_val_loss": final, "settings": json.dumps(settings),
+                **kw}
+
+    eight = {"replicas": 8, "budget": 15}
+    rows = [row("muon", "tune", dense_at[0.05], 3.0, **eight), row("recipe", "seed", carried_elsewhere, 3.5, **eight),
+            row("muon", "tune", dense_at[0.03], 4.5), row("muon", "tune", dense_at[0.02], 4.0),
+            row("recipe", "tune", tuned, 4.2), row("recipe", "seed", tuned, 4.2, seed=1)]
+    scale.write_csv(tmp_path / "before.csv", rows, long_h.COLUMNS)
+    result = long_h.main([*model, "--tuned-from", str(tmp_path / "before.csv"), "--candidates", "recipe",
+                          "--seeds", "0", "--out", str(tmp_path / "out")])
+    got = {(r["entry"], r["role"]): json.loads(r["settings"]) for r in result["rows"]}
+    assert got == {("muon", "tune"): dense_at[0.02], ("muon", "seed"): dense_at[0.02], ("recipe", "seed"): tuned}
+
+    scale.write_csv(tmp_path / "two.csv", [*rows, row("recipe", "tune", carried_elsewhere, 3.5, **eight)],
+                    long_h.COLUMNS)
+    with pytest.raises(SystemExit, match=f"tuned there: {parameters} parameters, 2 replicas, budget 30, "
+                                         f"{parameters} parameters, 8 replicas, budget 15"):
+        long_h.main([*model, "--tuned-from", str(tmp_path / "two.csv"), "--out", str(tmp_path / "x")])
+    scale.write_csv(tmp_path / "both.csv", [*rows, row("recipe", "seed", carried_elsewhere, 4.0, seed=2)],
+                    long_h.COLUMNS)
+    with pytest.raises(SystemExit, match="2 measured settings of recipe at .* 2 replicas, budget 30"):
+        long_h.main([*model, "--tuned-from", str(tmp_path / "both.csv"), "--candidates", "recipe",
+                     "--out", str(tmp_path / "x")])
 
 
 def test_long_h_dense_from_tunes_candidates_to_the_carried_target_without_running_dense_muon(tmp_path):

@@ -6,7 +6,7 @@ The fair protocol of ``bench scale`` at a longer ``--budget``:
 1. **Dense Muon tuned** on seed 0 over ``--muon-grid`` (each run the whole budget); the best is
    the lowest final held-out loss. With ``--tuned-from`` (a long_h.csv of another replica count)
    its best settings carry over instead (one run, no tuning: the settings tuned at 2 replicas
-   run at 8). With ``--dense-from`` (a long_h.csv measured on this machine) that CSV's dense Muon
+   run at 8), read from that CSV's rows of the model size, replicas and budget it tuned at. With ``--dense-from`` (a long_h.csv measured on this machine) that CSV's dense Muon
    tuning rows of this model, replica count and budget stand in for dense Muon's seed-0 runs (its
    best's settings, target and steps), so they are not run again; losses differ between machines,
    so only a CSV of the same machine will do.
@@ -176,6 +176,35 @@ def dense_rows_from(path: str | Path, common: dict) -> list[dict]:
     return rows
 
 
+def tuned_rows_from(path: str | Path) -> list[dict]:
+    """``path``'s rows of the one (model size, replicas, budget) its candidates were tuned at: where
+    a candidate has tuning rows (runs that carried settings elsewhere write none), else where dense
+    Muon has more than one (a carried dense Muon writes one). A long_h.csv also holds the rows its
+    settings were carried to (8 replicas, a larger model), and those must not stand in for the tuning."""
+    rows = read_csv(path)
+    group = lambda r: (r["parameters"], r["replicas"], r["budget"])  # noqa: E731
+    tuned = {group(r) for r in rows if r["role"] == "tune" and r["entry"] != DENSE}
+    if not tuned:
+        dense = [group(r) for r in rows if r["role"] == "tune" and r["entry"] == DENSE]
+        tuned = {g for g in dense if dense.count(g) > 1}
+    if len(tuned) != 1:
+        found = ", ".join(f"{p} parameters, {n} replicas, budget {b}" for p, n, b in sorted(tuned)) or "none"
+        raise SystemExit(f"--tuned-from {path}: needs the tuning of one model size, replica count and budget; "
+                         f"tuned there: {found}")
+    at = tuned.pop()
+    return [r for r in rows if group(r) == at]
+
+
+def carried_settings(rows: list[dict], name: str, path: str | Path) -> dict:
+    """The settings ``name`` was measured with in its tuning's rows (:func:`tuned_rows_from`)."""
+    measured = {r["settings"] for r in rows if r["entry"] == name and r["role"] == "seed"}
+    if len(measured) != 1:
+        at = f"{rows[0]['parameters']} parameters, {rows[0]['replicas']} replicas, budget {rows[0]['budget']}"
+        raise SystemExit(f"--tuned-from {path}: {len(measured) or 'no'} measured settings of {name} at {at}; "
+                         "needs exactly one")
+    return json.loads(measured.pop())
+
+
 def pick_dense(rows: list[dict]) -> dict:
     """Dense Muon's best tuning row: the lowest final held-out loss (as :func:`scale.tune_dense` picks)."""
     return min(rows, key=lambda r: r["final_val_loss"])
@@ -289,7 +318,7 @@ def main(argv: list[str] | None = None) -> dict:
     def log(msg):
         print(f"[long_h {args.n_layer}x{args.n_embd} {args.workers}r {args.budget}] {msg}", flush=True)
 
-    tuned_from = read_csv(args.tuned_from) if args.tuned_from else None
+    tuned_from = tuned_rows_from(args.tuned_from) if args.tuned_from else None
     dense_from = dense_rows_from(args.dense_from, common) if args.dense_from else None
     carried = pick_dense(dense_from) if dense_from else None  # dense Muon's best, measured before
     if dense_from and args.tune_dense:
@@ -337,10 +366,7 @@ def main(argv: list[str] | None = None) -> dict:
     chosen = {}
     for name in names:  # 3. each candidate tuned on seed 0, to the target
         if tuned_from:
-            best_rows = [r for r in tuned_from if r["entry"] == name and r["role"] == "seed"]
-            if not best_rows:
-                raise SystemExit(f"--tuned-from {args.tuned_from}: no measured row of {name}")
-            chosen[name] = json.loads(best_rows[0]["settings"])
+            chosen[name] = carried_settings(tuned_from, name, args.tuned_from)
             if args.tune_dense:  # the candidate's outer settings around this size's tuned dense Muon
                 chosen[name] = {**chosen[name], **{k: v for k, v in dense_best.items() if not k.startswith("peer.")},
                                 "lowcomm.inner_muon_lr": dense_best["peer.muon_lr"]}
