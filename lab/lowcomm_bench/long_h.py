@@ -182,7 +182,10 @@ def tuned_rows_from(path: str | Path) -> list[dict]:
     Muon has more than one (a carried dense Muon writes one). A long_h.csv also holds the rows its
     settings were carried to (8 replicas, a larger model), and those must not stand in for the tuning."""
     rows = read_csv(path)
-    group = lambda r: (r["parameters"], r["replicas"], r["budget"])  # noqa: E731
+
+    def group(r):
+        return r["parameters"], r["replicas"], r["budget"]
+
     tuned = {group(r) for r in rows if r["role"] == "tune" and r["entry"] != DENSE}
     if not tuned:
         dense = [group(r) for r in rows if r["role"] == "tune" and r["entry"] == DENSE]
