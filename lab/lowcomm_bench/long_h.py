@@ -6,10 +6,11 @@ The fair protocol of ``bench scale`` at a longer ``--budget``:
 1. **Dense Muon tuned** on seed 0 over ``--muon-grid`` (each run the whole budget); the best is
    the lowest final held-out loss. With ``--tuned-from`` (a long_h.csv of another replica count)
    its best settings carry over instead (one run, no tuning: the settings tuned at 2 replicas
-   run at 8), read from that CSV's rows of the model size, replicas and budget it tuned at. With ``--dense-from`` (a long_h.csv measured on this machine) that CSV's dense Muon
-   tuning rows of this model, replica count and budget stand in for dense Muon's seed-0 runs (its
-   best's settings, target and steps), so they are not run again; losses differ between machines,
-   so only a CSV of the same machine will do.
+   run at 8), read from that CSV's rows of the model size, replicas and budget it tuned at. With
+   ``--dense-from`` (a long_h.csv measured on this machine) that CSV's dense Muon tuning rows of
+   this model, replica count and budget stand in for dense Muon's seed-0 runs (its best's
+   settings, target and steps), so they are not run again; losses differ between machines, so
+   only a CSV of the same machine will do.
 2. **The target**: that run's held-out loss at ``--target-frac`` x budget.
 3. **Each candidate tuned** on seed 0 over its grid (:data:`CANDIDATES`; the same count of
    configurations as dense Muon's, ``--budget-configs`` refuses another), every run stopping at the
@@ -287,7 +288,8 @@ def main(argv: list[str] | None = None) -> dict:
                     help="a candidate's grid in place of (or beside) the built-in ones, e.g. "
                          "'recipe={\"sync_every\": [20, 30, 50]}'")
     ap.add_argument("--tuned-from", default=None,
-                    help="a long_h.csv: dense Muon's and each candidate's best there run here untuned")
+                    help="a long_h.csv: dense Muon's and each candidate's best there (its rows of the size, "
+                         "replicas and budget tuned at) run here untuned")
     ap.add_argument("--tune-dense", action="store_true",
                     help="with --tuned-from: dense Muon tuned here over --muon-grid all the same (another model size)")
     ap.add_argument("--dense-from", default=None,
