@@ -167,10 +167,15 @@ def recipe_settings(dense_settings: dict, candidate: dict) -> dict:
     return {**spec_keys, **{f"lowcomm.{k}": v for k, v in section.items()}}
 
 
+def run_group(r: dict) -> tuple:
+    """What a row's figures are compared within: its model size, replica count and budget."""
+    return r["parameters"], r["replicas"], r["budget"]
+
+
 def dense_rows_from(path: str | Path, common: dict) -> list[dict]:
     """``path``'s dense Muon tuning rows of this run's model size, replica count and budget."""
     rows = [r for r in read_csv(path) if r["entry"] == DENSE and r["role"] == "tune"
-            and all(r[k] == common[k] for k in ("parameters", "replicas", "budget"))]
+            and run_group(r) == run_group(common)]
     if not rows:
         raise SystemExit(f"--dense-from {path}: no dense Muon tuning row of {common['parameters']} parameters, "
                          f"{common['replicas']} replicas, budget {common['budget']}")
@@ -183,20 +188,16 @@ def tuned_rows_from(path: str | Path) -> list[dict]:
     Muon has more than one (a carried dense Muon writes one). A long_h.csv also holds the rows its
     settings were carried to (8 replicas, a larger model), and those must not stand in for the tuning."""
     rows = read_csv(path)
-
-    def group(r):
-        return r["parameters"], r["replicas"], r["budget"]
-
-    tuned = {group(r) for r in rows if r["role"] == "tune" and r["entry"] != DENSE}
+    tuned = {run_group(r) for r in rows if r["role"] == "tune" and r["entry"] != DENSE}
     if not tuned:
-        dense = [group(r) for r in rows if r["role"] == "tune" and r["entry"] == DENSE]
+        dense = [run_group(r) for r in rows if r["role"] == "tune" and r["entry"] == DENSE]
         tuned = {g for g in dense if dense.count(g) > 1}
     if len(tuned) != 1:
         found = ", ".join(f"{p} parameters, {n} replicas, budget {b}" for p, n, b in sorted(tuned)) or "none"
         raise SystemExit(f"--tuned-from {path}: needs the tuning of one model size, replica count and budget; "
                          f"tuned there: {found}")
     at = tuned.pop()
-    return [r for r in rows if group(r) == at]
+    return [r for r in rows if run_group(r) == at]
 
 
 def carried_settings(rows: list[dict], name: str, path: str | Path) -> dict:
@@ -226,9 +227,8 @@ def summarize(rows: list[dict]) -> list[dict]:
     ratio to dense Muon's, median bytes per worker to the target (the larger of sent and
     received), and DDP-bf16's bytes to dense Muon's median steps over that."""
     out = []
-    for size, replicas, budget in dict.fromkeys((r["parameters"], r["replicas"], r["budget"]) for r in rows):
-        seeds = [r for r in rows if (r["parameters"], r["replicas"], r["budget"]) == (size, replicas, budget)
-                 and r["role"] == "seed"]
+    for size, replicas, budget in dict.fromkeys(run_group(r) for r in rows):
+        seeds = [r for r in rows if run_group(r) == (size, replicas, budget) and r["role"] == "seed"]
         groups: dict[tuple, list[dict]] = {}
         for r in seeds:
             groups.setdefault((r["entry"], r["settings"]), []).append(r)
