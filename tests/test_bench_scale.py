@@ -4,6 +4,7 @@ runs' rows into docs/bench/model-size/steps-to-target.csv. Its training path run
 (tests/test_gpu_check.py); that file itself is checked in tests/test_docs_figures.py."""
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -115,8 +116,8 @@ def test_long_h_tuned_from_carries_the_settings_of_the_replica_count_tuned_at(tm
 
     scale.write_csv(tmp_path / "two.csv", [*rows, row("recipe", "tune", carried_elsewhere, 3.5, **eight)],
                     long_h.COLUMNS)
-    with pytest.raises(SystemExit, match=f"tuned there: {parameters} parameters, 2 replicas, budget 30, "
-                                         f"{parameters} parameters, 8 replicas, budget 15"):
+    with pytest.raises(SystemExit, match=f"tuned there: {parameters} parameters, 2 replicas, budget 30, on a machine "
+                                         f"not recorded; {parameters} parameters, 8 replicas, budget 15"):
         long_h.main([*model, "--tuned-from", str(tmp_path / "two.csv"), "--out", str(tmp_path / "x")])
     scale.write_csv(tmp_path / "both.csv", [*rows, row("recipe", "seed", carried_elsewhere, 4.0, seed=2)],
                     long_h.COLUMNS)
@@ -127,8 +128,10 @@ def test_long_h_tuned_from_carries_the_settings_of_the_replica_count_tuned_at(tm
 
 def test_long_h_dense_from_tunes_candidates_to_the_carried_target_without_running_dense_muon(tmp_path):
     """The carried rows are the output's dense Muon rows (tune, and seed 0), the candidate's tuning run
-    stops at the carried target, and no dense Muon run happens (the cache holds the candidate's alone)."""
+    stops at the carried target, and no dense Muon run happens (the cache holds the candidate's alone).
+    Every row names this machine; a cached run or dense Muon's rows of another kind are refused."""
     from lowcomm_bench import long_h
+    from lowcomm_bench.runs import machine_kind
 
     model = ["--n-layer", "1", "--n-embd", "16", "--n-head", "2", "--seq-len", "16", "--batch", "2",
              "--budget", "30", "--warmup", "2", "--eval-every", "10"]
@@ -136,7 +139,7 @@ def test_long_h_dense_from_tunes_candidates_to_the_carried_target_without_runnin
     dense = {c: None for c in long_h.COLUMNS}
     dense.update(entry="muon", parameters=parameters, replicas=2, budget=30, seed=0, H=1, steps_to_target=20,
                  bytes_sent_per_worker=1e6, bytes_received_per_worker=1e6, role="tune", target_loss=50.0,
-                 final_val_loss=4.0, last_step=30, device="cpu",
+                 final_val_loss=4.0, last_step=30, device="cpu", machine=machine_kind("cpu"),
                  settings=json.dumps({"lr": 0.008, "peer.muon_lr": 0.02}))
     worse = {**dense, "final_val_loss": 5.0, "target_loss": 60.0,
              "settings": json.dumps({"lr": 0.008, "peer.muon_lr": 0.05})}
@@ -153,3 +156,35 @@ def test_long_h_dense_from_tunes_candidates_to_the_carried_target_without_runnin
     assert candidate["target_loss"] == 50.0 and candidate["last_step"] == candidate["steps_to_target"] == 10
     assert json.loads(candidate["settings"])["lowcomm.inner_muon_lr"] == 0.02  # the better dense row's Muon lr
     assert [p.name.split("-")[0] for p in (out / "cache").glob("*.json")] == ["recipe"]
+    assert {r["machine"] for r in rows} == {machine_kind("cpu")}
+
+    # a run cached on another kind of machine is refused, not taken as this one's
+    cached = next((out / "cache").glob("*.json"))
+    cached.write_text(json.dumps({**json.loads(cached.read_text()), "machine": "riscv64 elsewhere"}))
+    with pytest.raises(SystemExit, match="a run cached on riscv64 elsewhere, and this machine is"):
+        long_h.main([*model, "--dense-from", str(tmp_path / "before.csv"), "--candidates", "recipe",
+                     "--grid", 'recipe={"sync_every": [5]}', "--seeds", "0", "--seed-candidates", "none",
+                     "--out", str(out)])
+    # dense Muon's rows of another kind do not stand in for this one's
+    scale.write_csv(tmp_path / "elsewhere.csv", [{**worse, "machine": "riscv64 elsewhere"},
+                                                  {**dense, "machine": "riscv64 elsewhere"}], long_h.COLUMNS)
+    with pytest.raises(SystemExit, match=f"no dense Muon tuning row of .* budget 30, on {re.escape(machine_kind('cpu'))}"):
+        long_h.main([*model, "--dense-from", str(tmp_path / "elsewhere.csv"), "--out", str(tmp_path / "x")])
+
+
+def test_long_h_summary_compares_each_machine_only_with_itself():
+    """Two kinds of machine's rows of one size, replicas and budget stay apart: each candidate's
+    ratio is against its own machine's dense Muon (none where that machine ran none)."""
+    from lowcomm_bench import long_h
+
+    def row(entry, machine, steps, seed):
+        return {c: None for c in long_h.COLUMNS} | dict(
+            entry=entry, machine=machine, steps_to_target=steps, seed=seed, role="seed", parameters=1000, replicas=2,
+            budget=30, H=1 if entry == "muon" else 5, bytes_sent_per_worker=10.0, bytes_received_per_worker=10.0,
+            settings=entry)
+    rows = [row("muon", "a", 100, s) for s in (1, 2, 3)] + [row("recipe", "a", 110, s) for s in (1, 2, 3)]
+    rows += [row("muon", "b", 200, s) for s in (1, 2, 3)] + [row("recipe", "b", 220, s) for s in (1, 2, 3)]
+    rows += [row("growing", "c", 105, s) for s in (1, 2, 3)]
+    ratio = {(r["entry"], r["machine"]): r["ratio_to_muon"] for r in long_h.summarize(rows)}
+    assert ratio == {("muon", "a"): 1.0, ("recipe", "a"): 1.1, ("muon", "b"): 1.0, ("recipe", "b"): 1.1,
+                     ("growing", "c"): None}

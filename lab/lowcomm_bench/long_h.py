@@ -26,6 +26,11 @@ median steps (a ring all-reduce: 2(n-1)/n x 2 bytes a parameter a step) over the
 two. ``long_h_summary.csv``: per entry the medians over the seeds, and ratios to dense Muon.
 Every run is cached under ``--out``/cache by its exact spec (fields left at their defaults are
 left out of the key, so a new field does not void old runs): a stopped invocation resumes.
+
+Every row names its ``machine`` (:func:`runs.machine_kind`): the same commit gives other losses on
+another kind of machine, so figures are compared only within one. A cached run made on another
+kind is refused, as is ``--dense-from`` with another kind's rows; the summary keeps each kind's
+rows apart; ``--tuned-from`` carries settings from any kind (settings carry, losses don't).
 """
 
 from __future__ import annotations
@@ -42,7 +47,7 @@ from lowcomm_task.spec import TrainSpec
 from lowcomm_task.workers import run_local_workers
 
 from .codec import collect_args, collect_csv, read_typed_csv, write_csv
-from .runs import at_target
+from .runs import at_target, machine_kind
 from .scale import parameters_of, tune_dense
 from .sweep import parse_grid, train_one
 from .time_to_loss import entry_spec, steps_to_target
@@ -50,9 +55,9 @@ from .tuning import parse_seeds, with_settings
 
 COLUMNS = ["entry", "parameters", "replicas", "budget", "seed", "H", "schedule", "steps_to_target", "bytes_sent_per_worker",
            "bytes_received_per_worker", "settings", "role", "target_loss", "steps_interpolated", "final_val_loss",
-           "last_step", "device", "vs_ddp_bf16"]
+           "last_step", "device", "vs_ddp_bf16", "machine"]
 SUMMARY_COLUMNS = ["entry", "parameters", "replicas", "budget", "H", "schedule", "seeds", "steps", "median_steps", "ratio_to_muon",
-                   "median_bytes_per_worker", "vs_ddp_bf16", "target_loss", "settings"]
+                   "median_bytes_per_worker", "vs_ddp_bf16", "target_loss", "settings", "machine"]
 DENSE = "muon"
 DEFAULT_MUON_GRID = '{"peer.muon_lr": [0.02, 0.03, 0.05], "lr": [0.008]}'
 # Each candidate: a grid of lowcomm settings over the recipe (sign_recipe's keys and the outer
@@ -80,12 +85,17 @@ CANDIDATES: dict[str, dict | list] = {
 }
 
 
+# what rows written before the column existed name as their machine
+NOT_RECORDED = "a machine not recorded"
+
+
 class Runner:
     """Runs (spec, peer) on ``workers`` local processes; each result cached by its spec's fields
-    that differ from TrainSpec's defaults, the peer and the worker count."""
+    that differ from TrainSpec's defaults, the peer and the worker count, with the ``machine`` it
+    ran on (a cached run of another kind is refused; one cached before the field existed is taken)."""
 
-    def __init__(self, out: Path, workers: int):
-        self.cache, self.workers = out / "cache", workers
+    def __init__(self, out: Path, workers: int, machine: str):
+        self.cache, self.workers, self.machine = out / "cache", workers, machine
 
     def key(self, spec, peer) -> str:
         default = TrainSpec().to_dict()
@@ -95,13 +105,17 @@ class Runner:
     def __call__(self, spec, peer) -> dict:
         path = self.cache / f"{spec.label}-s{spec.seed}-{hashlib.sha256(self.key(spec, peer).encode()).hexdigest()[:16]}.json"
         if path.exists():
-            return json.loads(path.read_text())
+            cached = json.loads(path.read_text())
+            if cached.get("machine", self.machine) != self.machine:
+                raise SystemExit(f"{path}: a run cached on {cached['machine']}, and this machine is {self.machine}; "
+                                 "losses differ between kinds of machine: give this one its own --out")
+            return cached
         per_rank = run_local_workers(train_one_bytes, self.workers, spec, peer)
         history = per_rank[0]["history"]
         for i, row in enumerate(history):  # every rank's bytes, averaged
             row["bytes_sent"] = statistics.fmean(r["history"][i]["bytes_sent"] for r in per_rank)
             row["bytes_received"] = statistics.fmean(r["history"][i].get("bytes_received", 0) for r in per_rank)
-        result = {"history": history, "final_val_loss": per_rank[0]["final_val_loss"]}
+        result = {"history": history, "final_val_loss": per_rank[0]["final_val_loss"], "machine": self.machine}
         self.cache.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(result))
@@ -168,8 +182,13 @@ def recipe_settings(dense_settings: dict, candidate: dict) -> dict:
 
 
 def run_group(r: dict) -> tuple:
-    """What a row's figures are compared within: its model size, replica count and budget."""
-    return r["parameters"], r["replicas"], r["budget"]
+    """What a row's figures are compared within: its model size, replica count, budget and machine."""
+    return r["parameters"], r["replicas"], r["budget"], r.get("machine") or NOT_RECORDED
+
+
+def describe(group: tuple) -> str:
+    parameters, replicas, budget, machine = group
+    return f"{parameters} parameters, {replicas} replicas, budget {budget}, on {machine}"
 
 
 def dense_rows_from(path: str | Path, common: dict) -> list[dict]:
@@ -177,8 +196,8 @@ def dense_rows_from(path: str | Path, common: dict) -> list[dict]:
     rows = [r for r in read_csv(path) if r["entry"] == DENSE and r["role"] == "tune"
             and run_group(r) == run_group(common)]
     if not rows:
-        raise SystemExit(f"--dense-from {path}: no dense Muon tuning row of {common['parameters']} parameters, "
-                         f"{common['replicas']} replicas, budget {common['budget']}")
+        raise SystemExit(f"--dense-from {path}: no dense Muon tuning row of {describe(run_group(common))} "
+                         "(losses differ between kinds of machine: only this kind's rows stand in)")
     return rows
 
 
@@ -193,7 +212,7 @@ def tuned_rows_from(path: str | Path) -> list[dict]:
         dense = [run_group(r) for r in rows if r["role"] == "tune" and r["entry"] == DENSE]
         tuned = {g for g in dense if dense.count(g) > 1}
     if len(tuned) != 1:
-        found = ", ".join(f"{p} parameters, {n} replicas, budget {b}" for p, n, b in sorted(tuned)) or "none"
+        found = "; ".join(describe(g) for g in sorted(tuned)) or "none"
         raise SystemExit(f"--tuned-from {path}: needs the tuning of one model size, replica count and budget; "
                          f"tuned there: {found}")
     at = tuned.pop()
@@ -204,7 +223,7 @@ def carried_settings(rows: list[dict], name: str, path: str | Path) -> dict:
     """The settings ``name`` was measured with in its tuning's rows (:func:`tuned_rows_from`)."""
     measured = {r["settings"] for r in rows if r["entry"] == name and r["role"] == "seed"}
     if len(measured) != 1:
-        at = f"{rows[0]['parameters']} parameters, {rows[0]['replicas']} replicas, budget {rows[0]['budget']}"
+        at = describe(run_group(rows[0]))
         raise SystemExit(f"--tuned-from {path}: {len(measured) or 'no'} measured settings of {name} at {at}; "
                          "needs exactly one")
     return json.loads(measured.pop())
@@ -216,19 +235,23 @@ def pick_dense(rows: list[dict]) -> dict:
 
 
 def read_csv(path: str | Path) -> list[dict]:
-    """A long_h.csv's rows, typed as the benchmark writes them."""
-    return read_typed_csv(path, ("parameters", "replicas", "budget", "seed", "H", "steps_to_target", "last_step"),
+    """A long_h.csv's rows, typed as the benchmark writes them (``machine`` :data:`NOT_RECORDED` in
+    rows written before the column)."""
+    rows = read_typed_csv(path, ("parameters", "replicas", "budget", "seed", "H", "steps_to_target", "last_step"),
                           ("bytes_sent_per_worker", "bytes_received_per_worker", "target_loss", "steps_interpolated",
                            "final_val_loss", "vs_ddp_bf16"))
+    for r in rows:
+        r["machine"] = r.get("machine") or NOT_RECORDED
+    return rows
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per (size, replicas, budget, entry, settings) over the measuring seeds: median steps, its
-    ratio to dense Muon's, median bytes per worker to the target (the larger of sent and
-    received), and DDP-bf16's bytes to dense Muon's median steps over that."""
+    """Per (size, replicas, budget, machine, entry, settings) over the measuring seeds: median
+    steps, its ratio to dense Muon's (of the same machine), median bytes per worker to the target
+    (the larger of sent and received), and DDP-bf16's bytes to dense Muon's median steps over that."""
     out = []
-    for size, replicas, budget in dict.fromkeys(run_group(r) for r in rows):
-        seeds = [r for r in rows if run_group(r) == (size, replicas, budget) and r["role"] == "seed"]
+    for size, replicas, budget, machine in dict.fromkeys(run_group(r) for r in rows):
+        seeds = [r for r in rows if run_group(r) == (size, replicas, budget, machine) and r["role"] == "seed"]
         groups: dict[tuple, list[dict]] = {}
         for r in seeds:
             groups.setdefault((r["entry"], r["settings"]), []).append(r)
@@ -246,7 +269,7 @@ def summarize(rows: list[dict]) -> list[dict]:
                         "ratio_to_muon": round(med / dense_steps, 4) if med and dense_steps else None,
                         "median_bytes_per_worker": per_worker,
                         "vs_ddp_bf16": round(ddp / per_worker, 1) if ddp and per_worker else None,
-                        "target_loss": group[0]["target_loss"], "settings": settings})
+                        "target_loss": group[0]["target_loss"], "settings": settings, "machine": machine})
     return out
 
 
@@ -254,8 +277,9 @@ def collect(out: str | Path, sources: list[str]) -> list[dict]:
     """Every row of ``sources`` (long_h.csv files: sizes, replica counts) into ``out``
     (docs/bench/long_h.csv) and their summary beside it; a row ``out`` already holds (same entry,
     size, replicas, budget, role, seed, settings) is replaced."""
-    return collect_csv(out, sources, read_csv, ("entry", "parameters", "replicas", "budget", "role", "seed", "settings"),
-                       lambda r: (r["parameters"], r["replicas"], r["budget"], r["role"] != "tune", r["seed"],
+    return collect_csv(out, sources, read_csv, ("entry", "parameters", "replicas", "budget", "role", "seed", "settings",
+                                                "machine"),
+                       lambda r: (r["parameters"], r["replicas"], r["budget"], r["machine"], r["role"] != "tune", r["seed"],
                                   r["entry"] != DENSE), COLUMNS, summarize, SUMMARY_COLUMNS)
 
 
@@ -316,18 +340,19 @@ def main(argv: list[str] | None = None) -> dict:
         raise SystemExit(f"--candidates: unknown {unknown}; allowed: {', '.join(grids)}")
     model = {"n_layer": args.n_layer, "n_embd": args.n_embd, "n_head": args.n_head, "seq_len": args.seq_len}
     out = Path(args.out)
-    runner = Runner(out, args.workers)
+    machine = machine_kind(args.device)
+    runner = Runner(out, args.workers, machine)
     common = {"parameters": parameters_of(model), "replicas": args.workers, "budget": args.budget,
-              "device": args.device}
+              "device": args.device, "machine": machine}
 
     def log(msg):
         print(f"[long_h {args.n_layer}x{args.n_embd} {args.workers}r {args.budget}] {msg}", flush=True)
 
+    if args.dense_from and args.tune_dense:
+        raise SystemExit("--dense-from: dense Muon's tuning measured before; --tune-dense would run it again")
     tuned_from = tuned_rows_from(args.tuned_from) if args.tuned_from else None
     dense_from = dense_rows_from(args.dense_from, common) if args.dense_from else None
     carried = pick_dense(dense_from) if dense_from else None  # dense Muon's best, measured before
-    if dense_from and args.tune_dense:
-        raise SystemExit("--dense-from: dense Muon's tuning measured before; --tune-dense would run it again")
     base, base_peer = entry_spec(DENSE, args.budget, args.eval_every, model)
     base = dataclasses.replace(base, warmup=args.warmup, batch=args.batch, device=args.device, backend=args.backend)
     if dense_from:

@@ -127,14 +127,21 @@ def long_h_ratio_entries(rows: list[dict], source: str, date: str | None = None)
             continue
         section, entry = recipe["lowcomm"], recipe.get("measured_as", name)
         h = section["sync_every"]
-        runs = {int(r["parameters"]): r for r in rows
-                if runs_recipe(r, name) and int(r["replicas"]) == 2 and r.get("ratio_to_muon") not in (None, "")}
-        dense = {int(r["parameters"]): r for r in rows if r["entry"] == "muon" and int(r["replicas"]) == 2}
+        measured_rows = [r for r in rows if runs_recipe(r, name) and int(r["replicas"]) == 2
+                         and r.get("ratio_to_muon") not in (None, "")]
+        runs = {int(r["parameters"]): r for r in measured_rows}
+        if len(runs) < len(measured_rows):
+            raise SystemExit(f"{source}: {entry} measured twice at one model size (two budgets or machines); "
+                             "keep one run of each size in the summary")
+        # each ratio's denominator: dense Muon of the same size, replicas, budget and machine
+        group = ("parameters", "replicas", "budget", "machine")
+        dense = {n: d for n, r in runs.items() for d in rows if d["entry"] == "muon" and all(d[k] == r[k] for k in group)}
         sizes = sorted(n for n in runs if n in dense)
         if not sizes:
             continue
         measured = "; ".join(
-            f"{n / 1e6:.3g}M parameters ({runs[n]['budget']}-step budget, seeds {runs[n]['seeds']}): "
+            f"{n / 1e6:.3g}M parameters ({runs[n]['budget']}-step budget, seeds {runs[n]['seeds']}, on "
+            f"{runs[n]['machine']}): "
             f"{float(runs[n]['median_steps']):g} over {float(dense[n]['median_steps']):g} steps" for n in sizes)
         out[name] = {"value": float(runs[sizes[-1]]["ratio_to_muon"]), "baseline": recipe["baseline"], "sync_every": h,
                      "by_parameters": [[n, float(runs[n]["ratio_to_muon"])] for n in sizes], "csv": source, "date": date,

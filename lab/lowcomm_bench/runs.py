@@ -30,6 +30,29 @@ LINKS = {
 }
 
 
+# CPU flags that decide which kernels bf16 matrix products take (and so a run's losses)
+BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def machine_kind(device: str = "cpu") -> str:
+    """The kind of machine a run's figures belong to: the GPU's name, or the CPU's architecture,
+    torch's CPU capability and its native-bf16 flags ("x86_64 AVX512 avx512_bf16 amx_bf16"). The
+    same commit gives other losses on another kind (lab/notes/long-h.md), so a comparison's rows
+    must all name one."""
+    import platform
+
+    import torch
+
+    if device.startswith("cuda"):
+        return torch.cuda.get_device_name(0)
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        flags = set()
+    return " ".join([platform.machine(), torch.backends.cpu.get_cpu_capability(),
+                     *(f for f in BF16_CPU_FLAGS if f in flags)])
+
+
 @lru_cache(maxsize=1)
 def _netem() -> bool:
     return netem_available()
