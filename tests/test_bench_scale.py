@@ -116,8 +116,9 @@ def test_long_h_tuned_from_carries_the_settings_of_the_replica_count_tuned_at(tm
 
     scale.write_csv(tmp_path / "two.csv", [*rows, row("recipe", "tune", carried_elsewhere, 3.5, **eight)],
                     long_h.COLUMNS)
-    with pytest.raises(SystemExit, match=f"tuned there: {parameters} parameters, 2 replicas, budget 30, on a machine "
-                                         f"not recorded; {parameters} parameters, 8 replicas, budget 15"):
+    with pytest.raises(SystemExit, match=f"tuned there: {parameters} parameters, 2 replicas, budget 30, contiguous "
+                                         f"data shards, on a machine not recorded; {parameters} parameters, 8 "
+                                         "replicas, budget 15"):
         long_h.main([*model, "--tuned-from", str(tmp_path / "two.csv"), "--out", str(tmp_path / "x")])
     scale.write_csv(tmp_path / "both.csv", [*rows, row("recipe", "seed", carried_elsewhere, 4.0, seed=2)],
                     long_h.COLUMNS)
@@ -168,7 +169,7 @@ def test_long_h_dense_from_tunes_candidates_to_the_carried_target_without_runnin
     # dense Muon's rows of another kind do not stand in for this one's
     scale.write_csv(tmp_path / "elsewhere.csv", [{**worse, "machine": "riscv64 elsewhere"},
                                                   {**dense, "machine": "riscv64 elsewhere"}], long_h.COLUMNS)
-    with pytest.raises(SystemExit, match=f"no dense Muon tuning row of .* budget 30, on {re.escape(machine_kind('cpu'))}"):
+    with pytest.raises(SystemExit, match=f"no dense Muon tuning row of .* budget 30, contiguous data shards, on {re.escape(machine_kind('cpu'))}"):
         long_h.main([*model, "--dense-from", str(tmp_path / "elsewhere.csv"), "--out", str(tmp_path / "x")])
 
 

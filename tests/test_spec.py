@@ -55,6 +55,7 @@ def test_errors_name_the_flag(argv, message):
         ({"clip_grad": -1.0}, r"clip_grad must be a number >= 0 \(0: no clipping\); got -1.0"),
         ({"clip_grad": 1.0, "deepspeed_config": "c.json"}, "clip_grad: with deepspeed_config the config's gradient_clipping"),
         ({"lr_decay": "linear"}, "lr_decay must be one of cosine, none; got 'linear'"),
+        ({"data_shards": "random"}, "data_shards must be one of contiguous, interleaved; got 'random'"),
         ({"lowcomm": {"method": "mtdao", "switch_step": 10, "fault_tolerance": {"lighthouse": "127.0.0.1:1",
                                                                              "replica_id": "0", "num_replica_groups": 2}}},
          "lowcomm.switch_step must be 0 with lowcomm.fault_tolerance"),
@@ -63,3 +64,27 @@ def test_errors_name_the_flag(argv, message):
 def test_field_errors(fields, message):
     with pytest.raises(ConfigError, match=message):
         TrainSpec.from_dict(fields)
+
+
+def test_interleaved_shards_deal_every_block_once_across_the_corpus(tmp_path):
+    """data_shards "interleaved": the training bytes in SHARD_BLOCK blocks, block b on rank b mod W,
+    so the shards are disjoint, together the corpus (whole blocks), and each one spans all of it
+    (where "contiguous" gives rank 0 the first part alone)."""
+    import torch
+
+    from lowcomm_task.data import SHARD_BLOCK, ByteCorpus
+
+    corpus_file = tmp_path / "corpus.txt"
+    corpus_file.write_bytes(bytes(range(256)) * 200)  # 51,200 bytes: 95% train
+    corpus = ByteCorpus(corpus_file)
+    world = 3
+    blocks = corpus.train.numel() // (SHARD_BLOCK * world) * world
+    shards = [corpus.shard(r, world, "interleaved") for r in range(world)]
+    for r, shard in enumerate(shards):
+        expected = [corpus.train[b * SHARD_BLOCK:(b + 1) * SHARD_BLOCK] for b in range(r, blocks, world)]
+        assert torch.equal(shard, torch.cat(expected))
+    assert sum(s.numel() for s in shards) == blocks * SHARD_BLOCK
+    contiguous = corpus.shard(0, world)
+    assert torch.equal(contiguous, corpus.train[:contiguous.numel()])
+    with pytest.raises(ValueError, match="data_shards must be one of contiguous, interleaved"):
+        corpus.shard(0, world, "random")

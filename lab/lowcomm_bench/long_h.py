@@ -43,6 +43,7 @@ import statistics
 from pathlib import Path
 
 from ds_lowcomm.optim.recipes import sign_recipe
+from lowcomm_task.data import DATA_SHARDS
 from lowcomm_task.spec import TrainSpec
 from lowcomm_task.workers import run_local_workers
 
@@ -55,9 +56,9 @@ from .tuning import parse_seeds, with_settings
 
 COLUMNS = ["entry", "parameters", "replicas", "budget", "seed", "H", "schedule", "steps_to_target", "bytes_sent_per_worker",
            "bytes_received_per_worker", "settings", "role", "target_loss", "steps_interpolated", "final_val_loss",
-           "last_step", "device", "vs_ddp_bf16", "machine"]
+           "last_step", "device", "vs_ddp_bf16", "machine", "data_shards"]
 SUMMARY_COLUMNS = ["entry", "parameters", "replicas", "budget", "H", "schedule", "seeds", "steps", "median_steps", "ratio_to_muon",
-                   "median_bytes_per_worker", "vs_ddp_bf16", "target_loss", "settings", "machine"]
+                   "median_bytes_per_worker", "vs_ddp_bf16", "target_loss", "settings", "machine", "data_shards"]
 DENSE = "muon"
 DEFAULT_MUON_GRID = '{"peer.muon_lr": [0.02, 0.03, 0.05], "lr": [0.008]}'
 # Each candidate: a grid of lowcomm settings over the recipe (sign_recipe's keys and the outer
@@ -182,13 +183,15 @@ def recipe_settings(dense_settings: dict, candidate: dict) -> dict:
 
 
 def run_group(r: dict) -> tuple:
-    """What a row's figures are compared within: its model size, replica count, budget and machine."""
-    return r["parameters"], r["replicas"], r["budget"], r.get("machine") or NOT_RECORDED
+    """What a row's figures are compared within: its model size, replica count, budget, machine
+    and data shards."""
+    return (r["parameters"], r["replicas"], r["budget"], r.get("machine") or NOT_RECORDED,
+            r.get("data_shards") or "contiguous")
 
 
 def describe(group: tuple) -> str:
-    parameters, replicas, budget, machine = group
-    return f"{parameters} parameters, {replicas} replicas, budget {budget}, on {machine}"
+    parameters, replicas, budget, machine, shards = group
+    return f"{parameters} parameters, {replicas} replicas, budget {budget}, {shards} data shards, on {machine}"
 
 
 def dense_rows_from(path: str | Path, common: dict) -> list[dict]:
@@ -242,6 +245,7 @@ def read_csv(path: str | Path) -> list[dict]:
                            "final_val_loss", "vs_ddp_bf16"))
     for r in rows:
         r["machine"] = r.get("machine") or NOT_RECORDED
+        r["data_shards"] = r.get("data_shards") or "contiguous"  # the one layout before the column
     return rows
 
 
@@ -250,8 +254,8 @@ def summarize(rows: list[dict]) -> list[dict]:
     steps, its ratio to dense Muon's (of the same machine), median bytes per worker to the target
     (the larger of sent and received), and DDP-bf16's bytes to dense Muon's median steps over that."""
     out = []
-    for size, replicas, budget, machine in dict.fromkeys(run_group(r) for r in rows):
-        seeds = [r for r in rows if run_group(r) == (size, replicas, budget, machine) and r["role"] == "seed"]
+    for size, replicas, budget, machine, shards in dict.fromkeys(run_group(r) for r in rows):
+        seeds = [r for r in rows if run_group(r) == (size, replicas, budget, machine, shards) and r["role"] == "seed"]
         groups: dict[tuple, list[dict]] = {}
         for r in seeds:
             groups.setdefault((r["entry"], r["settings"]), []).append(r)
@@ -269,7 +273,8 @@ def summarize(rows: list[dict]) -> list[dict]:
                         "ratio_to_muon": round(med / dense_steps, 4) if med and dense_steps else None,
                         "median_bytes_per_worker": per_worker,
                         "vs_ddp_bf16": round(ddp / per_worker, 1) if ddp and per_worker else None,
-                        "target_loss": group[0]["target_loss"], "settings": settings, "machine": machine})
+                        "target_loss": group[0]["target_loss"], "settings": settings, "machine": machine,
+                        "data_shards": shards})
     return out
 
 
@@ -278,8 +283,9 @@ def collect(out: str | Path, sources: list[str]) -> list[dict]:
     (docs/bench/long_h.csv) and their summary beside it; a row ``out`` already holds (same entry,
     size, replicas, budget, role, seed, settings) is replaced."""
     return collect_csv(out, sources, read_csv, ("entry", "parameters", "replicas", "budget", "role", "seed", "settings",
-                                                "machine"),
-                       lambda r: (r["parameters"], r["replicas"], r["budget"], r["machine"], r["role"] != "tune", r["seed"],
+                                                "machine", "data_shards"),
+                       lambda r: (r["parameters"], r["replicas"], r["budget"], r["machine"], r["data_shards"],
+                                  r["role"] != "tune", r["seed"],
                                   r["entry"] != DENSE), COLUMNS, summarize, SUMMARY_COLUMNS)
 
 
@@ -301,6 +307,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--n-head", type=int, default=4)
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--batch", type=int, default=16, help="sequences per worker per step")
+    ap.add_argument("--data-shards", default="contiguous", choices=DATA_SHARDS,
+                    help="how the training bytes are split between replicas (lowcomm_task.data)")
     ap.add_argument("--budget", type=int, default=3000, help="each run's schedule, in steps")
     ap.add_argument("--warmup", type=int, default=100)
     ap.add_argument("--eval-every", type=int, default=20)
@@ -343,7 +351,7 @@ def main(argv: list[str] | None = None) -> dict:
     machine = machine_kind(args.device)
     runner = Runner(out, args.workers, machine)
     common = {"parameters": parameters_of(model), "replicas": args.workers, "budget": args.budget,
-              "device": args.device, "machine": machine}
+              "device": args.device, "machine": machine, "data_shards": args.data_shards}
 
     def log(msg):
         print(f"[long_h {args.n_layer}x{args.n_embd} {args.workers}r {args.budget}] {msg}", flush=True)
@@ -354,7 +362,8 @@ def main(argv: list[str] | None = None) -> dict:
     dense_from = dense_rows_from(args.dense_from, common) if args.dense_from else None
     carried = pick_dense(dense_from) if dense_from else None  # dense Muon's best, measured before
     base, base_peer = entry_spec(DENSE, args.budget, args.eval_every, model)
-    base = dataclasses.replace(base, warmup=args.warmup, batch=args.batch, device=args.device, backend=args.backend)
+    base = dataclasses.replace(base, warmup=args.warmup, batch=args.batch, device=args.device, backend=args.backend,
+                               data_shards=args.data_shards)
     if dense_from:
         dense_grid = [json.loads(carried["settings"])]
     elif tuned_from and not args.tune_dense:
@@ -386,7 +395,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     recipe_base, _ = entry_spec("muloco_sign", args.budget, args.eval_every, model)
     recipe_base = dataclasses.replace(recipe_base, warmup=args.warmup, batch=args.batch, device=args.device,
-                                      backend=args.backend, lowcomm={})
+                                      backend=args.backend, lowcomm={}, data_shards=args.data_shards)
 
     def recipe_run(settings: dict, seed: int, label: str):
         spec, _ = with_settings(dataclasses.replace(recipe_base, seed=seed, stop_at_val_loss=target, label=label),

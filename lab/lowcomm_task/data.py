@@ -2,9 +2,14 @@
 
 Default corpus: the Python standard library's own ``.py`` sources, present wherever Python is.
 A user file or directory works the same way. Every 20th file (in sorted path order) is held
-out; the training bytes are cut into one contiguous shard per worker, and the batch of step
-``s`` on rank ``r`` is drawn from a generator seeded by (seed, r, s), so a resumed run sees
-exactly the batches the uninterrupted run would have seen.
+out; the training bytes are cut into one shard per worker, and the batch of step ``s`` on rank
+``r`` is drawn from a generator seeded by (seed, r, s), so a resumed run sees exactly the batches
+the uninterrupted run would have seen.
+
+Shards (``DATA_SHARDS``): "contiguous" (one run of files per worker: each replica sees other
+packages, so replicas that train apart drift apart) or "interleaved" (4 KiB blocks dealt in turn:
+each worker's shard a sample of the whole corpus, as a DistributedSampler's shuffled indices
+give DeepSpeed and Megatron replicas).
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ import torch
 HELD_OUT_EVERY = 20
 MAX_TRAIN_BYTES = 4_000_000  # the training bytes read, before they are cut into shards
 MAX_VAL_BYTES = 200_000
+DATA_SHARDS = ("contiguous", "interleaved")
+SHARD_BLOCK = 4096  # bytes of an interleaved shard's blocks (a few sequences each)
 
 
 def stdlib_dir() -> Path:
@@ -58,12 +65,18 @@ class ByteCorpus:
         self.val = torch.tensor(list(val), dtype=torch.int64) if len(val) < 1024 else torch.frombuffer(val, dtype=torch.uint8).to(torch.int64)
         self.source = str(source) if source is not None else f"python-stdlib:{stdlib_dir()}"
 
-    def shard(self, rank: int, world_size: int) -> torch.Tensor:
+    def shard(self, rank: int, world_size: int, layout: str = "contiguous") -> torch.Tensor:
+        if layout not in DATA_SHARDS:
+            raise ValueError(f"data_shards must be one of {', '.join(DATA_SHARDS)}; got {layout!r}")
+        if layout == "interleaved":  # every world_size-th block, from this rank's on
+            blocks = self.train[: self.train.numel() // (SHARD_BLOCK * world_size) * SHARD_BLOCK * world_size]
+            return blocks.view(-1, SHARD_BLOCK)[rank::world_size].reshape(-1)
         n = self.train.numel() // world_size
         return self.train[rank * n : (rank + 1) * n]
 
-    def train_batch(self, rank: int, world_size: int, step: int, batch: int, seq: int, seed: int = 0):
-        shard = self.shard(rank, world_size)
+    def train_batch(self, rank: int, world_size: int, step: int, batch: int, seq: int, seed: int = 0,
+                    layout: str = "contiguous"):
+        shard = self.shard(rank, world_size, layout)
         if shard.numel() <= seq + 1:
             raise ValueError(f"data: each worker's shard ({shard.numel()} bytes) is shorter than seq_len+1")
         gen = torch.Generator().manual_seed(hash((seed, rank, step)) & 0x7FFF_FFFF_FFFF)

@@ -27,7 +27,8 @@ class ReferenceTask:
         return GPT(self.spec.model)
 
     def train_batch(self, rank: int, world_size: int, index: int, batch: int):
-        return self.corpus.train_batch(rank, world_size, index, batch, self.spec.model.seq_len, self.spec.seed)
+        return self.corpus.train_batch(rank, world_size, index, batch, self.spec.model.seq_len, self.spec.seed,
+                                       self.spec.data_shards)
 
     @staticmethod
     def loss(module, x, y):

@@ -20,7 +20,7 @@ from ds_lowcomm.codec import FLOAT_DTYPES, ActivationSettings
 from ds_lowcomm.config import ConfigError, LowcommConfig, check_lr
 from ds_lowcomm.optim.fault_tolerance import FaultToleranceSettings, check_method
 
-from .data import MAX_TRAIN_BYTES, MAX_VAL_BYTES
+from .data import DATA_SHARDS, MAX_TRAIN_BYTES, MAX_VAL_BYTES
 from .model import GPTConfig
 
 DEVICES = ("cpu", "cuda")  # or "cuda:N"
@@ -31,7 +31,7 @@ LR_DECAYS = ("cosine", "none")  # after the warm-up: cosine to 10% of the peak, 
 # fields as "model.<name>"). A flag whose value is 0 leaves an optional field unset (ZERO_IS_UNSET).
 FLAGS = {
     "--steps": "steps", "--batch": "batch", "--warmup": "warmup", "--eval-every": "eval_every", "--seed": "seed",
-    "--data": "data", "--max-train-bytes": "max_train_bytes", "--device": "device", "--backend": "backend",
+    "--data": "data", "--data-shards": "data_shards", "--max-train-bytes": "max_train_bytes", "--device": "device", "--backend": "backend",
     "--save-dir": "save_dir", "--save-at": "save_at", "--save-every": "save_every",
     "--deepspeed_config": "deepspeed_config",
     "--pipeline-stages": "pipeline_stages", "--lr-decay": "lr_decay",
@@ -61,6 +61,7 @@ class TrainSpec:
     # Model and data (model: a GPTConfig, or a mapping of its fields).
     model: GPTConfig = field(default_factory=GPTConfig)
     data: str | None = None  # text file or directory; None: the Python standard library's sources
+    data_shards: str = "contiguous"  # how the training bytes are split between workers (data.DATA_SHARDS)
     max_train_bytes: int = MAX_TRAIN_BYTES
     max_val_bytes: int = MAX_VAL_BYTES
     batch: int = 16  # sequences per worker per step
@@ -140,6 +141,8 @@ class TrainSpec:
             raise ConfigError(f"{name('device')} must be one of {', '.join(DEVICES)}; got {self.device!r}")
         if self.device != "cpu" and not torch.cuda.is_available():
             raise ConfigError(f"{name('device')} {self.device}: no CUDA device is visible here; allowed: cpu")
+        if self.data_shards not in DATA_SHARDS:
+            raise ConfigError(f"{name('data_shards')} must be one of {', '.join(DATA_SHARDS)}; got {self.data_shards!r}")
         if self.backend not in BACKENDS:
             raise ConfigError(f"{name('backend')} must be one of {', '.join(BACKENDS)}; got {self.backend!r}")
         if self.dtype not in FLOAT_DTYPES:
