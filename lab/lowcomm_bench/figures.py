@@ -174,7 +174,7 @@ def _long_h_recipe_rows(page: Path) -> list[str]:
     for r in rows:
         if not runs_recipe(r, "muloco_sign_long"):
             continue
-        group = ("parameters", "replicas", "budget", "machine")
+        group = ("parameters", "replicas", "budget", "machine", "data_shards")
         dense = next(d for d in rows if d["entry"] == "muon" and all(d[k] == r[k] for k in group))
         ratio = times(float(r["ratio_to_muon"])) if r["ratio_to_muon"] else "missed on a seed"
         seeds = len(r["seeds"].split(","))
@@ -184,7 +184,7 @@ def _long_h_recipe_rows(page: Path) -> list[str]:
                      f"(DeepSpeed's Muon section): {how} | {r['median_steps'] or 'missed'} vs "
                      f"{dense['median_steps']} ({ratio}) | {times(float(r['vs_ddp_bf16']))} (DDP + Muon, bf16 gradients) | "
                      f"not measured | reference GPT ({_params(int(r['parameters']))}), {r['replicas']} replicas, "
-                     f"{seeds} seed{'s' if seeds > 1 else ''}, a {r['budget']}-step budget, on {r['machine']} "
+                     f"{seeds} seed{'s' if seeds > 1 else ''}, a {r['budget']}-step budget, {r['data_shards']} data shards, on {r['machine']} "
                      f"({csv_link(page, committed.LONG_H, 'long intervals')}) |")
     return lines
 
@@ -439,10 +439,10 @@ def render_long_h(page: Path) -> str:
                      r["median_steps"] or "-",
                      times(float(r["ratio_to_muon"])) if r["ratio_to_muon"] else "missed on a seed",
                      _mb(float(r["median_bytes_per_worker"])), times(float(r["vs_ddp_bf16"])) if r["vs_ddp_bf16"] else "-",
-                     r["machine"]])
+                     r["data_shards"], r["machine"]])
     return captioned(["parameters", "replicas", "budget", "entry", "H", "over the recipe", "seeds", "steps to the target",
                       "median", "vs dense Muon", "MB per worker to the target", "fewer bytes than DDP, bf16 gradients",
-                      "machine"],
+                      "data shards", "machine"],
                      body, f"(CPU, gloo; each ratio against dense Muon on the same machine; the target dense Muon's "
                            f"held-out loss at 2/3 of the budget; "
                            f"{csv_link(page, committed.LONG_H)}, {csv_link(page, committed.LONG_H_SUMMARY, 'medians')})")
@@ -457,9 +457,10 @@ def render_long_h_tuning(page: Path) -> str:
         body.append([_params(int(r["parameters"])), r["replicas"], "dense Muon" if r["entry"] == "muon" else r["entry"],
                      "" if r["entry"] == "muon" else _schedule(r),
                      f"Muon lr {json.loads(r['settings'])['peer.muon_lr']}" if r["entry"] == "muon" else _how(r["settings"]),
-                     r["steps_to_target"] or "missed", f"{float(r['final_val_loss']):.4f}", _mb(sent), r["machine"]])
+                     r["steps_to_target"] or "missed", f"{float(r['final_val_loss']):.4f}", _mb(sent), r["data_shards"],
+                     r["machine"]])
     return captioned(["parameters", "replicas", "entry", "H", "configuration", "steps to the target, seed 0",
-                      "held-out loss at its last evaluation", "MB per worker to the target", "machine"], body,
+                      "held-out loss at its last evaluation", "MB per worker to the target", "data shards", "machine"], body,
                      f"(seed 0, each entry's configurations; dense Muon by its Muon lr, each run its whole budget; "
                      f"{csv_link(page, committed.LONG_H)})")
 

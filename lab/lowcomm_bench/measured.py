@@ -119,7 +119,9 @@ def long_h_ratio_entries(rows: list[dict], source: str, date: str | None = None)
     """The steps ratios of the recommended recipes measured by ``long_h`` (``measured_in``) against
     dense Muon in a long_h summary's rows (long_h-summary.csv): the rows of its entry
     (``measured_as``) at its H and H's growth, at 2 replicas (where its settings were tuned), one
-    ratio per model size, as ``steps_ratio`` entries; a recipe the rows do not hold is left out."""
+    ratio per model size (a size measured under both data layouts: its interleaved shards', what
+    users' replicas read), each against dense Muon of the same budget, machine and layout, as
+    ``steps_ratio`` entries; a recipe the rows do not hold is left out."""
     date = date or datetime.date.today().isoformat()
     out = {}
     for name, recipe in RECOMMENDED.items():
@@ -129,19 +131,23 @@ def long_h_ratio_entries(rows: list[dict], source: str, date: str | None = None)
         h = section["sync_every"]
         measured_rows = [r for r in rows if runs_recipe(r, name) and int(r["replicas"]) == 2
                          and r.get("ratio_to_muon") not in (None, "")]
+        # where a size ran under both data layouts, the interleaved shards' (what users' replicas read)
+        users = {int(r["parameters"]) for r in measured_rows if r.get("data_shards") == "interleaved"}
+        measured_rows = [r for r in measured_rows if int(r["parameters"]) not in users
+                         or r.get("data_shards") == "interleaved"]
         runs = {int(r["parameters"]): r for r in measured_rows}
         if len(runs) < len(measured_rows):
-            raise SystemExit(f"{source}: {entry} measured twice at one model size (two budgets or machines); "
-                             "keep one run of each size in the summary")
-        # each ratio's denominator: dense Muon of the same size, replicas, budget and machine
-        group = ("parameters", "replicas", "budget", "machine")
+            raise SystemExit(f"{source}: {entry} measured twice at one model size and data layout (two budgets "
+                             "or machines); keep one run of each in the summary")
+        # each ratio's denominator: dense Muon of the same size, replicas, budget, machine and data
+        group = ("parameters", "replicas", "budget", "machine", "data_shards")
         dense = {n: d for n, r in runs.items() for d in rows if d["entry"] == "muon" and all(d[k] == r[k] for k in group)}
         sizes = sorted(n for n in runs if n in dense)
         if not sizes:
             continue
         measured = "; ".join(
-            f"{n / 1e6:.3g}M parameters ({runs[n]['budget']}-step budget, seeds {runs[n]['seeds']}, on "
-            f"{runs[n]['machine']}): "
+            f"{n / 1e6:.3g}M parameters ({runs[n]['budget']}-step budget, seeds {runs[n]['seeds']}, {runs[n]['data_shards']} "
+            f"data shards, on {runs[n]['machine']}): "
             f"{float(runs[n]['median_steps']):g} over {float(dense[n]['median_steps']):g} steps" for n in sizes)
         out[name] = {"value": float(runs[sizes[-1]]["ratio_to_muon"]), "baseline": recipe["baseline"], "sync_every": h,
                      "by_parameters": [[n, float(runs[n]["ratio_to_muon"])] for n in sizes], "csv": source, "date": date,

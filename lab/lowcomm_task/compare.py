@@ -28,6 +28,7 @@ from ds_lowcomm.comm.ledger import SETUP_OP
 from ds_lowcomm.config import METHODS, ConfigError
 from ds_lowcomm.optim.recipes import RECIPE_FIELDS, RECIPES, sign_recipe
 
+from .data import DATA_SHARDS
 from .dense import dense_step
 from .reference import ReferenceTask
 from .spec import DEFAULTS, TrainSpec
@@ -78,6 +79,9 @@ def add_arguments(c) -> None:
     c.add_argument("--backend", default=DEFAULTS.backend,
                    help="torch.distributed backend of the workers: gloo, or nccl (one GPU per worker)")
     c.add_argument("--data", default=DEFAULTS.data, help="text file or directory (default: the Python standard library sources)")
+    c.add_argument("--data-shards", default=DEFAULTS.data_shards, choices=DATA_SHARDS,
+                   help="how the training bytes are split between workers: contiguous (a run of files each) or "
+                        "interleaved (4 KiB blocks dealt in turn, as a DistributedSampler's shuffled samples)")
     c.add_argument("--pipeline-stages", type=int, default=DEFAULTS.pipeline_stages,
                    help="> 0: each method through DeepSpeed's pipeline engine, the GPT in this many stages, one "
                         "pipeline per replica (--workers: a multiple of it; --batch: per pipeline)")

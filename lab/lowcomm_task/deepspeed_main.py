@@ -25,6 +25,7 @@ from ds_lowcomm.config import ConfigError
 from ds_lowcomm.deepspeed.config import load_config, split_config
 from ds_lowcomm.deepspeed.launcher import mpi_environment
 
+from .data import DATA_SHARDS
 from .spec import DEFAULTS, TrainSpec
 from .train import train_worker
 from .workers import exit_without_teardown
@@ -37,6 +38,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-out", default=None, help="JSON file with the run's metrics (written by rank 0)")
     p.add_argument("--local_rank", type=int, default=-1, help="set by the deepspeed launcher")
     p.add_argument("--data", default=DEFAULTS.data, help="text file or directory (default: Python's standard library)")
+    p.add_argument("--data-shards", default=DEFAULTS.data_shards, choices=DATA_SHARDS,
+                   help="how the training bytes are split between ranks: contiguous or interleaved (lowcomm_task.data)")
     p.add_argument("--warmup", type=int, default=DEFAULTS.warmup, help="linear warm-up steps of the default schedule")
     p.add_argument("--lr-decay", default=DEFAULTS.lr_decay, choices=("cosine", "none"),
                    help="after the warm-up, the default schedule's cosine to 10%% of the peak, or none (held)")
