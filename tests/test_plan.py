@@ -429,6 +429,29 @@ def test_the_measured_ratios_are_the_scale_benchmarks():
     assert [n for n, _ in recorded["muloco_sign"]["by_parameters"]] == [445952, 4837376]
 
 
+def test_the_long_h_ratio_is_the_users_data_layouts_against_its_own_dense_muon():
+    """A size measured under both data layouts gives measured.json its interleaved shards' ratio
+    (what DeepSpeed and Megatron replicas read), over dense Muon of the same layout and machine."""
+    import json
+
+    from ds_lowcomm.optim.recipes import LONG_SCHEDULE
+    from lowcomm_bench.measured import long_h_ratio_entries
+
+    def row(entry, shards, steps, ratio, machine="m"):
+        return {"entry": entry, "parameters": "445952", "replicas": "2", "budget": "3000", "machine": machine,
+                "data_shards": shards, "H": "1" if entry == "muon" else "5", "seeds": "1,2,3",
+                "schedule": "" if entry == "muon" else json.dumps([list(e) for e in LONG_SCHEDULE]),
+                "median_steps": str(steps), "ratio_to_muon": str(ratio)}
+    rows = [row("muon", "contiguous", 2000, 1.0), row("growing", "contiguous", 2400, 1.2),
+            row("muon", "interleaved", 900, 1.0, machine="other"), row("muon", "interleaved", 1900, 1.0),
+            row("growing", "interleaved", 2000, 1.0526)]
+    entry = long_h_ratio_entries(rows, "s.csv", "2026-12-04")["muloco_sign_long"]
+    assert entry["by_parameters"] == [[445952, 1.0526]] and entry["value"] == 1.0526
+    assert "2000 over 1900 steps" in entry["source"] and "interleaved data shards, on m" in entry["source"]
+    contiguous = long_h_ratio_entries(rows[:2], "s.csv", "2026-12-04")["muloco_sign_long"]
+    assert contiguous["value"] == 1.2 and "2400 over 2000 steps" in contiguous["source"]
+
+
 def test_the_recipe_is_priced_by_name_against_dense_muon(tmp_path):
     """`plan --methods muloco_sign` (the README's default recipe): priced as itself, against dense
     Muon, which is DDP's gradient all-reduce (adamw's bytes and seconds) with Muon's state; its steps
