@@ -30,7 +30,9 @@ left out of the key, so a new field does not void old runs): a stopped invocatio
 Every row names its ``machine`` (:func:`runs.machine_kind`): the same commit gives other losses on
 another kind of machine, so figures are compared only within one. A cached run made on another
 kind is refused, as is ``--dense-from`` with another kind's rows; the summary keeps each kind's
-rows apart; ``--tuned-from`` carries settings from any kind (settings carry, losses don't).
+rows apart; ``--tuned-from`` carries settings from any kind (settings carry, losses don't). The
+same holds for ``--data-shards`` (how the training bytes are split between replicas): each row
+names its layout, and figures are compared within one.
 """
 
 from __future__ import annotations
@@ -195,12 +197,13 @@ def describe(group: tuple) -> str:
 
 
 def dense_rows_from(path: str | Path, common: dict) -> list[dict]:
-    """``path``'s dense Muon tuning rows of this run's model size, replica count and budget."""
+    """``path``'s dense Muon tuning rows of this run's model size, replica count, budget, machine and
+    data layout (:func:`run_group`)."""
     rows = [r for r in read_csv(path) if r["entry"] == DENSE and r["role"] == "tune"
             and run_group(r) == run_group(common)]
     if not rows:
         raise SystemExit(f"--dense-from {path}: no dense Muon tuning row of {describe(run_group(common))} "
-                         "(losses differ between kinds of machine: only this kind's rows stand in)")
+                         "(losses differ between machine kinds and data layouts: only this run's stand in)")
     return rows
 
 
@@ -216,7 +219,8 @@ def tuned_rows_from(path: str | Path) -> list[dict]:
         tuned = {g for g in dense if dense.count(g) > 1}
     if len(tuned) != 1:
         found = "; ".join(describe(g) for g in sorted(tuned)) or "none"
-        raise SystemExit(f"--tuned-from {path}: needs the tuning of one model size, replica count and budget; "
+        raise SystemExit(f"--tuned-from {path}: needs the tuning of one model size, replica count, budget, machine "
+                         "and data layout; "
                          f"tuned there: {found}")
     at = tuned.pop()
     return [r for r in rows if run_group(r) == at]
