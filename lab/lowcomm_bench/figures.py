@@ -160,6 +160,7 @@ def _long_h_recipe_rows(page: Path) -> list[str]:
     H and growth in the long_h summary, per model size and replica count."""
     from ds_lowcomm.optim.recipes import RECOMMENDED
 
+    from .long_h import run_group
     from .measured import runs_recipe
 
     if not (BENCH / committed.LONG_H_SUMMARY).exists():
@@ -174,8 +175,7 @@ def _long_h_recipe_rows(page: Path) -> list[str]:
     for r in rows:
         if not runs_recipe(r, "muloco_sign_long"):
             continue
-        group = ("parameters", "replicas", "budget", "machine", "data_shards")
-        dense = next(d for d in rows if d["entry"] == "muon" and all(d[k] == r[k] for k in group))
+        dense = next(d for d in rows if d["entry"] == "muon" and run_group(d) == run_group(r))
         ratio = times(float(r["ratio_to_muon"])) if r["ratio_to_muon"] else "missed on a seed"
         seeds = len(r["seeds"].split(","))
         lines.append(f"| You train for thousands of steps and want the fewest bytes | "

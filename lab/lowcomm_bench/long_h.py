@@ -254,8 +254,8 @@ def read_csv(path: str | Path) -> list[dict]:
 
 
 def summarize(rows: list[dict]) -> list[dict]:
-    """Per (size, replicas, budget, machine, entry, settings) over the measuring seeds: median
-    steps, its ratio to dense Muon's (of the same machine), median bytes per worker to the target
+    """Per :func:`run_group` (size, replicas, budget, machine, data shards), entry and settings over
+    the measuring seeds: median steps, its ratio to dense Muon's (of the same group), median bytes per worker to the target
     (the larger of sent and received), and DDP-bf16's bytes to dense Muon's median steps over that."""
     out = []
     for size, replicas, budget, machine, shards in dict.fromkeys(run_group(r) for r in rows):

@@ -25,6 +25,8 @@ from pathlib import Path
 from ds_lowcomm.optim.recipes import RECOMMENDED
 from ds_lowcomm.plan import MEASURED_PATH, load_measured
 
+from .long_h import run_group
+
 
 def record(section: str, key: str, entry: dict, path: Path = MEASURED_PATH, force: bool = False) -> bool:
     """Set ``section.key`` to ``entry`` ({"value", "source", "date", ...}) in ``path`` (atomically);
@@ -140,8 +142,7 @@ def long_h_ratio_entries(rows: list[dict], source: str, date: str | None = None)
             raise SystemExit(f"{source}: {entry} measured twice at one model size and data layout (two budgets "
                              "or machines); keep one run of each in the summary")
         # each ratio's denominator: dense Muon of the same size, replicas, budget, machine and data
-        group = ("parameters", "replicas", "budget", "machine", "data_shards")
-        dense = {n: d for n, r in runs.items() for d in rows if d["entry"] == "muon" and all(d[k] == r[k] for k in group)}
+        dense = {n: d for n, r in runs.items() for d in rows if d["entry"] == "muon" and run_group(d) == run_group(r)}
         sizes = sorted(n for n in runs if n in dense)
         if not sizes:
             continue

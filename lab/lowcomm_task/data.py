@@ -64,13 +64,17 @@ class ByteCorpus:
         self.train = torch.tensor(list(train), dtype=torch.int64) if len(train) < 1024 else torch.frombuffer(train, dtype=torch.uint8).to(torch.int64)
         self.val = torch.tensor(list(val), dtype=torch.int64) if len(val) < 1024 else torch.frombuffer(val, dtype=torch.uint8).to(torch.int64)
         self.source = str(source) if source is not None else f"python-stdlib:{stdlib_dir()}"
+        self._shards: dict[tuple, torch.Tensor] = {}  # an interleaved shard is a copy: made once
 
     def shard(self, rank: int, world_size: int, layout: str = "contiguous") -> torch.Tensor:
         if layout not in DATA_SHARDS:
             raise ValueError(f"data_shards must be one of {', '.join(DATA_SHARDS)}; got {layout!r}")
         if layout == "interleaved":  # every world_size-th block, from this rank's on
-            blocks = self.train[: self.train.numel() // (SHARD_BLOCK * world_size) * SHARD_BLOCK * world_size]
-            return blocks.view(-1, SHARD_BLOCK)[rank::world_size].reshape(-1)
+            key = (rank, world_size)
+            if key not in self._shards:
+                blocks = self.train[: self.train.numel() // (SHARD_BLOCK * world_size) * SHARD_BLOCK * world_size]
+                self._shards[key] = blocks.view(-1, SHARD_BLOCK)[rank::world_size].reshape(-1)
+            return self._shards[key]
         n = self.train.numel() // world_size
         return self.train[rank * n : (rank + 1) * n]
 

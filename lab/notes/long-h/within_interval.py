@@ -1,7 +1,8 @@
 """The held-out loss inside outer intervals: the long_h recipe around dense Muon's tuned settings
 (lr 0.008, Muon lr 0.02) on the reference GPT, its schedule spread over 3000 steps, evaluated
 every 5 steps up to --stop, rows appended to --out (run, workers, data_shards, step, val_loss,
-train_loss). A diagnostic of lab/notes/long-h.md ("Why the local steps cost here"), not a benchmark:
+train_loss). A diagnostic of lab/notes/long-h.md ("The data shards: why the loss climbs between syncs"), not a
+benchmark:
 
     PYTHONPATH=.:lab python lab/notes/long-h/within_interval.py --name h30-bf16 --workers 2 \
         --settings '{"sync_every": 30, "value_dtype": "bf16"}' --data-shards contiguous --out within.csv
