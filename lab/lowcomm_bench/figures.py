@@ -160,8 +160,8 @@ def _long_h_recipe_rows(page: Path) -> list[str]:
     H and growth in the long_h summary, per model size and replica count."""
     from ds_lowcomm.optim.recipes import RECOMMENDED
 
-    from .long_h import run_group
     from .measured import runs_recipe
+    from .runs import run_group
 
     if not (BENCH / committed.LONG_H_SUMMARY).exists():
         return []

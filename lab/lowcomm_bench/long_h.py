@@ -50,7 +50,7 @@ from lowcomm_task.spec import TrainSpec
 from lowcomm_task.workers import run_local_workers
 
 from .codec import collect_args, collect_csv, read_typed_csv, write_csv
-from .runs import at_target, machine_kind
+from .runs import NOT_RECORDED, at_target, machine_kind, run_group
 from .scale import parameters_of, tune_dense
 from .sweep import parse_grid, train_one
 from .time_to_loss import entry_spec, steps_to_target
@@ -86,10 +86,6 @@ CANDIDATES: dict[str, dict | list] = {
     # (eager updates, arXiv 2502.12996, the outer step at the send: measured at H 20, 30 and 50,
     # lost to the growing H and deleted; docs/results/long-intervals.md)
 }
-
-
-# what rows written before the column existed name as their machine
-NOT_RECORDED = "a machine not recorded"
 
 
 class Runner:
@@ -182,13 +178,6 @@ def recipe_settings(dense_settings: dict, candidate: dict) -> dict:
                                                          "value_dtype", "topk", "chunk", "transform", "average")}
     section = {**sign_recipe("muon", **muon, **outer), **{k: v for k, v in candidate.items() if k not in outer}}
     return {**spec_keys, **{f"lowcomm.{k}": v for k, v in section.items()}}
-
-
-def run_group(r: dict) -> tuple:
-    """What a row's figures are compared within: its model size, replica count, budget, machine
-    and data shards."""
-    return (r["parameters"], r["replicas"], r["budget"], r.get("machine") or NOT_RECORDED,
-            r.get("data_shards") or "contiguous")
 
 
 def describe(group: tuple) -> str:

@@ -25,7 +25,7 @@ from pathlib import Path
 from ds_lowcomm.optim.recipes import RECOMMENDED
 from ds_lowcomm.plan import MEASURED_PATH, load_measured
 
-from .long_h import run_group
+from .runs import run_group
 
 
 def record(section: str, key: str, entry: dict, path: Path = MEASURED_PATH, force: bool = False) -> bool:

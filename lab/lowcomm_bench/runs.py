@@ -53,6 +53,17 @@ def machine_kind(device: str = "cpu") -> str:
                      *(f for f in BF16_CPU_FLAGS if f in flags)])
 
 
+# what rows written before the column existed name as their machine
+NOT_RECORDED = "a machine not recorded"
+
+
+def run_group(r: dict) -> tuple:
+    """What a long_h row's figures are compared within (its summary's, the figures', measured.json's):
+    its model size, replica count, budget, machine and data shards."""
+    return (r["parameters"], r["replicas"], r["budget"], r.get("machine") or NOT_RECORDED,
+            r.get("data_shards") or "contiguous")
+
+
 @lru_cache(maxsize=1)
 def _netem() -> bool:
     return netem_available()
